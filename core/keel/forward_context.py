@@ -1,0 +1,24 @@
+"""What a model's forward pass needs besides token ids and positions, handed down explicitly.
+
+No module-level mutable state: the runner builds one `ForwardContext` per step and passes it to
+`model.forward`, which passes it to every attention layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: Sequence[Any]  # per attention layer index: the backend metadata for its cache group
+    kv_caches: Sequence[torch.Tensor]  # per attention layer index
+    num_actual_tokens: int = 0
+
+    @classmethod
+    def empty(cls) -> "ForwardContext":
+        """For a dummy forward (memory profiling) before any cache exists."""
+        return cls(attn_metadata=(), kv_caches=())

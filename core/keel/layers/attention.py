@@ -1,0 +1,61 @@
+"""The attention layer models use: owns its backend implementation and declares its KV cache spec."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keel.attention.backend import AttentionLayerConfig
+from keel.forward_context import ForwardContext
+from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from keel.models.interface import ModelBuildContext
+
+
+class Attention(nn.Module):
+    """Paged attention over the step's varlen batch. `layer_idx` indexes the ForwardContext."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        build: ModelBuildContext,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.config = AttentionLayerConfig(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            scale=scale,
+            dtype=build.dtype,
+            block_size=build.block_size,
+            sliding_window=sliding_window,
+        )
+        self.impl = build.attention_backend.get_impl(self.config)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        if c.sliding_window is not None:
+            return SlidingWindowSpec(c.block_size, c.dtype, c.num_kv_heads, c.head_size, c.sliding_window)
+        return FullAttentionSpec(c.block_size, c.dtype, c.num_kv_heads, c.head_size)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_size)
+        k = k.view(n, self.num_kv_heads, self.head_size)
+        v = v.view(n, self.num_kv_heads, self.head_size)
+        out = self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx])
+        return out.reshape(n, self.num_heads * self.head_size)
