@@ -1,0 +1,74 @@
+"""EngineCore: the loop that owns the scheduler and drives the workers.
+
+It sees only tokenized `EngineCoreRequest`s and emits `EngineCoreOutput`s: no tokenizer, no strings.
+That keeps it movable to its own process behind an engine client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from keel.config import EngineConfig
+from keel.engine.core_output import EngineCoreOutput, SchedulerStats
+from keel.engine.request import EngineCoreRequest
+from keel.engine.scheduler import Scheduler
+from keel.kv_cache.manager import KVCacheManager
+from keel.platform import select_platform
+from keel.plugins.loader import load_plugins
+from keel.worker.worker import Worker
+
+logger = logging.getLogger("keel.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, plugins=None) -> None:
+        self.config = config
+        self.plugins = plugins if plugins is not None else load_plugins(config.plugins)
+        self.platform = select_platform(config, self.plugins)
+        self.max_model_len = config.model.derived_max_model_len
+        sched = config.scheduler
+        max_batched = sched.max_num_batched_tokens
+        if not sched.enable_chunked_prefill and max_batched < self.max_model_len:
+            max_batched = self.max_model_len  # a whole prompt must fit one step
+
+        self.worker = Worker(config, self.plugins, self.platform)
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks(sched.max_num_seqs, self.max_model_len)
+        self.worker.initialize_kv_cache(num_blocks)
+        spec = self.worker.kv_cache_spec()
+        kv_manager = KVCacheManager(spec, num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            kv_manager,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+        )
+        logger.info(
+            "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d",
+            self.platform.name, num_blocks - 1, spec.block_size, self.max_model_len,
+        )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
+        self.scheduler.add_request(request, max_tokens)
+
+    def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute, apply. One forward pass."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.worker.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

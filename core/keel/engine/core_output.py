@@ -1,0 +1,39 @@
+"""What the engine core reports per request per step, and its counters. Plain data: it crosses the
+engine-client boundary, so it may be serialized when the core moves to its own process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (token ids, logprobs, ranks), column 0 the sampled token. None if not requested.
+    new_logprobs: tuple[list[list[int]], list[list[float]], list[list[int]]] | None = None
+    # (first position, token ids, logprobs, ranks) per prompt position computed this step; column 0 is
+    # the actual next prompt token. Positions may repeat after preemption: keep the first.
+    new_prompt_logprobs: tuple[int, list[list[int]], list[list[float]], list[list[int]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_finished_total: dict[str, int] = field(default_factory=dict)
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0

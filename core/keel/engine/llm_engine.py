@@ -1,0 +1,126 @@
+"""LLMEngine: the synchronous front end -- processor, engine core, output processor.
+
+`add_request` tokenizes and validates; `step` runs one engine-core step and returns the RequestOutputs
+that became ready. Stop strings found while detokenizing abort the request in the core at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from keel.config import EngineArgs, EngineConfig
+from keel.engine.core import EngineCore
+from keel.engine.output_processor import OutputProcessor, RequestOutputKind
+from keel.engine.outputs import RequestOutput
+from keel.engine.processor import Processor
+from keel.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("keel.engine")
+
+
+def resolve_model_shortcut(model: str) -> str:
+    """`model="demo"` names the small local demo checkpoint, built on first use."""
+    if model == "demo":
+        from keel.demo import build_demo_checkpoint, default_demo_path
+
+        return str(build_demo_checkpoint(default_demo_path()))
+    return model
+
+
+def load_tokenizer(config: EngineConfig):
+    mc = config.model
+    if mc.skip_tokenizer_init:
+        return None
+    from keel.models.loader import resolve_model_path
+    from transformers import AutoTokenizer
+
+    path = mc.tokenizer or mc.model
+    if path == mc.model:
+        path = str(resolve_model_path(mc.model, mc.revision))
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+
+
+def _eos_token_id(tokenizer, hf_config) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.core = EngineCore(config)
+        hf_config = config.model.hf_config
+        self.processor = Processor(
+            self.tokenizer,
+            max_model_len=self.core.max_model_len,
+            vocab_size=hf_config.vocab_size,
+            eos_token_id=_eos_token_id(self.tokenizer, hf_config),
+            seed=config.model.seed,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        args.model = resolve_model_shortcut(args.model)
+        return cls(args.create_engine_config())
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter - 1)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Mapping[str, Any] | list[int],
+        params: SamplingParams,
+        kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time()
+        processed = self.processor.process_prompt(prompt)
+        max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))
+        core_requests = self.processor.make_requests(request_id, processed, params, time.monotonic())
+        self.output_processor.add_request(
+            request_id, [r.request_id for r in core_requests], processed, params, kind, arrival
+        )
+        for r in core_requests:
+            self.core.add_request(r, max_tokens)
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        ready, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.core.abort_requests(stopped)
+        return ready
+
+    def get_metrics(self) -> dict[str, Any]:
+        s = self.core.get_stats()
+        return {
+            "num_requests_running": s.num_running_reqs,
+            "num_requests_waiting": s.num_waiting_reqs,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_preemptions_total": s.num_preemptions_total,
+            "prefix_cache_queries_total": s.prefix_cache_queries_total,
+            "prefix_cache_hits_total": s.prefix_cache_hits_total,
+            "prompt_tokens_total": s.prompt_tokens_total,
+            "generation_tokens_total": s.generation_tokens_total,
+            "request_success_total": dict(s.num_finished_total),
+            "spec_decode_num_draft_tokens_total": s.spec_decode_num_draft_tokens_total,
+            "spec_decode_num_accepted_tokens_total": s.spec_decode_num_accepted_tokens_total,
+        }

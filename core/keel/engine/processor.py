@@ -1,0 +1,93 @@
+"""Input processing (API side): prompt -> validated EngineCoreRequest(s). n > 1 fans out into children."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from keel.engine.request import EngineCoreRequest
+from keel.engine.sampling_params import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate within max_model_len (HTTP 400 in the server)."""
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
+class Processor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
+                 seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._rng = random.Random(seed)
+
+    def process_prompt(self, prompt: str | Mapping[str, Any] | list[int]) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, prompt
+        else:
+            raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        if ids is None:
+            if text is None:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass prompt_token_ids")
+            ids = self.tokenizer.encode(text)
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} out of vocabulary range [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: it must be "
+                f"shorter to leave room for at least one generated token"
+            )
+        return ProcessedPrompt(text, ids)
+
+    def max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
+        room = self.max_model_len - prompt_len
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                      arrival_time: float) -> list[EngineCoreRequest]:
+        """One engine request per sample (n); children of a seeded request get distinct derived seeds."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init")
+        requests = []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = (params.seed * 1_000_003 + i) & 0x7FFF_FFFF_FFFF_FFFF
+            else:
+                seed = self._rng.getrandbits(63)
+            rid = request_id if params.n == 1 else child_request_id(request_id, i)
+            requests.append(
+                EngineCoreRequest(
+                    request_id=rid,
+                    prompt_token_ids=prompt.prompt_token_ids,
+                    sampling_params=params,
+                    eos_token_id=self.eos_token_id,
+                    seed=seed,
+                    arrival_time=arrival_time,
+                )
+            )
+        return requests

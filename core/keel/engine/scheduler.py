@@ -1,0 +1,289 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones.
+
+`schedule()` decides and returns a plain `SchedulerOutput`; `update_from_output()` applies what the
+runner produced (new tokens, stops, frees). There are no prefill/decode phases: every request has
+`num_computed_tokens` catching up to its token count, so chunked prefill, prefix-cache hits, resumption
+after preemption and speculative tokens are the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from keel.engine.core_output import EngineCoreOutput, SchedulerStats
+from keel.engine.request import EngineCoreRequest, Request, RequestStatus
+from keel.engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from keel.kv_cache.manager import KVCacheManager
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        num_spec_tokens: int = 0,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_spec_tokens = num_spec_tokens
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the runner must forget at the next step (finished / aborted / preempted).
+        self._forget: set[str] = set()
+        # Requests already sent to the runner (so later steps send only the delta).
+        self._known_to_runner: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, req: EngineCoreRequest, max_tokens: int) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        request = Request(req, max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish the named requests now and free their blocks; unknown ids are ignored."""
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- decide
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
+        preempted_any = False
+
+        # Running requests first, in arrival order; the last one is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            # Never compute past the model's length (drafts beyond it are pointless).
+            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            num_lookahead = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            while True:
+                blocks = self.kv.allocate_slots(
+                    request, num_new - num_lookahead, num_lookahead_tokens=num_lookahead
+                )
+                if blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+            if blocks is None:
+                break  # `request` itself was preempted; everything after it is gone too
+            self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
+            num_scheduled[request.request_id] = num_new
+            if num_lookahead:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_lookahead]
+            budget -= num_new
+            i += 1
+
+        # Waiting requests, only if nothing was preempted this step (no thrashing).
+        while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            else:  # every prompt position must be computed to report its logprobs
+                computed_blocks, num_cached = None, 0
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            blocks = self.kv.allocate_slots(
+                request, num_new, num_new_computed_tokens=num_cached, new_computed_blocks=computed_blocks
+            )
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self._forget,
+        )
+        self._forget = set()
+        # The scheduler assumes scheduled tokens will be computed; rejected drafts are rolled back in
+        # update_from_output.
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return output
+
+    def _add_scheduled(
+        self,
+        request: Request,
+        num_new: int,
+        new_block_ids: list[int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> None:
+        if request.request_id in self._known_to_runner:
+            cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            return
+        self._known_to_runner.add(request.request_id)
+        params = request.sampling_params
+        stop_ids = set(params.stop_token_ids or ())
+        if request.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(request.eos_token_id)
+        new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=params,
+                seed=request.seed,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+                stop_token_ids=frozenset(stop_ids),
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.stats.num_preemptions_total += 1
+        self._drop_from_runner(request.request_id)
+        self.waiting.appendleft(request)
+
+    def _drop_from_runner(self, request_id: str) -> None:
+        if request_id in self._known_to_runner:
+            self._known_to_runner.discard(request_id)
+            self._forget.add(request_id)
+
+    # ---------------------------------------------------------------- apply
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for idx, rid in enumerate(runner_output.req_ids):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            generated = runner_output.sampled_token_ids[idx]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                num_accepted = max(0, len(generated) - 1)
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.stats.spec_decode_num_draft_tokens_total += len(drafts)
+                self.stats.spec_decode_num_accepted_tokens_total += num_accepted
+                request.spec_token_ids = []
+
+            new_tokens: list[int] = []
+            status = None
+            for token in generated:
+                if request.num_output_tokens == 0:
+                    self.stats.prompt_tokens_total += request.num_prompt_tokens
+                request.append_output_token_ids(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            self.stats.generation_tokens_total += len(new_tokens)
+
+            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            if not new_tokens and prompt_lp is None:
+                continue
+            lp = runner_output.logprobs.get(rid)
+            if lp is not None and len(new_tokens) < len(generated):
+                lp = tuple(x[: len(new_tokens)] for x in lp)
+            out = EngineCoreOutput(
+                rid,
+                new_tokens,
+                new_logprobs=lp,
+                new_prompt_logprobs=prompt_lp,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if status is not None:
+                self._finish(request, status)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self._drop_from_runner(request.request_id)
+        self.stats.num_finished_total[status.finish_reason] = (
+            self.stats.num_finished_total.get(status.finish_reason, 0) + 1
+        )
+        del self.requests[request.request_id]
+
+    # ---------------------------------------------------------------- observe
+
+    def make_stats(self) -> SchedulerStats:
+        s = self.stats
+        s.num_running_reqs = len(self.running)
+        s.num_waiting_reqs = len(self.waiting)
+        s.kv_cache_usage = self.kv.usage
+        s.prefix_cache_queries_total = self.kv.prefix_cache_queries_total
+        s.prefix_cache_hits_total = self.kv.prefix_cache_hits_total
+        return s

@@ -1,0 +1,74 @@
+"""Plain data passed from the scheduler to the runner and back. No behaviour, no references to
+scheduler state: the runner keeps its own mirror of each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from keel.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (the runner dropped it)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
+    stop_token_ids: frozenset[int]  # eos + stop_token_ids, masked by the sampler until min_tokens
+
+
+@dataclass
+class CachedRequestData:
+    """A running request the runner already holds: what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step (order = batch order)
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the runner must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsTensors:
+    """Per-row logprobs as returned by the sampler; column 0 is the sampled (or actual next) token."""
+
+    token_ids: torch.Tensor  # [rows, k + 1] int64
+    logprobs: torch.Tensor  # [rows, k + 1] float32
+    ranks: torch.Tensor  # [rows, k + 1] int64
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # batch order
+    sampled_token_ids: list[list[int]]  # per request; empty for a prefill chunk that samples nothing
+    logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[list[int]]]] = field(
+        default_factory=dict
+    )  # req_id -> (token ids, logprobs, ranks) per sampled token, lists for the front end
+    # req_id -> (first position, token ids, logprobs, ranks) for the prompt positions computed this
+    # step; position p predicts prompt token p + 1. Recomputation after preemption repeats positions.
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]], list[list[int]]]] = field(
+        default_factory=dict
+    )
+
+
+EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

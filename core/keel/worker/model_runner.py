@@ -1,0 +1,188 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+Per step: update the request mirrors, flatten all scheduled tokens into one varlen batch (token ids,
+positions, slot mapping, block table), build the attention metadata once, run the model, compute logits
+only at sampling positions, sample, and report. It never touches scheduler state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from keel.attention.metadata import CommonAttentionMetadata
+from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from keel.forward_context import ForwardContext
+from keel.layers.sampler import Sampler, compute_logprobs
+from keel.layers.sampling_metadata import SamplingMetadata
+from keel.worker.request_state import CachedRequestState
+
+logger = logging.getLogger("keel.worker")
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, attention_backend, device: torch.device, block_size: int,
+                 vocab_size: int) -> None:
+        self.model = model
+        self.backend = attention_backend
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.sampler = Sampler()
+        self.metadata_builder = attention_backend.get_metadata_builder(device)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.attn_layers = list(model.attention_layers())
+
+    # ---------------------------------------------------------------- KV cache
+
+    def kv_cache_spec(self):
+        specs = {layer.kv_cache_spec() for layer in self.attn_layers}
+        if len(specs) != 1:
+            raise NotImplementedError(
+                f"layers with different KV cache specs are not supported yet: {sorted(map(str, specs))}"
+            )
+        return specs.pop()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one cache tensor per attention layer; num_blocks includes the null block 0."""
+        spec = self.kv_cache_spec()
+        shape = self.backend.kv_cache_shape(num_blocks, spec)
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in self.attn_layers]
+
+    # ---------------------------------------------------------------- step
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                seed=new.seed,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                stop_token_ids=new.stop_token_ids,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in req_ids]
+        num_reqs = len(req_ids)
+
+        # Flatten the batch. Drafts (speculative tokens) follow the committed tokens.
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # flat index of the last token of requests that sample this step
+        sampling_reqs: list[int] = []  # batch index of those requests
+        for i, (rid, state) in enumerate(zip(req_ids, states)):
+            n = so.num_scheduled_tokens[rid]
+            start = state.num_computed_tokens
+            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+            seq = state.token_ids if not drafts else state.token_ids + list(drafts)
+            token_ids.extend(seq[start : start + n])
+            positions.extend(range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            if start + n >= len(state.token_ids):
+                sample_rows.append(query_start[-1] - 1)
+                sampling_reqs.append(i)
+        num_tokens = len(token_ids)
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table_cpu = torch.zeros((num_reqs, max_blocks), dtype=torch.int32)
+        for i, s in enumerate(states):
+            block_table_cpu[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+
+        dev = self.device
+        input_ids = torch.tensor(token_ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        req_index = torch.repeat_interleave(torch.arange(num_reqs), qsl_cpu[1:] - qsl_cpu[:-1])
+        bs = self.block_size
+        slot_mapping = (
+            block_table_cpu[req_index, pos // bs].to(torch.int64) * bs + pos % bs
+        )  # [num_tokens]
+
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
+            seq_lens_cpu=seq_lens_cpu,
+            block_table=block_table_cpu.to(dev, non_blocking=True),
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(max(so.num_scheduled_tokens.values())),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        attn_meta = self.metadata_builder.build(common)
+        ctx = ForwardContext(
+            attn_metadata=[attn_meta] * len(self.attn_layers),
+            kv_caches=self.kv_caches,
+            num_actual_tokens=num_tokens,
+        )
+        hidden = self.model(input_ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), ctx)
+
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
+        if not sample_rows:
+            return out
+
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab]
+        sampled_states = [states[i] for i in sampling_reqs]
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in sampled_states],
+            output_token_ids=[s.output_token_ids for s in sampled_states],
+            prompt_token_ids=[s.prompt_token_ids for s in sampled_states],
+            seeds=[s.seed for s in sampled_states],
+            vocab_size=logits.shape[-1],
+            device=dev,
+            stop_token_ids_for_min_tokens=[s.stop_token_ids for s in sampled_states],
+        )
+        result = self.sampler(logits, meta)
+        sampled = result.sampled_token_ids.tolist()  # the one host sync of the step
+        lp_lists = None
+        if result.logprobs is not None:
+            lp_lists = (result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist())
+        for j, i in enumerate(sampling_reqs):
+            state = states[i]
+            token = sampled[j]
+            state.token_ids.append(token)
+            out.sampled_token_ids[i] = [token]
+            k = state.sampling_params.logprobs
+            if k is not None and lp_lists is not None:
+                ids, lps, ranks = (row[j][: k + 1] for row in lp_lists)
+                out.logprobs[state.req_id] = ([ids], [lps], [ranks])
+        return out
+
+    def _prompt_logprobs(self, so, req_ids, states, query_start, hidden, out: ModelRunnerOutput) -> None:
+        for i, (rid, state) in enumerate(zip(req_ids, states)):
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = state.num_computed_tokens
+            end = min(start + so.num_scheduled_tokens[rid], state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            rows = torch.arange(query_start[i], query_start[i] + end - start, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
+            ids, lps, ranks = compute_logprobs(logits, targets, k)
+            out.prompt_logprobs[rid] = (start, ids.tolist(), lps.tolist(), ranks.tolist())
