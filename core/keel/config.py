@@ -1,0 +1,266 @@
+"""Engine configuration: typed, validated sections (vLLM names) and `EngineArgs`, the flat user input.
+
+Precedence, applied by `EngineArgs.create_engine_config`: built-in defaults < profile YAML < the
+arguments explicitly set (an `EngineArgs` field left at None is "not set"). Then the selected
+platform's `adjust_config` patch and the plugins' `keel_adjust_config` patches are applied.
+Sections are frozen; change one with `EngineConfig.with_patch`, which validates again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from keel.platform import Platform
+    from keel.plugins.loader import PluginSet
+
+
+def __getattr__(name: str) -> Any:
+    # EngineArgs lives in keel.engine_args (it imports this module); keel.config.EngineArgs still works.
+    if name == "EngineArgs":
+        from keel.engine_args import EngineArgs
+
+        return EngineArgs
+    raise AttributeError(f"module 'keel.config' has no attribute {name!r}")
+
+
+class ConfigError(ValueError):
+    """An invalid engine setting; the message names the field and the accepted values."""
+
+
+DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+               "bfloat16": "bfloat16"}
+
+
+def _positive(section: str, name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{section}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    served_model_name: str | None = None  # defaults to `model`
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model.model must be a model directory or name, got {self.model!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"model.dtype {self.dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"model.seed must be an integer, got {self.seed!r}")
+        _positive("model", "max_model_len", self.max_model_len, allow_none=True)
+        object.__setattr__(self, "tokenizer", self.tokenizer or self.model)
+        object.__setattr__(self, "served_model_name", self.served_model_name or self.model)
+
+    @cached_property
+    def hf_config(self) -> Any:
+        """The checkpoint's transformers config, loaded on first use."""
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(
+                self.model, trust_remote_code=self.trust_remote_code, revision=self.revision
+            )
+        except Exception as exc:
+            raise ConfigError(f"model.model: cannot load the config of {self.model!r}: {exc}") from exc
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype to run in: the named one, or for "auto" the checkpoint's (float32 if absent)."""
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, DTYPE_NAMES[self.dtype])
+        declared = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(declared, str):
+            declared = getattr(torch, DTYPE_NAMES.get(declared, declared), None)
+        return declared if isinstance(declared, torch.dtype) else torch.float32
+
+    @property
+    def derived_max_model_len(self) -> int:
+        """`max_model_len`, or the checkpoint's `max_position_embeddings`; never above the latter."""
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            if limit is None:
+                raise ConfigError(f"model.max_model_len must be set: {self.model!r} declares no maximum")
+            return int(limit)
+        if limit is not None and self.max_model_len > limit:
+            raise ConfigError(
+                f"model.max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        return self.max_model_len
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # explicit KV cache budget; else from memory profiling
+    num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _positive("cache", "block_size", self.block_size)
+        _positive("cache", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        _positive("cache", "num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+            raise ConfigError(f"cache.gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # filled in by create_engine_config when the model is known
+
+    def __post_init__(self) -> None:
+        _positive("scheduler", "max_num_seqs", self.max_num_seqs)
+        _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if self.max_num_batched_tokens is None:
+            default = 2048 if self.enable_chunked_prefill else self.max_model_len
+            object.__setattr__(self, "max_num_batched_tokens", default)
+        mbt = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and mbt is not None and self.max_model_len and mbt < self.max_model_len:
+            raise ConfigError(
+                f"scheduler.max_num_batched_tokens ({mbt}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    platform: str = "auto"  # a `platform` registry key, or auto
+    attention_backend: str = "auto"  # an `attention_backend` registry key, or auto
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("platform", "attention_backend"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"device.{name} must be a registry key or 'auto', got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # a draft method key, e.g. "mtp", "ngram", "draft_model"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ConfigError(f"speculative.method must be a non-empty string, got {self.method!r}")
+        _positive("speculative", "num_speculative_tokens", self.num_speculative_tokens)
+
+
+SECTIONS = ("model", "cache", "scheduler", "parallel", "device", "speculative")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The validated configuration of one engine; picklable, travels to workers.
+
+    `plugins` is the resolved plugin list (never "auto" after create_engine_config), so a worker
+    calling `plugin_set()` loads exactly its parent's plugins.
+    """
+
+    model: ModelConfig | None  # None only for `keel profile show` without a model
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None
+    plugins: tuple[str, ...] | Literal["auto"] = "auto"
+    profile_path: str | None = None
+    plugin_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_patch(self, patch: Mapping[str, Mapping[str, Any]] | None) -> EngineConfig:
+        """A new config with `{section: {field: value}}` applied and validated; self is unchanged."""
+        from keel.plugins.errors import suggest
+
+        if not patch:
+            return self
+        changes: dict[str, Any] = {}
+        for section, values in patch.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"config patch names unknown section {section!r}{suggest(section, SECTIONS)}")
+            current = getattr(self, section)
+            if current is None:
+                raise ConfigError(f"config patch changes section {section!r}, which is not configured")
+            names = [f.name for f in dataclasses.fields(current)]
+            for key in values:
+                if key not in names:
+                    raise ConfigError(f"config patch names unknown field {section}.{key}{suggest(key, names)}")
+            changes[section] = dataclasses.replace(current, **values)
+        new = dataclasses.replace(self, **changes)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k.startswith("_cached_")})
+        return new
+
+    def plugin_set(self) -> PluginSet:
+        """The loaded plugins (loaded once per process; workers load them here)."""
+        if "_cached_plugins" not in self.__dict__:
+            from keel.plugins.loader import load_plugins
+
+            self.__dict__["_cached_plugins"] = load_plugins(
+                self.plugins if self.plugins == "auto" else list(self.plugins)
+            )
+        return self.__dict__["_cached_plugins"]
+
+    def platform(self) -> Platform:
+        """The selected platform instance (`device.platform`, resolved by create_engine_config)."""
+        if "_cached_platform" not in self.__dict__:
+            from keel.platform import select_platform
+
+            self.__dict__["_cached_platform"] = select_platform(self, self.plugin_set())
+        return self.__dict__["_cached_platform"]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"plugins": self.plugins if self.plugins == "auto" else list(self.plugins)}
+        for section in SECTIONS:
+            value = getattr(self, section)
+            out[section] = None if value is None else dataclasses.asdict(value)
+        out["profile_path"] = self.profile_path
+        if self.plugin_options:
+            out["plugin_options"] = dict(self.plugin_options)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Loaded plugins and the platform instance stay in their process; a worker loads its own.
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_cached_")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+SECTION_CLASSES: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig, "device": DeviceConfig,
+}
