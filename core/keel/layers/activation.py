@@ -1,0 +1,49 @@
+"""Gated activations for MLPs whose gate and up projections are stacked in one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(x[..., :d]) * x[..., d:], the SwiGLU gate of Llama-family MLPs (gate first, then up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """gelu(x[..., :d]) * x[..., d:] (GeGLU); `approximate` as in torch ("none" or "tanh")."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+class UnsupportedActivationError(ValueError):
+    """The model config names an activation keel has no gated implementation for."""
+
+
+_ACT_AND_MUL = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu": GeluAndMul,
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+}
+
+
+def get_act_and_mul_fn(name: str) -> nn.Module:
+    """The gated activation for HF `hidden_act` name `name` (used by model builders)."""
+    try:
+        return _ACT_AND_MUL[name.lower()]()
+    except KeyError:
+        raise UnsupportedActivationError(
+            f"hidden_act {name!r} is not supported for gated MLPs; known: {sorted(_ACT_AND_MUL)}"
+        ) from None

@@ -1,0 +1,246 @@
+"""Linear layers with tensor-parallel sharding and their weight loaders (names mirror vLLM's).
+
+Each layer holds only this rank's shard; the parameters' `weight_loader` receives the *full* checkpoint
+tensor and narrows it, so checkpoints never need resharding offline. Column-parallel layers split the
+output dimension (dim 0 of the weight), row-parallel layers split the input dimension (dim 1). Only
+`tp_size=1` is exercised end to end today; the split logic is unit-tested with `tp_size=2`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs, shard_size
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    # Row-parallel partial sums need a reduction across the TP group; without a process group there
+    # is nothing to sum with, and silently returning a partial result would be wrong.
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tensor-parallel RowParallelLinear needs an initialized torch.distributed group")
+    dist.all_reduce(x)
+    return x
+
+
+class LinearBase(nn.Module):
+    """Holds `weight` [out_per_rank, in_per_rank] and optional `bias` [out_per_rank]."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp_size: int = 1, tp_rank: int = 0
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, self.input_size_per_partition))
+        set_weight_attrs(self.weight, weight_loader=self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition))
+            set_weight_attrs(self.bias, weight_loader=self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def output_size_per_partition(self) -> int:
+        return self.output_size
+
+    @property
+    def input_size_per_partition(self) -> int:
+        return self.input_size
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        check_shape(param, loaded_weight)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, input_size_per_partition]
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across ranks; each rank's output is its slice (no communication)."""
+
+    @property
+    def output_size_per_partition(self) -> int:
+        return shard_size(self.output_size, self.tp_size, f"{type(self).__name__} output size")
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        n = param.shape[0]
+        if loaded_weight.shape[0] != n * self.tp_size:
+            check_shape(torch.empty(n * self.tp_size, *param.shape[1:], device="meta"), loaded_weight)
+        loaded = loaded_weight.narrow(0, self.tp_rank * n, n)
+        check_shape(param, loaded)
+        param.data.copy_(loaded)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one weight (gate_up_proj: shard ids 0 and 1).
+
+    Each logical output is split across ranks separately, so rank r holds [gate_r; up_r].
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(self.output_sizes), bias, tp_size, tp_rank)
+        for p in self.parameters():
+            set_weight_attrs(p, shard_ids=tuple(range(len(self.output_sizes))))
+
+    def shard_offset_size(self, shard_id: int) -> tuple[int, int]:
+        """(offset, size) of logical output `shard_id` inside this rank's stacked output."""
+        sizes = [shard_size(s, self.tp_size, f"output {i}") for i, s in enumerate(self.output_sizes)]
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise WeightLoadError(
+                f"{type(self).__name__} needs shard id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
+            )
+        offset, size = self.shard_offset_size(shard_id)
+        full = self.output_sizes[shard_id]
+        if loaded_weight.shape[0] != full:
+            check_shape(
+                torch.empty(full, *param.shape[1:], device="meta"), loaded_weight, f"shard {shard_id}"
+            )
+        dst = param.data.narrow(0, offset, size)
+        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+        check_shape(dst, src, f"shard {shard_id}")
+        dst.copy_(src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections stacked in one weight (shard ids "q", "k", "v").
+
+    Query heads are split across ranks. KV heads are split when there are at least `tp_size` of them,
+    otherwise replicated so each rank holds one (rank r uses kv head r // replicas), as in vLLM.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = shard_size(total_num_heads, tp_size, "number of attention heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = shard_size(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        else:
+            if tp_size % total_num_kv_heads != 0:
+                raise ValueError(
+                    f"tensor parallel size {tp_size} is not a multiple of the number of KV heads "
+                    f"{total_num_kv_heads}"
+                )
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp_size // total_num_kv_heads
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        output_size = (total_num_heads + 2 * self.num_kv_heads * tp_size) * head_size
+        super().__init__(hidden_size, output_size, bias, tp_size, tp_rank)
+        for p in self.parameters():
+            set_weight_attrs(p, shard_ids=("q", "k", "v"))
+
+    @property
+    def output_size_per_partition(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            offset, size, rank_index, full = 0, self.q_size, self.tp_rank, self.total_num_heads
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, full = self.kv_size, self.total_num_kv_heads
+            rank_index = self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise WeightLoadError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}")
+        full_rows = full * self.head_size
+        if loaded_weight.shape[0] != full_rows:
+            check_shape(
+                torch.empty(full_rows, *param.shape[1:], device="meta"), loaded_weight, f"shard {shard_id}"
+            )
+        dst = param.data.narrow(0, offset, size)
+        src = loaded_weight.narrow(0, rank_index * size, size)
+        check_shape(dst, src, f"shard {shard_id}")
+        dst.copy_(src)
+
+    def split_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks; partial outputs are summed (all-reduce) when `reduce_results`.
+
+    The bias is added on rank 0 only, so the reduction counts it once.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        reduce_results: bool = True,
+    ) -> None:
+        self.reduce_results = reduce_results
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+
+    @property
+    def input_size_per_partition(self) -> int:
+        return shard_size(self.input_size, self.tp_size, f"{type(self).__name__} input size")
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        if param.dim() == 2:  # the bias is not split
+            n = param.shape[1]
+            if loaded_weight.dim() != 2 or loaded_weight.shape[1] != n * self.tp_size:
+                check_shape(torch.empty(param.shape[0], n * self.tp_size, device="meta"), loaded_weight)
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * n, n)
+        check_shape(param, loaded_weight)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, input_size_per_partition]
+        bias = self.bias if self.tp_rank == 0 else None
+        out = F.linear(x, self.weight, bias)
+        if self.reduce_results and self.tp_size > 1:
+            out = _all_reduce(out)
+        return out

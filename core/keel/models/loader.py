@@ -1,0 +1,140 @@
+"""Find a checkpoint, stream its tensors, build a model on its device/dtype and load it strictly.
+
+Called by the model runner at startup: `resolve_model_path` -> `load_model(cls, build, path)`.
+Strictness is the point: a checkpoint tensor nobody consumes, a parameter never loaded, or a shape
+mismatch raises `WeightLoadError` naming every offender, instead of serving a half-random model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from keel.models.interface import ModelBuildContext
+from keel.models.weights import WeightLoadError
+
+__all__ = ["ModelNotFoundError", "WeightLoadError", "iterate_safetensors", "load_model", "resolve_model_path"]
+
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model is neither a local directory nor downloadable from the Hugging Face Hub."""
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local directory holding the checkpoint for `model` (a path or a Hub repo id).
+
+    A Hub id is fetched with `huggingface_hub.snapshot_download` (weights, config, tokenizer files);
+    a cached snapshot is used when offline.
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise ModelNotFoundError(f"model path {model!r} is a file; pass the checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelNotFoundError(
+            f"{model!r} is not a local directory and huggingface_hub is not installed to download it; "
+            "pass a local checkpoint directory or `pip install huggingface_hub`"
+        ) from None
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    except Exception as first:  # noqa: BLE001 -- hub/network error types differ across versions
+        try:
+            cached = snapshot_download(
+                model, revision=revision, allow_patterns=patterns, local_files_only=True
+            )
+        except Exception as second:
+            raise ModelNotFoundError(
+                f"could not find {model!r} locally or download it from the Hugging Face Hub "
+                f"({type(first).__name__}: {first}). If this machine is offline, download the model "
+                "elsewhere and pass its local directory."
+            ) from second
+        return Path(cached)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / SAFE_INDEX).is_file():
+        index = json.loads((path / SAFE_INDEX).read_text())
+        return [path / f for f in sorted(set(index["weight_map"].values()))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if (path / BIN_INDEX).is_file():
+        index = json.loads((path / BIN_INDEX).read_text())
+        return [path / f for f in sorted(set(index["weight_map"].values()))]
+    return sorted(path.glob("*.bin"))
+
+
+def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor of the checkpoint in directory `path`.
+
+    Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, or any
+    `*.safetensors`; falls back to `*.bin` files (loaded with `weights_only=True`). Tensors are read
+    one at a time so peak memory stays near one tensor beyond the model.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = _weight_files(path)
+    if not files:
+        raise WeightLoadError(f"no *.safetensors or *.bin weight files in {path}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightLoadError(
+            f"checkpoint index in {path} names missing shard files: {missing}", missing=missing
+        )
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                for name in names:
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            yield from state.items()
+            del state
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path) -> nn.Module:
+    """Build `model_cls(build)` directly on `build.device` in `build.dtype`, then load `path` strictly.
+
+    Returns the model in eval mode. Raises `WeightLoadError` for unconsumed checkpoint tensors, shape
+    mismatches (from the model's `load_weights`) and parameters the checkpoint never filled.
+    """
+    if not build.dtype.is_floating_point:
+        raise ValueError(f"model dtype must be a floating point dtype, got {build.dtype}")
+    with torch.device(build.device), _default_dtype(build.dtype):
+        model = model_cls(build)
+    loaded = model.load_weights(iterate_safetensors(path))
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        raise WeightLoadError(
+            f"checkpoint {path} did not fill these parameters of {model_cls.__name__} "
+            f"(for stacked ones, some shards were absent): {missing}",
+            missing=missing,
+        )
+    return model.eval()

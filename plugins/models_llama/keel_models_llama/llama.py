@@ -1,0 +1,234 @@
+"""Llama-family decoder (Llama 2/3/3.1, and through small subclasses Mistral, Qwen2, Qwen3).
+
+The architecture differences are data, not code paths: a `LlamaVariant` says which projections have
+biases and whether q/k get a per-head RMSNorm; `layer_sliding_window` reads which layers use a
+sliding window. Parameter names match HF checkpoints except for the stacked projections listed in
+`stacked_params_mapping`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from keel.forward_context import ForwardContext
+from keel.layers.activation import get_act_and_mul_fn
+from keel.layers.attention import Attention
+from keel.layers.layernorm import RMSNorm
+from keel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from keel.layers.rotary import get_rope, get_rope_parameters
+from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
+from keel.models.interface import ModelBuildContext
+from keel.models.weights import load_mapped_weights
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """Per-architecture switches, derived from the HF config by `LlamaForCausalLM.variant`."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+
+
+def _tp(build: ModelBuildContext) -> tuple[int, int]:
+    # ModelBuildContext has no TP fields yet; when they are added the model shards without changes.
+    return getattr(build, "tp_size", 1), getattr(build, "tp_rank", 0)
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The sliding window (tokens visible, including the query itself) of layer `layer_idx`, or None.
+
+    transformers 5.x lists `layer_types`; older Qwen2 configs use `use_sliding_window` with
+    `max_window_layers` (layers below it attend fully); Mistral applies `sliding_window` everywhere.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None and layer_idx < max_window_layers:
+        return None
+    return window
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, bias: bool, tp_size: int, tp_rank: int) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias, tp_size, tp_rank)
+        self.down_proj = RowParallelLinear(i, h, bias, tp_size, tp_rank)
+        self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant) -> None:
+        super().__init__()
+        tp_size, tp_rank = _tp(build)
+        self.head_dim = head_dim_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            num_kv_heads,
+            variant.qkv_bias,
+            tp_size,
+            tp_rank,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, variant.o_bias, tp_size, tp_rank
+        )
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if variant.qk_norm else None
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        self.attn = Attention(
+            layer_idx,
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            build,
+            sliding_window=layer_sliding_window(config, layer_idx),
+        )
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # x: [n, heads * head_dim]
+        n = x.shape[0]
+        return norm(x.view(n, -1, self.head_dim)).view(n, -1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant) -> None:
+        super().__init__()
+        tp_size, tp_rank = _tp(build)
+        self.self_attn = LlamaAttention(config, layer_idx, build, variant)
+        self.mlp = LlamaMLP(config, variant.mlp_bias, tp_size, tp_rank)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each sub-block is deferred into the next norm (fused add + norm).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, build: ModelBuildContext, variant: LlamaVariant) -> None:
+        super().__init__()
+        config = build.hf_config
+        tp_size, tp_rank = _tp(build)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size, tp_rank)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, build, variant) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Text generation model for `LlamaForCausalLM` checkpoints; base of the Mistral/Qwen2/Qwen3 classes.
+
+    Built by the model loader under the build's device/dtype; see `keel.models.interface.CausalLM`.
+    """
+
+    # (stacked param fragment, checkpoint fragment, shard id)
+    stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+    # Checkpoint entries that are derived state, not weights.
+    skip_substrs: ClassVar[tuple[str, ...]] = (
+        "rotary_emb.inv_freq",
+        "rotary_emb.cos_cached",
+        "rotary_emb.sin_cached",
+    )
+
+    @classmethod
+    def variant(cls, config: Any) -> LlamaVariant:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return LlamaVariant(
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+    def __init__(self, build: ModelBuildContext) -> None:
+        super().__init__()
+        self.config = config = build.hf_config
+        tp_size, tp_rank = _tp(build)
+        self.model = LlamaModel(build, self.variant(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size, tp_rank)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return compute_logits(self.lm_head, hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention layers in layer-index order (the runner asks each for its kv_cache_spec)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = self.skip_substrs + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        return load_mapped_weights(self, weights, self.stacked_params_mapping, skip)
