@@ -77,7 +77,7 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        if 0 < self.temperature < _MAX_TEMP:
+        if _SAMPLING_EPS <= self.temperature < _MAX_TEMP:
             logger.warning(
                 "temperature %s is below %s and may overflow float32 logits; using %s",
                 self.temperature, _MAX_TEMP, _MAX_TEMP,

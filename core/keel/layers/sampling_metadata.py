@@ -32,7 +32,7 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor  # [B] float32
     frequency_penalties: torch.Tensor  # [B] float32
     repetition_penalties: torch.Tensor  # [B] float32
-    seeds: torch.Tensor  # [B] int64: user seed, else the engine's per-request random seed
+    seeds: torch.Tensor  # [B] int64: the effective per-request seed the engine chose
     step: torch.Tensor  # [B] int64: output tokens generated so far (the noise counter)
 
     all_greedy: bool
@@ -62,19 +62,20 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Called by the model runner each step; all sequences are indexed by logits row.
 
-        `seeds[i]` is used for a request without `params.seed` (the engine draws it once per request
-        and keeps it, so an unseeded request's stream is still a function of its own state only).
+        `seeds[i]` is the request's effective seed, always used: the engine derives it from
+        `params.seed` (distinct per child when n > 1) or draws it once per unseeded request and keeps
+        it, so every request's stream is a function of its own state only.
         `stop_token_ids_for_min_tokens[i]` (usually `params.all_stop_token_ids`) is banned while the
         request has fewer than `min_tokens` output tokens. Raises ValueError for a token id outside
         the vocabulary in `logit_bias`.
         """
         b = len(params)
-        lengths = {len(output_token_ids), len(prompt_token_ids), len(seeds), len(stop_token_ids_for_min_tokens)}
-        if lengths != {b}:
+        stop_sets = stop_token_ids_for_min_tokens
+        if {len(output_token_ids), len(prompt_token_ids), len(seeds), len(stop_sets)} != {b}:
             raise ValueError(
                 "SamplingMetadata.build needs one entry per request in every argument; got "
                 f"{b} params, {len(output_token_ids)} output_token_ids, {len(prompt_token_ids)} "
-                f"prompt_token_ids, {len(seeds)} seeds, {len(stop_token_ids_for_min_tokens)} stop sets."
+                f"prompt_token_ids, {len(seeds)} seeds, {len(stop_sets)} stop sets."
             )
         device = torch.device(device)
 
@@ -86,9 +87,8 @@ class SamplingMetadata:
 
         greedy = [p.temperature < _SAMPLING_EPS for p in params]
         top_k = [vocab_size if p.top_k == 0 else min(p.top_k, vocab_size) for p in params]
-        eff_seeds = [p.seed if p.seed is not None else s for p, s in zip(params, seeds)]
         # Any Python int seed maps to 64 bits, stored as the signed int64 with the same bits.
-        signed = [((s & _U64) ^ (1 << 63)) - (1 << 63) for s in eff_seeds]
+        signed = [((s & _U64) ^ (1 << 63)) - (1 << 63) for s in seeds]
         no_penalties = all(
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
             for p in params
@@ -119,7 +119,7 @@ class SamplingMetadata:
             meta.prompt_token_mask = token_counts(prompt_token_ids, vocab_size, device) > 0
         banned = [
             [t for t in stops if t < vocab_size] if len(out) < p.min_tokens else []
-            for p, out, stops in zip(params, output_token_ids, stop_token_ids_for_min_tokens)
+            for p, out, stops in zip(params, output_token_ids, stop_sets, strict=True)
         ]
         if any(banned):
             meta.min_tokens_mask = token_counts(banned, vocab_size, device) > 0
@@ -133,8 +133,9 @@ def token_counts(
 ) -> torch.Tensor:  # [B, vocab] int32
     """Per-row occurrence counts, counted on the device from one flat transfer of all ids."""
     b = len(token_ids)
-    flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64).to(device, non_blocking=True)
-    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64).to(device, non_blocking=True)
+    flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    flat, lengths = flat.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
     rows = torch.repeat_interleave(torch.arange(b, device=device), lengths)
     counts = torch.zeros((b, vocab_size), dtype=torch.int32, device=device)
     counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.int32), accumulate=True)
