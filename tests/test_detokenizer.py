@@ -215,3 +215,25 @@ def test_check_stop_strings_searches_only_new_text() -> None:
     assert check_stop_strings("xxaby", 3, ["by"], include_in_output=True) == ("by", -1)
     assert check_stop_strings("xxabyy", 4, ["ab"], include_in_output=True) == ("ab", 4)
     assert check_stop_strings("xxabyy", 0, ["ab"], include_in_output=False) is None
+
+
+def test_context_dependent_decoder_keeps_leading_space() -> None:
+    # A sentencepiece-style decoder strips the leading space of whatever it decodes first; decoding
+    # with prompt context keeps the space that separates the output from the prompt.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    corpus = ["Hello world again and again", "the world is big"]
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"], show_progress=False)
+    )
+    sp = PreTrainedTokenizerFast(tokenizer_object=tok)
+    prompt = sp("Hello").input_ids
+    out = sp(" world again", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(sp, prompt)
+    deltas, _ = stream(detok, out)
+    assert "".join(deltas) == " world again"
+    assert sp.decode(prompt) + detok.output_text == sp.decode(prompt + out)
