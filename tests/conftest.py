@@ -1,0 +1,41 @@
+import textwrap
+import uuid
+
+import pytest
+
+
+@pytest.fixture
+def fake_plugins(tmp_path, monkeypatch):
+    """Factory for fake installed plugins: `<dist>.dist-info/{METADATA,entry_points.txt}` plus a package
+    in a temp dir on sys.path, found by importlib.metadata like a pip-installed distribution.
+
+    make(name, provides={...}, core_api=..., body="", files={...}, hooks=(), dist=None) -> package name.
+    `make.path` is the directory (pass `path=[make.path]` to discovery to see only the fakes + core).
+    """
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+
+    def make(name, provides=None, core_api=">=1.0,<2", body="", files=None, hooks=(), dist=None,
+             manifest_src=None, version="1.2.3"):
+        pkg = f"fake_{name.replace('-', '_')}_{uuid.uuid4().hex[:8]}"
+        dist = dist or f"keel-{name}-{pkg[-8:]}"
+        (site / pkg).mkdir()
+        provides = {k: {key: ref.replace("PKG", pkg) for key, ref in v.items()} for k, v in (provides or {}).items()}
+        hooks = tuple(h.replace("PKG", pkg) for h in hooks)
+        manifest_src = manifest_src or (
+            f"def manifest():\n    return PluginManifest(name={name!r}, version={version!r}, "
+            f"core_api={core_api!r}, provides={provides!r}, hooks={hooks!r})\n"
+        )
+        init = "from keel.plugins.manifest import PluginManifest\n" + textwrap.dedent(body) + "\n" + manifest_src
+        (site / pkg / "__init__.py").write_text(init)
+        for rel, text in (files or {}).items():
+            (site / pkg / rel).write_text(textwrap.dedent(text))
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[keel.plugins]\n{name} = {pkg}:manifest\n")
+        return pkg
+
+    make.path = str(site)
+    return make
