@@ -83,7 +83,11 @@ def build_demo_checkpoint(path: str | os.PathLike[str] | None = None, *, seed: i
             return target
         if target.exists():
             shutil.rmtree(target)  # a stale or incomplete demo build (it carries our marker)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not _is_complete(target, seed):  # lost a race to a builder that then failed
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
