@@ -64,7 +64,9 @@ class DenseSDPAImpl:
 
 class DenseSDPABackend:
     name: ClassVar[str] = "test-dense-sdpa"
-    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(supports_sliding_window=True)
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        supports_sliding_window=True, kv_cache_kinds=("full_attention", "sliding_window")
+    )
 
     @classmethod
     def validate(cls, request: BackendRequest) -> list[str]:
