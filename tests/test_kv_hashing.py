@@ -63,6 +63,7 @@ def test_update_hashes_full_blocks_only_and_salt() -> None:
     update_block_hashes(salted, 4)
     # The salt is mixed into the first block and inherited by every later one through the chain.
     assert salted.block_hashes[0] != hashes[0] and salted.block_hashes[1] != hashes[1]
+    assert salted.block_hashes[1] == hash_block_tokens(salted.block_hashes[0], [4, 5, 6, 7])
 
 
 def test_update_hashes_is_incremental(monkeypatch) -> None:
