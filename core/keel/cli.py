@@ -198,4 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m keel.cli`: run the canonical module so commands registered on `keel.cli` are seen.
+    from keel.cli import main as _main
+
+    sys.exit(_main())
