@@ -8,6 +8,7 @@ on what else is in the batch or on a shared generator's position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +101,34 @@ def random_uniform(
     k2 = _hash32(k1 ^ _hash32(st ^ 0x85A308D3)[:, None])  # [B, 1]
     tok = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)[None, :]  # [1, vocab]
     h = _hash32(_hash32(tok ^ k1) ^ k2)  # [B, vocab], distinct per token within a row
-    # Full 32 bits keep resolution near 0, where the exponential race decides rare tokens; the
-    # clamp keeps float32 rounding of values near 2**32 strictly below 1.
-    u = (h.to(torch.float32) + 0.5) * (2.0**-32)
-    return u.clamp_(max=1.0 - 2.0**-24)
+    # Full 32 bits keep resolution near 0, where the exponential race decides rare tokens. `| 1`
+    # keeps u > 0 and a power-of-two scale is exact, so a fused kernel rounds exactly like eager;
+    # the clamp keeps values that round up to 2**32 strictly below 1.
+    u = (h | 1).to(torch.float32) * (2.0**-32)
+    return u.clamp(max=1.0 - 2.0**-24)
+
+
+def log_exponential_noise(
+    seeds: torch.Tensor,  # [B] int64
+    step: torch.Tensor,  # [B] int64
+    vocab_size: int,
+) -> torch.Tensor:  # [B, vocab] float32
+    """log(E) with E ~ Exp(1) from `random_uniform`; -log1p(-u) keeps small E precise."""
+    return torch.log(-torch.log1p(-random_uniform(seeds, step, vocab_size)))
+
+
+_compiled_noise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+
+
+def _noise_for(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """Eager ~40 elementwise int64 passes over [B, vocab] cost milliseconds on a GPU; compiled they
+    fuse into one kernel that only writes its output. Integer ops make the result identical."""
+    global _compiled_noise
+    if device.type != "cuda":
+        return log_exponential_noise
+    if _compiled_noise is None:
+        _compiled_noise = torch.compile(log_exponential_noise, dynamic=True, fullgraph=True)
+    return _compiled_noise
 
 
 def apply_penalties(
@@ -207,9 +232,9 @@ class Sampler(torch.nn.Module):
         if meta.all_greedy and greedy is not None:
             return greedy
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i; in log
-        # space it needs no softmax. -log1p(-u) keeps small E_i precise.
-        exp_noise = -torch.log1p(-random_uniform(meta.seeds, meta.step, logits.shape[-1]))
-        scores = self.filter_logits(logits, meta) - exp_noise.log()
+        # space it needs no softmax.
+        log_noise = _noise_for(logits.device)(meta.seeds, meta.step, logits.shape[-1])
+        scores = self.filter_logits(logits, meta) - log_noise
         sampled = scores.argmax(dim=-1)
         if greedy is None:
             return sampled
