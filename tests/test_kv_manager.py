@@ -278,6 +278,10 @@ def test_bad_arguments_are_typed_errors() -> None:
     hits, _ = m.get_computed_blocks(Req("b", list(range(10))))
     with pytest.raises(ValueError, match="num_new_computed_tokens"):
         m.allocate_slots(Req("b", list(range(10))), 2, 0, hits)
+    # Hits for a request that already holds blocks: rejected before any reference is taken.
+    with pytest.raises(ValueError, match="already holds blocks"):
+        m.allocate_slots(r, 2, 8, hits)
+    assert [b.ref_cnt for b in hits.blocks] == [1, 1]
 
 
 def test_spec_kind_dispatch() -> None:

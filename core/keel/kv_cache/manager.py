@@ -133,9 +133,13 @@ class KVCacheManager:
             )
         if hits and not self.enable_caching:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
-
         rid = request.request_id
         mgr = self.single_type_manager
+        if hits and mgr.req_to_blocks.get(rid):
+            raise ValueError(
+                f"request {rid} already holds blocks; new_computed_blocks apply only to a request holding "
+                "none (waiting, or preempted and freed)"
+            )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         num_needed = mgr.get_num_blocks_to_allocate(rid, num_slots, hits)
