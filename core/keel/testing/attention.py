@@ -18,7 +18,6 @@ their slots and nothing else changed. Backends with a cache layout other than
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -440,5 +439,4 @@ def _poison_allocator(like: torch.Tensor, device: str) -> None:
     """Fill and free memory so that a backend reading an uninitialized buffer likely sees NaN."""
     junk = [torch.full((like.numel() * 4 + 4096,), float("nan"), dtype=like.dtype, device=device)
             for _ in range(4)]
-    del junk
-    gc.collect()
+    del junk  # freed at once (refcount); the allocator may hand these pages to the backend next

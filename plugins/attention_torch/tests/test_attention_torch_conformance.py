@@ -1,5 +1,6 @@
 """The attention-backend conformance suite run against torch_paged, in each supported dtype."""
 
+import pytest
 import torch
 from keel.testing.attention import AttentionBackendConformance
 from keel_attention_torch.backend import TorchPagedAttentionBackend
@@ -18,3 +19,20 @@ class TestTorchPagedBFloat16(AttentionBackendConformance):
 class TestTorchPagedFloat16(AttentionBackendConformance):
     backend = TorchPagedAttentionBackend
     dtype = torch.float16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestTorchPagedCudaBFloat16(AttentionBackendConformance):
+    backend = TorchPagedAttentionBackend
+    device = "cuda"
+    dtype = torch.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+class TestTorchPagedCudaFloat32(AttentionBackendConformance):
+    backend = TorchPagedAttentionBackend
+    device = "cuda"
+    dtype = torch.float32
+    atol = rtol = 2e-5  # cuBLAS may use TF32-free but differently ordered reductions
