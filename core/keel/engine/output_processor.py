@@ -57,13 +57,9 @@ class _Parent:
         self.children = [
             _Child(
                 index=i,
-                detok=IncrementalDetokenizer(
-                    tokenizer, prompt.prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    stop=list(params.stop or []),
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                ) if detok else None,
+                detok=IncrementalDetokenizer.from_sampling_params(tokenizer, prompt.prompt_token_ids, params)
+                if detok
+                else None,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
@@ -156,7 +152,10 @@ class OutputProcessor:
                 child.logprobs.append(_logprob_dict(self.tokenizer, lp[0][j], lp[1][j], lp[2][j]))
                 child.cumulative_logprob += lp[1][j][0]
             if child.detok is not None:
-                stop_str = child.detok.update([token])
+                # An EOS / stop token id that ends the request is kept in token_ids but not decoded.
+                last = j == len(eco.new_token_ids) - 1
+                stop_terminated = last and eco.finish_reason == "stop"
+                stop_str = child.detok.update([token], stop_terminated=stop_terminated)
                 if stop_str is not None:
                     break
         return stop_str
