@@ -4,6 +4,11 @@ Each layer holds only this rank's shard; the parameters' `weight_loader` receive
 tensor and narrows it, so checkpoints never need resharding offline. Column-parallel layers split the
 output dimension (dim 0 of the weight), row-parallel layers split the input dimension (dim 1). Only
 `tp_size=1` is exercised end to end today; the split logic is unit-tested with `tp_size=2`.
+
+Quantization: given the build's `quant_config` (a `keel.quantization.QuantizationConfig`, or a single
+`QuantizationMethod` applied to every layer), a layer asks it for a method with its `LinearLayerSpec`;
+that method then creates the weights (each with its own `weight_loader`) and computes the forward.
+`None` keeps the plain dense weight.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs, shard_size
+from keel.quantization import LinearLayerSpec, QuantizationMethod
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -29,11 +35,32 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _quant_method(quant_config: Any, spec: LinearLayerSpec) -> QuantizationMethod | None:
+    if quant_config is None:
+        return None
+    if hasattr(quant_config, "get_quant_method"):
+        return quant_config.get_quant_method(spec)
+    return quant_config  # already a per-layer method
+
+
 class LinearBase(nn.Module):
-    """Holds `weight` [out_per_rank, in_per_rank] and optional `bias` [out_per_rank]."""
+    """Holds `weight` [out_per_rank, in_per_rank] and optional `bias` [out_per_rank].
+
+    With a quantization method, `weight` is whatever the method registers and `forward` calls its
+    `apply`; the bias stays a plain parameter. `prefix` is the parameter path quantization configs
+    match layers by (e.g. "model.layers.0.self_attn.qkv_proj").
+    """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp_size: int = 1, tp_rank: int = 0
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        *,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         if not 0 <= tp_rank < tp_size:
@@ -42,13 +69,40 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.tp_size = tp_size
         self.tp_rank = tp_rank
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, self.input_size_per_partition))
-        set_weight_attrs(self.weight, weight_loader=self.weight_loader)
+        self.prefix = prefix
+        spec = LinearLayerSpec(
+            prefix=prefix,
+            input_size=self.input_size_per_partition,
+            output_partition_sizes=self.output_partition_sizes,
+            params_dtype=torch.get_default_dtype(),
+            bias=bias,
+        )
+        self.quant_method = _quant_method(quant_config, spec)
+        if self.quant_method is None:
+            self.weight = nn.Parameter(
+                torch.empty(self.output_size_per_partition, self.input_size_per_partition)
+            )
+            set_weight_attrs(self.weight, weight_loader=self.weight_loader)
+        else:
+            self.quant_method.create_weights(self, spec)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition))
             set_weight_attrs(self.bias, weight_loader=self.weight_loader)
         else:
             self.register_parameter("bias", None)
+
+    def _own_params(self) -> list[nn.Parameter]:
+        """Parameters loaded by this layer's own `weight_loader` (not by a quantization method's)."""
+        return [
+            p
+            for p in self.parameters(recurse=False)
+            if getattr(p, "weight_loader", None) == self.weight_loader
+        ]
+
+    @property
+    def output_partition_sizes(self) -> tuple[int, ...]:
+        """This rank's output slices, in stacking order (what a quantization method sees)."""
+        return (self.output_size_per_partition,)
 
     @property
     def output_size_per_partition(self) -> int:
@@ -64,8 +118,13 @@ class LinearBase(nn.Module):
         check_shape(param, loaded_weight)
         param.data.copy_(loaded_weight)
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, input_size_per_partition]
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -108,11 +167,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_size: int = 1,
         tp_rank: int = 0,
+        *,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias, tp_size, tp_rank)
-        for p in self.parameters():
+        super().__init__(
+            input_size,
+            sum(self.output_sizes),
+            bias,
+            tp_size,
+            tp_rank,
+            quant_config=quant_config,
+            prefix=prefix,
+        )
+        for p in self._own_params():
             set_weight_attrs(p, shard_ids=tuple(range(len(self.output_sizes))))
+
+    @property
+    def output_partition_sizes(self) -> tuple[int, ...]:
+        return tuple(shard_size(s, self.tp_size, f"output {i}") for i, s in enumerate(self.output_sizes))
 
     def shard_offset_size(self, shard_id: int) -> tuple[int, int]:
         """(offset, size) of logical output `shard_id` inside this rank's stacked output."""
@@ -152,6 +226,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp_size: int = 1,
         tp_rank: int = 0,
+        *,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
         self.head_size = head_size
         self.total_num_heads = total_num_heads
@@ -171,9 +248,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         output_size = (total_num_heads + 2 * self.num_kv_heads * tp_size) * head_size
-        super().__init__(hidden_size, output_size, bias, tp_size, tp_rank)
-        for p in self.parameters():
+        super().__init__(
+            hidden_size, output_size, bias, tp_size, tp_rank, quant_config=quant_config, prefix=prefix
+        )
+        for p in self._own_params():
             set_weight_attrs(p, shard_ids=("q", "k", "v"))
+
+    @property
+    def output_partition_sizes(self) -> tuple[int, ...]:
+        return (self.q_size, self.kv_size, self.kv_size)
 
     @property
     def output_size_per_partition(self) -> int:
@@ -219,9 +302,14 @@ class RowParallelLinear(LinearBase):
         tp_size: int = 1,
         tp_rank: int = 0,
         reduce_results: bool = True,
+        *,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
         self.reduce_results = reduce_results
-        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+        super().__init__(
+            input_size, output_size, bias, tp_size, tp_rank, quant_config=quant_config, prefix=prefix
+        )
 
     @property
     def input_size_per_partition(self) -> int:
@@ -239,8 +327,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, input_size_per_partition]
-        bias = self.bias if self.tp_rank == 0 else None
-        out = F.linear(x, self.weight, bias)
+        out = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size > 1:
             out = _all_reduce(out)
         return out

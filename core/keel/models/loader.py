@@ -123,7 +123,9 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path) -> nn
     """Build `model_cls(build)` directly on `build.device` in `build.dtype`, then load `path` strictly.
 
     Returns the model in eval mode. Raises `WeightLoadError` for unconsumed checkpoint tensors, shape
-    mismatches (from the model's `load_weights`) and parameters the checkpoint never filled.
+    mismatches (from the model's `load_weights`) and parameters the checkpoint never filled. Then
+    every module's quantization method (a `quant_method` attribute) gets its one
+    `process_weights_after_loading` call.
     """
     if not build.dtype.is_floating_point:
         raise ValueError(f"model dtype must be a floating point dtype, got {build.dtype}")
@@ -137,4 +139,8 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path) -> nn
             f"(for stacked ones, some shards were absent): {missing}",
             missing=missing,
         )
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

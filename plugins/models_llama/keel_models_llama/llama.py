@@ -65,11 +65,17 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool, tp_size: int, tp_rank: int) -> None:
+    def __init__(self, config: Any, build: ModelBuildContext, bias: bool, prefix: str) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias, tp_size, tp_rank)
-        self.down_proj = RowParallelLinear(i, h, bias, tp_size, tp_rank)
+        tp_size, tp_rank = _tp(build)
+        quant = build.quant_method
+        self.gate_up_proj = MergedColumnParallelLinear(
+            h, [i, i], bias, tp_size, tp_rank, quant_config=quant, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            i, h, bias, tp_size, tp_rank, quant_config=quant, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
@@ -77,7 +83,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str
+    ) -> None:
         super().__init__()
         tp_size, tp_rank = _tp(build)
         self.head_dim = head_dim_of(config)
@@ -90,9 +98,17 @@ class LlamaAttention(nn.Module):
             variant.qkv_bias,
             tp_size,
             tp_rank,
+            quant_config=build.quant_method,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, variant.o_bias, tp_size, tp_rank
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            variant.o_bias,
+            tp_size,
+            tp_rank,
+            quant_config=build.quant_method,
+            prefix=f"{prefix}.o_proj",
         )
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if variant.qk_norm else None
@@ -126,11 +142,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str
+    ) -> None:
         super().__init__()
-        tp_size, tp_rank = _tp(build)
-        self.self_attn = LlamaAttention(config, layer_idx, build, variant)
-        self.mlp = LlamaMLP(config, variant.mlp_bias, tp_size, tp_rank)
+        self.self_attn = LlamaAttention(config, layer_idx, build, variant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, build, variant.mlp_bias, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -158,7 +175,8 @@ class LlamaModel(nn.Module):
         tp_size, tp_rank = _tp(build)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size, tp_rank)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, build, variant) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, build, variant, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
