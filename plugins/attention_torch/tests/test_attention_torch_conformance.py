@@ -35,4 +35,3 @@ class TestTorchPagedCudaFloat32(AttentionBackendConformance):
     backend = TorchPagedAttentionBackend
     device = "cuda"
     dtype = torch.float32
-    atol = rtol = 2e-5  # cuBLAS may use TF32-free but differently ordered reductions
