@@ -21,13 +21,17 @@ def fake_plugins(tmp_path, monkeypatch):
         pkg = f"fake_{name.replace('-', '_')}_{uuid.uuid4().hex[:8]}"
         dist = dist or f"keel-{name}-{pkg[-8:]}"
         (site / pkg).mkdir()
-        provides = {k: {key: ref.replace("PKG", pkg) for key, ref in v.items()} for k, v in (provides or {}).items()}
+        provides = {
+            kind: {key: ref.replace("PKG", pkg) for key, ref in keys.items()}
+            for kind, keys in (provides or {}).items()
+        }
         hooks = tuple(h.replace("PKG", pkg) for h in hooks)
         manifest_src = manifest_src or (
             f"def manifest():\n    return PluginManifest(name={name!r}, version={version!r}, "
             f"core_api={core_api!r}, provides={provides!r}, hooks={hooks!r})\n"
         )
-        init = "from keel.plugins.manifest import PluginManifest\n" + textwrap.dedent(body) + "\n" + manifest_src
+        header = "from keel.plugins.manifest import PluginManifest\n"
+        init = header + textwrap.dedent(body) + "\n" + manifest_src
         (site / pkg / "__init__.py").write_text(init)
         for rel, text in (files or {}).items():
             (site / pkg / rel).write_text(textwrap.dedent(text))

@@ -93,9 +93,8 @@ def test_register_command(capsys):
 
 def _run_keel(args, pythonpath):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([pythonpath, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "keel.cli", *args], check=False, capture_output=True, text=True,
-                          env=env,
-                          timeout=120)
+    cmd = [sys.executable, "-m", "keel.cli", *args]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=120)
 
 
 @pytest.mark.parametrize("case", ["missing", "import_error", "incompatible"])

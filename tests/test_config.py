@@ -93,7 +93,8 @@ def test_model_required(tmp_path):
 
 def test_unknown_attention_backend_is_reported(tiny_ckpt):
     with pytest.raises(KeyError, match="no attention_backend named 'flashy'"):
-        EngineArgs(model=tiny_ckpt, plugins=["platform-cpu"], attention_backend="flashy").create_engine_config()
+        args = EngineArgs(model=tiny_ckpt, plugins=["platform-cpu"], attention_backend="flashy")
+        args.create_engine_config()
 
 
 def test_speculative_config_keys_checked(tiny_ckpt):

@@ -58,7 +58,8 @@ def test_incompatible_and_invalid_core_api(fake_plugins):
 def test_manifest_name_must_match_entry_point(fake_plugins):
     src = "def manifest():\n    return PluginManifest(name='other', version='1', core_api='>=1')\n"
     fake_plugins("mismatch", manifest_src=src)
-    assert "differs from its entry-point name" in _by_name(discover(path=[fake_plugins.path]), "mismatch").error
+    plugin = _by_name(discover(path=[fake_plugins.path]), "mismatch")
+    assert "differs from its entry-point name" in plugin.error
 
 
 def test_unknown_kind_and_malformed_ref(fake_plugins):

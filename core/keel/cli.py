@@ -35,7 +35,9 @@ _COMMANDS: dict[str, Command] = {}
 _argv: list[str] = []
 
 
-def register_command(name: str, add_parser_fn: AddParserFn | str, run_fn: RunFn | str, help: str = "") -> None:
+def register_command(
+    name: str, add_parser_fn: AddParserFn | str, run_fn: RunFn | str, help: str = ""
+) -> None:
     """Add subcommand `name`. Registering the same name with different functions is an error."""
     command = Command(name, add_parser_fn, run_fn, help)
     existing = _COMMANDS.get(name)
@@ -126,7 +128,8 @@ def _profile_add(parser: argparse.ArgumentParser) -> None:
     show = sub.add_parser("show", help="print the effective, validated configuration of a profile")
     show.add_argument("profile_name", metavar="PROFILE", help="profile name (profiles/NAME.yaml) or path")
     show.add_argument("--json", action="store_true", help="machine-readable output")
-    positional = [a for a in _argv[_argv.index("show") + 1:] if not a.startswith("-")] if "show" in _argv else []
+    after = _argv[_argv.index("show") + 1:] if "show" in _argv else []
+    positional = [a for a in after if not a.startswith("-")]
     add_engine_cli_args(show, "profile show", profile=positional[0] if positional else None)
 
 

@@ -102,7 +102,8 @@ class ModelConfig:
             return int(limit)
         if limit is not None and self.max_model_len > limit:
             raise ConfigError(
-                f"model.max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+                f"model.max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
             )
         return self.max_model_len
 
@@ -138,7 +139,8 @@ class SchedulerConfig:
             default = 2048 if self.enable_chunked_prefill else self.max_model_len
             object.__setattr__(self, "max_num_batched_tokens", default)
         mbt = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and mbt is not None and self.max_model_len and mbt < self.max_model_len:
+        too_small = mbt is not None and self.max_model_len is not None and mbt < self.max_model_len
+        if not self.enable_chunked_prefill and too_small:
             raise ConfigError(
                 f"scheduler.max_num_batched_tokens ({mbt}) is smaller than max_model_len "
                 f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled"
@@ -211,14 +213,16 @@ class EngineConfig:
         changes: dict[str, Any] = {}
         for section, values in patch.items():
             if section not in SECTIONS:
-                raise ConfigError(f"config patch names unknown section {section!r}{suggest(section, SECTIONS)}")
+                hint = suggest(section, SECTIONS)
+                raise ConfigError(f"config patch names unknown section {section!r}{hint}")
             current = getattr(self, section)
             if current is None:
                 raise ConfigError(f"config patch changes section {section!r}, which is not configured")
             names = [f.name for f in dataclasses.fields(current)]
             for key in values:
                 if key not in names:
-                    raise ConfigError(f"config patch names unknown field {section}.{key}{suggest(key, names)}")
+                    hint = suggest(key, names)
+                    raise ConfigError(f"config patch names unknown field {section}.{key}{hint}")
             changes[section] = dataclasses.replace(current, **values)
         new = dataclasses.replace(self, **changes)
         new.__dict__.update({k: v for k, v in self.__dict__.items() if k.startswith("_cached_")})

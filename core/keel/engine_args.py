@@ -169,7 +169,9 @@ class EngineArgs:
             kwargs[section][name] = values[name]
         if values["model"] is None:
             if require_model:
-                raise ConfigError("model is not set: pass --model (or EngineArgs(model=...)) or set engine.model")
+                raise ConfigError(
+                    "model is not set: pass --model (or EngineArgs(model=...)) or set engine.model"
+                )
             model = None
         else:
             model = ModelConfig(**kwargs["model"])
@@ -238,5 +240,7 @@ def _matches(value: Any, hint: Any) -> bool:
 
 def _hint_name(hint: Any) -> str:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return " or ".join(getattr(a, "__name__", str(a)) for a in args) if args else getattr(hint, "__name__", str(hint))
+    if not args:
+        return getattr(hint, "__name__", str(hint))
+    return " or ".join(getattr(a, "__name__", str(a)) for a in args)
 

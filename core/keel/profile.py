@@ -102,7 +102,9 @@ def parse_profile(data: Any, name: str, path: str | None = None) -> Profile:
     plugins = data.get("plugins", "auto")
     if plugins != "auto":
         if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
-            raise ProfileError(f"{where}: 'plugins' must be 'auto' or a list of entry-point names, got {plugins!r}")
+            raise ProfileError(
+                f"{where}: 'plugins' must be 'auto' or a list of entry-point names, got {plugins!r}"
+            )
         plugins = tuple(plugins)
     engine = data.get("engine") or {}
     if not isinstance(engine, Mapping):

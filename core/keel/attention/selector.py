@@ -54,7 +54,8 @@ def select_attention_backend(
         if reasons:
             raise AttentionBackendError(
                 f"attention backend {requested!r} ({registry.provider(requested)}) cannot serve "
-                f"[{_describe(request)}]: {'; '.join(reasons)}. Use `attention_backend: auto` or another backend"
+                f"[{_describe(request)}]: {'; '.join(reasons)}. "
+                "Use `attention_backend: auto` or another backend"
             )
         logger.info("attention backend %r selected (requested)", requested)
         return backend

@@ -43,7 +43,8 @@ class PluginSet:
     def registry(self, kind: str) -> Registry:
         """The registry of `kind` (one of `keel.plugins.manifest.KINDS`), possibly empty."""
         if kind not in self.registries:
-            raise ValueError(f"unknown registry kind {kind!r}{suggest(kind, KINDS)}; kinds: {', '.join(KINDS)}")
+            hint = suggest(kind, KINDS)
+            raise ValueError(f"unknown registry kind {kind!r}{hint}; kinds: {', '.join(KINDS)}")
         return self.registries[kind]
 
     def get(self, name: str) -> DiscoveredPlugin:
