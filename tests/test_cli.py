@@ -120,3 +120,8 @@ def test_unnamed_broken_plugin_stops_nothing(fake_plugins, tmp_path):
     prof.write_text("plugins: [platform-cpu]\n")
     result = _run_keel(["profile", "show", str(prof)], fake_plugins.path)
     assert result.returncode == 0, result.stderr
+
+
+def test_core_commands_registered_lazily():
+    assert {"plugins", "profile", "generate", "bench"} <= set(cli._COMMANDS)
+    assert isinstance(cli._COMMANDS["generate"].run, str)  # imported only when `keel generate` runs

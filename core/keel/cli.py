@@ -160,6 +160,11 @@ def _profile_run(ns: argparse.Namespace) -> int:
 
 register_command("plugins", _plugins_add, _plugins_run, help="inspect installed plugins")
 register_command("profile", _profile_add, _profile_run, help="inspect profiles")
+# Commands of other core modules, lazily: their modules (and torch) load only when they run.
+register_command("generate", "keel.generate_cmd:add_generate_args", "keel.generate_cmd:run_generate",
+                 help="generate completions for prompts (offline)")
+register_command("bench", "keel.bench:add_bench_args", "keel.bench:run_bench",
+                 help="offline throughput and latency benchmarks")
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
