@@ -106,11 +106,12 @@ class TorchPagedAttentionImpl:
         keys = key_cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum key_len, kv_heads, head]
         values = value_cache.index_select(0, plan.prefill_slots).to(q.dtype)
         gqa = self.num_queries_per_kv > 1
+        # 4-D inputs: with 3-D ones SDPA on the CPU skips its flash kernel and materializes the scores.
         for seq in plan.prefill:
-            qs = q[seq.token_start : seq.token_end].transpose(0, 1)  # [heads, query_len, head]
-            ks = keys[seq.key_start : seq.key_end].transpose(0, 1)  # [kv_heads, key_len, head]
-            vs = values[seq.key_start : seq.key_end].transpose(0, 1)
+            qs = q[seq.token_start : seq.token_end].transpose(0, 1)[None]  # [1, heads, query_len, head]
+            ks = keys[seq.key_start : seq.key_end].transpose(0, 1)[None]  # [1, kv_heads, key_len, head]
+            vs = values[seq.key_start : seq.key_end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, scale=self.scale, enable_gqa=gqa
-            )  # [heads, query_len, head]
-            out[seq.token_start : seq.token_end] = o.transpose(0, 1)
+            )  # [1, heads, query_len, head]
+            out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
