@@ -153,3 +153,20 @@ def test_cli_args_round_trip():
     assert args.plugins == ["platform-cpu", "models-llama"] and args.kv_cache_memory_bytes == 2 * 2**30
     assert args.gpu_memory_utilization == 0.5 and args.speculative_config == {"method": "mtp"}
     assert args.max_num_seqs is None  # not set: the profile or default decides
+
+
+def test_hook_patches_apply_in_plugin_load_order(fake_plugins, tiny_ckpt):
+    template = """
+        from keel.plugins.hookspecs import hookimpl
+
+        class Impl:
+            @hookimpl
+            def keel_adjust_config(self, config):
+                return {{"scheduler": {{"max_num_seqs": {n}}}}}
+
+        impl = Impl()
+    """
+    fake_plugins("first", hooks=("PKG.hooks:impl",), files={"hooks.py": template.format(n=5)})
+    fake_plugins("second", hooks=("PKG.hooks:impl",), files={"hooks.py": template.format(n=7)})
+    config = EngineArgs(model=tiny_ckpt, plugins=["platform-cpu", "first", "second"]).create_engine_config()
+    assert config.scheduler.max_num_seqs == 7  # the later plugin's patch is applied last

@@ -181,25 +181,36 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    from keel.config import ConfigError
-    from keel.plugins.errors import PluginError
-    from keel.profile import ProfileError
+# User-facing error types, by module: matched only if that module was imported (no import cost here).
+_USER_ERRORS = {
+    "keel.plugins.errors": ("PluginError",),
+    "keel.profile": ("ProfileError",),
+    "keel.config": ("ConfigError",),
+    "keel.models.registry": ("UnsupportedArchitectureError",),
+    "keel.quantization": ("QuantizationError",),
+}
 
-    return (PluginError, ProfileError, ConfigError)
+
+def _is_user_error(exc: BaseException) -> bool:
+    for module_name, names in _USER_ERRORS.items():
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(exc, tuple(getattr(module, n) for n in names)):
+            return True
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `keel` console script; returns the exit status."""
     global _argv
     _argv = list(sys.argv[1:] if argv is None else argv)
-    errors = _known_errors()
     try:
         parser = build_parser(_argv)
         ns = parser.parse_args(_argv)
         logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         status = _resolve(_COMMANDS[ns._keel_command].run)(ns)
-    except errors as exc:
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
         print(f"keel: error: {exc}", file=sys.stderr)
         return 1
     return int(status or 0)

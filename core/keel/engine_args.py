@@ -210,7 +210,8 @@ def _finish(config: EngineConfig) -> EngineConfig:
     config = dataclasses.replace(config, device=resolved, plugins=tuple(plugin_set.names))
     config.__dict__.update(_cached_plugins=plugin_set, _cached_platform=platform)
     config = config.with_patch(platform.adjust_config(config))
-    for patch in plugin_set.hooks.hook.keel_adjust_config(config=config):
+    # pluggy returns results last-registered first; apply them in plugin load order.
+    for patch in reversed(plugin_set.hooks.hook.keel_adjust_config(config=config)):
         config = config.with_patch(patch)
     backend = config.device.attention_backend
     if backend != "auto":
