@@ -54,6 +54,7 @@ class AttentionCase:
     sliding_window: int | None = None
     num_padding_tokens: int = 0
     extra_blocks: int = 3  # allocated but never used by any request (stay NaN)
+    fused_qkv: bool = False  # q, k, v as strided views of one [tokens, (heads + 2 kv_heads) * size] tensor
 
 
 @dataclass
@@ -115,6 +116,10 @@ def _build_step(case: AttentionCase, table: torch.Tensor, keys: list[torch.Tenso
         num_reqs=len(case.query_lens), num_actual_tokens=num_actual, max_query_len=max(case.query_lens),
         max_seq_len=int(seq_lens.max()), block_size=bs,
     )
+    if case.fused_qkv:  # what a model's fused QKV projection hands the attention layer
+        qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
+        q, k, v = (t.view(-1, h, size) for t, h in
+                   zip(qkv.split([heads * size, kv_heads * size, kv_heads * size], dim=1), (heads, kv_heads, kv_heads)))
     return StepInputs(q, k, v, common, slots.to(device), keys, values)
 
 
@@ -403,6 +408,10 @@ class AttentionBackendConformance:
         # run_step poisons freed allocator memory before every forward; repeat to catch reuse by chance.
         for i in range(3):
             self.run_case(self.default_case(context_lens=(0, 12), query_lens=(5, 1), num_padding_tokens=2), 60 + i)
+
+    def test_strided_qkv_views(self) -> None:
+        case = self.default_case(context_lens=(0, 9, 3), query_lens=(7, 1, 1), num_padding_tokens=1, fused_qkv=True)
+        self.run_case(case, 65)
 
     def test_metadata_shared_across_layers(self) -> None:
         """One builder output serves every layer of the step (different heads, own caches)."""
