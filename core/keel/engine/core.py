@@ -14,7 +14,6 @@ from keel.engine.request import EngineCoreRequest
 from keel.engine.scheduler import Scheduler
 from keel.kv_cache.manager import KVCacheManager
 from keel.platform import select_platform
-from keel.plugins.loader import load_plugins
 from keel.worker.worker import Worker
 
 logger = logging.getLogger("keel.engine")
@@ -23,8 +22,8 @@ logger = logging.getLogger("keel.engine")
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins=None) -> None:
         self.config = config
-        self.plugins = plugins if plugins is not None else load_plugins(config.plugins)
-        self.platform = select_platform(config, self.plugins)
+        self.plugins = plugins if plugins is not None else config.plugin_set()
+        self.platform = config.platform() if plugins is None else select_platform(config, plugins)
         self.max_model_len = config.model.derived_max_model_len
         sched = config.scheduler
         max_batched = sched.max_num_batched_tokens
@@ -36,7 +35,11 @@ class EngineCore:
         num_blocks = self.worker.determine_num_blocks(sched.max_num_seqs, self.max_model_len)
         self.worker.initialize_kv_cache(num_blocks)
         spec = self.worker.kv_cache_spec()
-        kv_manager = KVCacheManager(spec, num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        managers = self.plugins.registry("kv_cache_spec")
+        kv_manager = KVCacheManager(
+            spec, num_blocks, enable_caching=config.cache.enable_prefix_caching,
+            manager_classes={spec.kind: managers.get(spec.kind)},
+        )
         self.scheduler = Scheduler(
             kv_manager,
             max_num_seqs=sched.max_num_seqs,

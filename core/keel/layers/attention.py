@@ -38,7 +38,8 @@ class Attention(nn.Module):
             block_size=build.block_size,
             sliding_window=sliding_window,
         )
-        self.impl = build.attention_backend.get_impl(self.config)
+        self.backend = build.backend_for(self.config, self.kv_cache_spec().kind)
+        self.impl = self.backend.get_impl(self.config)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

@@ -7,7 +7,7 @@ The model runner builds the model with a `ModelBuildContext`, loads weights thro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +25,17 @@ class ModelBuildContext:
     attention_backend: Any  # the selected AttentionBackend class
     quant_method: Any = None  # a QuantizationMethod, or None for unquantized
     mla_backend: Any = None  # the selected MLA backend class, for models with MLA layers
+    # (layer config, KV cache spec kind) -> backend class. Set by the worker so each distinct kind of
+    # layer (standard, sliding window, MLA) gets a validated backend; None in unit tests.
+    attention_selector: Callable[[Any, str], Any] | None = None
+
+    def backend_for(self, layer: Any, kv_cache_kind: str) -> Any:
+        """Called by attention layers at construction: the backend class that will serve them."""
+        if self.attention_selector is not None:
+            return self.attention_selector(layer, kv_cache_kind)
+        if getattr(layer, "use_mla", False) and self.mla_backend is not None:
+            return self.mla_backend
+        return self.attention_backend
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ import torch
 from keel.attention.metadata import CommonAttentionMetadata
 from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.forward_context import ForwardContext
+from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
 from keel.worker.request_state import CachedRequestState
@@ -22,34 +23,51 @@ logger = logging.getLogger("keel.worker")
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attention_backend, device: torch.device, block_size: int,
-                 vocab_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int) -> None:
         self.model = model
-        self.backend = attention_backend
         self.device = device
         self.block_size = block_size
-        self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.metadata_builder = attention_backend.get_metadata_builder(device)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
+        # One metadata builder per distinct backend; layer i uses builder _layer_builder[i].
+        builders: dict[type, object] = {}
+        for layer in self.attn_layers:
+            if layer.backend not in builders:
+                builders[layer.backend] = layer.backend.get_metadata_builder(device)
+        self._builders = list(builders.values())
+        self._layer_builder = [list(builders).index(layer.backend) for layer in self.attn_layers]
 
     # ---------------------------------------------------------------- KV cache
 
-    def kv_cache_spec(self):
-        specs = {layer.kv_cache_spec() for layer in self.attn_layers}
-        if len(specs) != 1:
-            raise NotImplementedError(
-                f"layers with different KV cache specs are not supported yet: {sorted(map(str, specs))}"
-            )
-        return specs.pop()
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The spec the block manager allocates for. All layers share block ids (one group).
+
+        Layers may differ in page size (each has its own tensor); full-attention and sliding-window
+        layers mixed are allocated as full attention (sliding layers simply never read old blocks).
+        """
+        specs = [layer.kv_cache_spec() for layer in self.attn_layers]
+        if len({s.block_size for s in specs}) != 1:
+            raise NotImplementedError("attention layers with different block sizes are not supported yet")
+        kinds = {s.kind for s in specs}
+        if len(kinds) == 1:
+            return specs[0]
+        if kinds <= {"full_attention", "sliding_window"}:
+            return next(s for s in specs if s.kind == "full_attention")
+        raise NotImplementedError(f"mixing KV cache kinds {sorted(kinds)} is not supported yet")
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block id costs across all layers."""
+        return sum(layer.kv_cache_spec().page_size_bytes for layer in self.attn_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per attention layer; num_blocks includes the null block 0."""
-        spec = self.kv_cache_spec()
-        shape = self.backend.kv_cache_shape(num_blocks, spec)
-        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in self.attn_layers]
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            spec = layer.kv_cache_spec()
+            shape = layer.backend.kv_cache_shape(num_blocks, spec)
+            self.kv_caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
 
     # ---------------------------------------------------------------- step
 
@@ -132,9 +150,9 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
-        attn_meta = self.metadata_builder.build(common)
+        metas = [builder.build(common) for builder in self._builders]
         ctx = ForwardContext(
-            attn_metadata=[attn_meta] * len(self.attn_layers),
+            attn_metadata=[metas[b] for b in self._layer_builder],
             kv_caches=self.kv_caches,
             num_actual_tokens=num_tokens,
         )

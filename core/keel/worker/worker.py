@@ -30,20 +30,6 @@ class KVCacheSizeError(ValueError):
     pass
 
 
-def _probe_layer(hf_config, dtype: torch.dtype, block_size: int) -> AttentionLayerConfig:
-    """A representative attention layer, to select the backend before the model exists."""
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return AttentionLayerConfig(
-        num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_size=head_dim,
-        scale=head_dim**-0.5,
-        dtype=dtype,
-        block_size=block_size,
-    )
-
-
 class Worker:
     def __init__(self, config: EngineConfig, plugins, platform) -> None:
         self.config = config
@@ -52,6 +38,7 @@ class Worker:
         self.device = platform.device(0)
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self._backends: dict = {}
 
     def load_model(self) -> None:
         mc = self.config.model
@@ -67,37 +54,24 @@ class Worker:
         model_cls = registry.get(arch)
         dtype = mc.torch_dtype
         block_size = self.config.cache.block_size
-        probe = _probe_layer(hf_config, dtype, block_size)
-        backend = select_attention_backend(
-            self.platform,
-            BackendRequest(layer=probe, device_type=self.device.type, kv_cache_kind="full_attention"),
-            self.config.device.attention_backend,
-            self.plugins,
-        )
         build = ModelBuildContext(
             hf_config=hf_config, dtype=dtype, device=self.device, block_size=block_size,
-            attention_backend=backend,
+            attention_backend=None, attention_selector=self._select_backend,
         )
         model = load_model(model_cls, build, resolve_model_path(mc.model, mc.revision))
-        self._validate_layers(model, backend)
-        self.runner = ModelRunner(model, backend, self.device, block_size, hf_config.vocab_size)
-        logger.info("loaded %s (%s, %s) with attention backend %s", mc.model, arch, dtype, backend.name)
+        self.runner = ModelRunner(model, self.device, block_size)
+        names = sorted({b.name for b in self._backends.values()})
+        logger.info("loaded %s (%s, %s) with attention backend(s) %s", mc.model, arch, dtype, names)
 
-    def _validate_layers(self, model, backend) -> None:
-        seen = set()
-        for layer in model.attention_layers():
-            spec = layer.kv_cache_spec()
-            key = (layer.config, spec.kind)
-            if key in seen:
-                continue
-            seen.add(key)
-            req = BackendRequest(layer=layer.config, device_type=self.device.type, kv_cache_kind=spec.kind)
-            reasons = backend.validate(req)
-            if reasons:
-                raise ValueError(
-                    f"attention backend {backend.name!r} cannot serve layer {layer.layer_idx}: "
-                    + "; ".join(reasons)
-                )
+    def _select_backend(self, layer: AttentionLayerConfig, kv_cache_kind: str):
+        """Called by each attention layer as the model is built; one validated choice per layer kind."""
+        key = (layer, kv_cache_kind)
+        if key not in self._backends:
+            request = BackendRequest(layer=layer, device_type=self.device.type, kv_cache_kind=kv_cache_kind)
+            self._backends[key] = select_attention_backend(
+                self.platform, request, self.config.device.attention_backend, self.plugins
+            )
+        return self._backends[key]
 
     def kv_cache_spec(self):
         return self.runner.kv_cache_spec()
@@ -106,8 +80,7 @@ class Worker:
         """Blocks to allocate, including the null block. Explicit settings win; otherwise a memory budget."""
         cache = self.config.cache
         spec = self.kv_cache_spec()
-        num_layers = len(self.runner.attn_layers)
-        per_block = spec.page_size_bytes * num_layers
+        per_block = self.runner.kv_cache_bytes_per_block()
         most_useful = max_num_seqs * math.ceil(max_model_len / spec.block_size) + 1
         if cache.num_kv_blocks is not None:
             num = cache.num_kv_blocks
