@@ -117,7 +117,8 @@ def _decode_plan(md: TorchPagedAttentionMetadata, window: int | None) -> DecodeP
         return None
     common = md.common
     device = common.block_table.device
-    seq_lens_cpu = [int(common.seq_lens_cpu[i]) for i in reqs]
+    all_seq_lens = common.seq_lens_cpu.tolist()
+    seq_lens_cpu = [all_seq_lens[i] for i in reqs]
     key_len = max(seq_lens_cpu) if window is None else min(max(seq_lens_cpu), window)
     qsl = common.query_start_loc_cpu
     first_row = int(qsl[reqs[0]])
@@ -145,11 +146,12 @@ def _prefill_plan(md: TorchPagedAttentionMetadata, window: int | None) -> dict:
         return {"prefill": [], "prefill_slots": None}
     device = common.block_table.device
     qsl = common.query_start_loc_cpu.tolist()
+    seq_lens = common.seq_lens_cpu.tolist()
     seqs: list[PrefillSeq] = []
     slot_parts: list[torch.Tensor] = []
     offset = 0
     for i in md.prefill_reqs:
-        seq_len = int(common.seq_lens_cpu[i])
+        seq_len = seq_lens[i]
         query_len = qsl[i + 1] - qsl[i]
         first_pos = seq_len - query_len
         # Keys older than the window of the first new token are never read (their blocks may be freed).
