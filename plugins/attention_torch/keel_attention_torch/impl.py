@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from keel.attention.backend import AttentionLayerConfig
 
-from keel_attention_torch.metadata import TorchPagedAttentionMetadata
+from keel_attention_torch.metadata import AttentionPlan, TorchPagedAttentionMetadata
 
 
 class TorchPagedAttentionImpl:
@@ -100,7 +100,7 @@ class TorchPagedAttentionImpl:
         q: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_size]
         value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_size]
-        plan,
+        plan: AttentionPlan,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size], filled in place
     ) -> None:
         keys = key_cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum key_len, kv_heads, head]
