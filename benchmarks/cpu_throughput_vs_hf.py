@@ -1,11 +1,13 @@
-"""keel vs HuggingFace transformers `generate()` on the CPU: same model, same prompts, same batch.
+"""keel vs HuggingFace transformers `generate()` on the CPU: same model, same prompts, same batch size.
 
-    python benchmarks/cpu_throughput_vs_hf.py [--model demo] [--num-prompts 32] [--input-len 64]
-        [--output-len 64] [--batch-size 32] [--out benchmarks/results/cpu-throughput.json]
+    python benchmarks/cpu_throughput_vs_hf.py [--model demo] [--num-prompts 64] [--min-input-len 16]
+        [--max-input-len 128] [--output-len 64] [--batch-size 16] [--repeats 3] [--out FILE.json]
 
-Both run greedy decoding of exactly `output_len` tokens per prompt in float32. transformers gets the
-prompts in batches of `batch_size` (left-padded, KV cache on, as a user would call it); keel gets them
-all at once and batches continuously. The ratio is measured in one run on one machine.
+Both decode greedily exactly `output_len` tokens per prompt in float32. transformers gets the prompts in
+batches of `batch_size` (left-padded, KV cache on: how a user batches `generate()`); keel gets them all at
+once with `max_num_seqs=batch_size` and batches continuously. Prompt lengths are drawn uniformly from
+[min_input_len, max_input_len] (equal bounds give fixed-length prompts). keel and transformers alternate
+`repeats` times in one process and the medians are compared, so machine noise hits both alike.
 """
 
 from __future__ import annotations
@@ -14,73 +16,95 @@ import argparse
 import json
 import os
 import platform
+import random
+import statistics
 import subprocess
 import time
 
 import torch
 
-from keel.bench import random_prompts, run_throughput
+from keel.bench import run_throughput
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 
 
-def hf_throughput(path: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
-    def run(batch):
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                do_sample=False, pad_token_id=pad,
-            )
-        return (out.shape[1] - width) * len(batch)
+class HFRunner:
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM
 
-    run(prompts[:2])  # warm-up
-    start = time.perf_counter()
-    tokens = sum(run(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size))
-    elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        pad = self.model.config.pad_token_id
+        self.pad = pad if pad is not None else 0
+
+    def run(self, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+        start = time.perf_counter()
+        tokens = 0
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i : i + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                    min_new_tokens=output_len, do_sample=False, pad_token_id=self.pad,
+                )
+            tokens += (out.shape[1] - width) * len(batch)
+        elapsed = time.perf_counter() - start
+        return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-input-len", type=int, default=16)
+    ap.add_argument("--max-input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
 
     engine = LLMEngine.from_engine_args(
-        EngineArgs(model=ns.model, dtype="float32", max_num_seqs=ns.batch_size, skip_tokenizer_init=True)
+        EngineArgs(model=ns.model, dtype="float32", max_num_seqs=ns.batch_size, skip_tokenizer_init=True,
+                   enable_prefix_caching=False)
     )
     path = engine.config.model.model
     vocab = engine.config.model.hf_config.vocab_size
-    prompts = random_prompts(ns.num_prompts, ns.input_len, vocab, seed=0)
-    run_throughput(engine, prompts[:2], 4)  # warm-up
-    keel = run_throughput(engine, prompts, ns.output_len)
-    hf = hf_throughput(path, prompts, ns.output_len, ns.batch_size)
+    prompts = make_prompts(ns.num_prompts, ns.min_input_len, ns.max_input_len, vocab)
+    hf = HFRunner(path)
+    run_throughput(engine, prompts[:2], 4)  # warm-up both
+    hf.run(prompts[:2], 4, 2)
+    keel_runs, hf_runs = [], []
+    for _ in range(ns.repeats):
+        keel_runs.append(run_throughput(engine, prompts, ns.output_len)["output_tokens_per_s"])
+        hf_runs.append(hf.run(prompts, ns.output_len, ns.batch_size)["output_tokens_per_s"])
+    keel_tps, hf_tps = statistics.median(keel_runs), statistics.median(hf_runs)
+    cfg = engine.config.model.hf_config
     result = {
-        "device": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "transformers": __import__("transformers").__version__,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
         "model": ns.model,
+        "model_shape": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size},
         "num_prompts": ns.num_prompts,
-        "input_len": ns.input_len,
+        "input_len_range": [ns.min_input_len, ns.max_input_len],
         "output_len": ns.output_len,
         "batch_size": ns.batch_size,
-        "keel_output_tok_s": keel["output_tokens_per_s"],
-        "hf_output_tok_s": hf["output_tokens_per_s"],
-        "speedup_vs_hf": keel["output_tokens_per_s"] / hf["output_tokens_per_s"],
+        "keel_output_tok_s_runs": keel_runs,
+        "hf_output_tok_s_runs": hf_runs,
+        "keel_output_tok_s": keel_tps,
+        "hf_output_tok_s": hf_tps,
+        "speedup_vs_hf": keel_tps / hf_tps,
     }
     print(json.dumps(result, indent=2))
     if ns.out:

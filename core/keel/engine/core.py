@@ -26,9 +26,6 @@ class EngineCore:
         self.platform = config.platform() if plugins is None else select_platform(config, plugins)
         self.max_model_len = config.model.derived_max_model_len
         sched = config.scheduler
-        max_batched = sched.max_num_batched_tokens
-        if not sched.enable_chunked_prefill and max_batched < self.max_model_len:
-            max_batched = self.max_model_len  # a whole prompt must fit one step
 
         self.worker = Worker(config, self.plugins, self.platform)
         self.worker.load_model()
@@ -43,7 +40,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             kv_manager,
             max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=max_batched,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
