@@ -44,6 +44,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
+        self._hooks = self.plugins.hooks.hook
+        self._shut_down = False
+        self._hooks.keel_engine_start(config=config)
         logger.info(
             "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d",
             self.platform.name, num_blocks - 1, spec.block_size, self.max_model_len,
@@ -57,7 +60,20 @@ class EngineCore:
         self.scheduler.add_request(request, max_tokens)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        outputs = self.scheduler.abort_requests(request_ids)
+        self._report_finished(outputs)
+        return outputs
+
+    def _report_finished(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._hooks.keel_request_finished(request_id=out.request_id, reason=out.finish_reason)
+
+    def shutdown(self) -> None:
+        """Idempotent; tells plugins (keel_shutdown) once."""
+        if not self._shut_down:
+            self._shut_down = True
+            self._hooks.keel_shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -68,7 +84,9 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._report_finished(outputs)
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -106,3 +106,15 @@ class LLM:
 
     def get_metrics(self) -> dict[str, Any]:
         return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Release the engine; plugins see `keel_shutdown` once. Also run when the LLM is collected."""
+        engine = self.__dict__.get("llm_engine")
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to tell
+            pass

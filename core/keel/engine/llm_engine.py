@@ -109,6 +109,9 @@ class LLMEngine:
             self.core.abort_requests(stopped)
         return ready
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
     def get_metrics(self) -> dict[str, Any]:
         s = self.core.get_stats()
         return {

@@ -41,6 +41,7 @@ class Worker:
         self._backends: dict = {}
 
     def load_model(self) -> None:
+        self.plugins.hooks.hook.keel_worker_init(config=self.config, rank=0)
         mc = self.config.model
         hf_config = mc.hf_config
         archs = list(getattr(hf_config, "architectures", None) or [])
