@@ -171,6 +171,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The full parser; only the invoked subcommand's `add_parser_fn` runs (keeps startup light)."""
     parser = argparse.ArgumentParser(prog="keel", description="keel: LLM inference and serving")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    from keel.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"keel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if a in _COMMANDS), None)
     for name, command in _COMMANDS.items():
