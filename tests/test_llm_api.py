@@ -194,3 +194,16 @@ def test_cli_generate_and_bench(model_dir, capsys):
     rc = main(["bench", "latency", "--model", str(model_dir), "--input-len", "8", "--output-len", "4",
                "--num-iters", "1", "--json", "--max-model-len", "64"])
     assert rc == 0
+
+
+@pytest.mark.parametrize("dtype,expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                            ("auto", torch.float32)])
+def test_dtypes(model_dir, dtype, expected):
+    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=32, skip_tokenizer_init=True)
+    assert llm.llm_engine.config.model.torch_dtype == expected
+    runner = llm.llm_engine.core.worker.runner
+    assert runner.kv_caches[0].dtype == expected
+    assert next(runner.model.parameters()).dtype == expected
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
