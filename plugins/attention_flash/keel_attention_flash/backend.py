@@ -1,0 +1,93 @@
+"""TritonFlashAttentionBackend (`triton_flash`): paged FlashAttention written in Triton.
+
+Varlen batches mixing prefill, chunked prefill and decode; causal; GQA/MQA; sliding window; head
+sizes 64/128/256; block sizes 16..128; fp32 (IEEE dot products), fp16, bf16. On CUDA the kernels are
+compiled; on the CPU they run only through Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI
+checks them without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+from keel.attention.backend import (
+    AttentionLayerConfig,
+    BackendCapabilities,
+    BackendRequest,
+    default_validate,
+)
+from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+
+from keel_attention_flash.impl import TritonFlashAttentionImpl
+from keel_attention_flash.metadata import FlashMetadataBuilder
+
+
+class UnsupportedLayerError(ValueError):
+    """Raised by `get_impl` / `kv_cache_shape` for a layer or spec the backend cannot serve."""
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonFlashAttentionBackend:
+    """Registered under `attention_backend` as `triton_flash` by the `attention-flash` plugin.
+
+    `supports_cuda_graph`: a pure-decode step's metadata only references the common metadata's device
+    tensors and its launch grid depends only on the batch size, so the model runner may capture it.
+    """
+
+    name: ClassVar[str] = "triton_flash"
+    supports_cuda_graph: ClassVar[bool] = True
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        head_sizes=(64, 128, 256),
+        block_sizes=(16, 32, 64, 128),
+        device_types=("cuda", "cpu"),
+        kv_cache_kinds=("full_attention", "sliding_window"),
+        supports_mla=False,
+        supports_sliding_window=True,
+        supports_encoder=False,
+        supports_soft_cap=False,
+    )
+
+    @classmethod
+    def validate(cls, request: BackendRequest) -> list[str]:
+        """Called by the selector at startup: capabilities, GQA divisibility, interpreter on the CPU."""
+        reasons = default_validate(cls.capabilities, request)
+        layer = request.layer
+        if layer.num_kv_heads <= 0 or layer.num_heads % layer.num_kv_heads != 0:
+            reasons.append(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads {layer.num_kv_heads}")
+        if layer.sliding_window is not None and layer.sliding_window <= 0:
+            reasons.append(f"sliding window {layer.sliding_window} must be positive")
+        if request.device_type == "cpu" and not interpreter_enabled():
+            reasons.append("on the CPU the Triton kernels need the interpreter: set TRITON_INTERPRET=1 "
+                           "before starting (slow; meant for tests)")
+        return reasons
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
+        """Called by the runner per layer: (2, num_blocks, block_size, num_kv_heads, head_size)."""
+        if not isinstance(spec, FullAttentionSpec):
+            raise UnsupportedLayerError(
+                f"triton_flash stores K/V per head; got a {type(spec).__name__} (kind {spec.kind!r}). "
+                "Select an MLA-capable attention backend for this model."
+            )
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    @classmethod
+    def get_metadata_builder(cls, device: torch.device) -> FlashMetadataBuilder:
+        """Called by the runner once per KV cache group."""
+        return FlashMetadataBuilder(device)
+
+    @classmethod
+    def get_impl(cls, layer: AttentionLayerConfig) -> TritonFlashAttentionImpl:
+        """Called once per attention layer when the model is built."""
+        kind = "sliding_window" if layer.sliding_window is not None else "full_attention"
+        # The device was checked by the selector; here only the layer's own shape matters.
+        reasons = [r for r in cls.validate(BackendRequest(layer=layer, device_type="cuda", kv_cache_kind=kind))]
+        if reasons:
+            raise UnsupportedLayerError(f"triton_flash cannot serve layer {layer}: " + "; ".join(reasons))
+        return TritonFlashAttentionImpl(layer)

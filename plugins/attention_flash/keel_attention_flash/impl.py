@@ -1,0 +1,134 @@
+"""The per-layer forward of triton_flash: launch the cache write, then decode or varlen attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from keel.attention.backend import AttentionLayerConfig
+
+from keel_attention_flash import kernels
+from keel_attention_flash.metadata import FlashAttentionMetadata
+
+# Decode splits: enough programs to fill the device a few times over, but no split shorter than this.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 16
+_PROGRAMS_PER_SM = 4
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: keep grids small
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+    """Split count of flash-decoding for a step: a power of two in [1, 16] (few distinct compiles)."""
+    by_occupancy = -(-_PROGRAMS_PER_SM * sm_count // max(num_reqs * num_kv_heads, 1))
+    by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    wanted = max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+    return min(_MAX_SPLITS, _pow2(wanted))
+
+
+class TritonFlashAttentionImpl:
+    """Created by `TritonFlashAttentionBackend.get_impl(layer)` once per attention layer.
+
+    `forward` is called by the layer every step. It writes the new tokens' K/V into the paged cache,
+    then runs split-K flash-decoding when every request has one new token, else the varlen kernel over
+    query tiles of the whole (mixed prefill + decode) batch. `decode_splits` fixes the split count
+    (tests); by default it follows `choose_num_splits`.
+    """
+
+    def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None) -> None:
+        self.layer = layer
+        self.num_heads = layer.num_heads
+        self.num_kv_heads = layer.num_kv_heads
+        self.head_size = layer.head_size
+        self.group = layer.num_heads // layer.num_kv_heads
+        self.window = layer.sliding_window or 0
+        self.decode_splits = decode_splits
+        self.sm_scale_log2 = layer.scale * kernels.LOG2E
+        self.precision = "ieee" if layer.dtype == torch.float32 else "tf32"
+        self.block_d = _pow2(layer.head_size)
+        self.block_n = 64 if self.block_d <= 128 else 32
+        g_pad = _pow2(self.group)
+        self.varlen_g_pad = g_pad
+        self.block_q = max(1, 64 // g_pad) if self.block_d <= 128 else max(1, 32 // g_pad)
+        if self.block_q * g_pad < 16:
+            self.block_q = -(-16 // g_pad)
+        self.decode_g_pad = max(16, g_pad)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: FlashAttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        common = metadata.common
+        page = kv_cache.shape[2]
+        kv_stride = kv_cache.stride(0)
+        n = metadata.num_actual_tokens
+        if n:
+            kernels.reshape_and_cache_kernel[(n,)](
+                k, v, kv_cache, common.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                kv_stride, NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size,
+                BLOCK_H=_pow2(self.num_kv_heads), BLOCK_D=self.block_d,
+            )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if metadata.is_decode:
+            self._decode(q, kv_cache, metadata, out, page)
+            rows = metadata.num_reqs
+        else:
+            self._varlen(q, kv_cache, metadata, out, page)
+            rows = metadata.num_query_rows
+        if rows < out.shape[0]:
+            out[rows:].zero_()  # padding rows: unspecified, but never garbage
+        return out
+
+    def _varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
+                out: torch.Tensor, page: int) -> None:
+        tile_req, tile_q0 = md.tiles(self.block_q)
+        if tile_req.numel() == 0:
+            return
+        common = md.common
+        grid = (tile_req.numel(), self.num_kv_heads)
+        kernels.varlen_paged_attention_kernel[grid](
+            q, out, kv_cache, kv_cache.stride(0), tile_req, tile_q0,
+            common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.sm_scale_log2,
+            NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.varlen_g_pad, BLOCK_Q=self.block_q,
+            HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=self.block_n, PAGE=page, WINDOW=self.window,
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu",
+        )
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
+                out: torch.Tensor, page: int) -> None:
+        b = md.num_reqs
+        if b == 0:
+            return
+        common = md.common
+        span = md.max_seq_len if not self.window else min(md.max_seq_len, self.window)
+        splits = self.decode_splits or choose_num_splits(b, self.num_kv_heads, span, _sm_count(q.device))
+        part_out = torch.empty((b, splits, self.num_heads, self.head_size), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((b, splits, self.num_heads), dtype=torch.float32, device=q.device)
+        kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
+            q, kv_cache, kv_cache.stride(0), part_out, part_lse,
+            common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
+            q.stride(0), q.stride(1), self.sm_scale_log2,
+            NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.decode_g_pad, NUM_SPLITS=splits,
+            HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=self.block_n, PAGE=page, WINDOW=self.window,
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu",
+        )
+        kernels.split_reduce_kernel[(b, self.num_heads)](
+            part_out, part_lse, out, common.query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD=self.head_size,
+            BLOCK_D=self.block_d,
+        )

@@ -1,0 +1,214 @@
+"""Triton kernels of triton_flash: cache write, varlen paged attention, split-K decode and its reduce.
+
+The KV cache is the standard layout [2, num_blocks, block_size, num_kv_heads, head_size], addressed
+here as slots: slot = block_id * block_size + offset. Key tiles gather their slots through the block
+table, so a tile may span several pages and the tile width does not depend on the block size.
+
+Query heads of one KV head are packed into the rows of one tile (row = query token * G_PAD + head in
+group), so GQA/MQA read every K/V tile once per KV head and `tl.dot` always sees >= 16 rows.
+
+Softmax runs in float32 in the log2 domain. The running max starts at a large finite negative value
+(not -inf) so that fully masked rows never compute inf - inf; masked K/V loads read 0 because cache
+slots outside a request's context may hold anything (NaN in the conformance suite).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_NEG_BIG = -1.0e30
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    k_ptr, v_ptr,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
+    cache_ptr,  # [2, num_slots, num_kv_heads, head_size] contiguous
+    slot_ptr,  # [num_tokens] int64, -1 = skip
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    cache_kv_stride,  # elements between the K and the V half of the cache
+    NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    slots = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot
+    mask = (h < NUM_KV_HEADS) & (d < HEAD) & (slots >= 0)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = cache_ptr + slots * (NUM_KV_HEADS * HEAD) + h * HEAD + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row_ptr, kv_head, n_start, seq_len,
+    q_pos,  # [BLOCK_M] int32 position of each row's query token
+    key_lo,  # lowest key position any row may see (sliding window), else 0
+    sm_scale_log2,
+    NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pos = n_start + tl.arange(0, BLOCK_N)
+    in_ctx = (pos < seq_len) & (pos >= key_lo)
+    block = tl.load(bt_row_ptr + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+    slot = block * PAGE + pos % PAGE
+    d = tl.arange(0, BLOCK_D)
+    kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
+    kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
+    k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if DOT_F32:  # Triton's interpreter mis-multiplies 16-bit dot operands: give it float32
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = s * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+    visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
+    if WINDOW > 0:
+        visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
+    p = p.to(v.dtype)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def varlen_paged_attention_kernel(
+    q_ptr, out_ptr, cache_ptr, cache_kv_stride,
+    tile_req_ptr, tile_q0_ptr,  # [num_tiles] int32: request of each query tile, first query row in it
+    query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    sm_scale_log2,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One program: BLOCK_Q query tokens of one request x the GROUP query heads of one KV head."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    r = tl.arange(0, BLOCK_M)
+    q_tok = q0 + r // G_PAD
+    head = kv_head * GROUP + r % G_PAD
+    row_ok = (q_tok < q_len) & (r % G_PAD < GROUP)
+    q_pos = ctx_len + q_tok
+    d = tl.arange(0, BLOCK_D)
+    tok = (q_start + q_tok).to(tl.int64)
+    q_mask = row_ok[:, None] & (d[None, :] < HEAD)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask,
+                other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    # Keys this tile can see: up to its last query's position, from the window of its first query.
+    hi = tl.minimum(seq_len, ctx_len + q0 + BLOCK_Q)
+    key_lo = 0
+    if WINDOW > 0:
+        key_lo = tl.maximum(ctx_len + q0 - WINDOW + 1, 0)
+    lo = (key_lo // BLOCK_N) * BLOCK_N
+    for n_start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, seq_len, q_pos, key_lo,
+            sm_scale_log2, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def split_decode_kernel(
+    q_ptr, cache_ptr, cache_kv_stride,
+    part_out_ptr,  # [num_reqs, NUM_SPLITS, num_heads, HEAD] float32, normalized per split
+    part_lse_ptr,  # [num_reqs, NUM_SPLITS, num_heads] float32, log2-sum-exp2 (-inf: empty split)
+    query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
+    stride_qt, stride_qh,
+    sm_scale_log2,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Flash-decoding: one program = one request x one KV head x one slice of the context."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    tok = tl.load(query_start_ptr + req).to(tl.int64)
+    q_pos = seq_len - 1
+
+    g = tl.arange(0, G_PAD)
+    head = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD)
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+
+    key_lo = 0
+    if WINDOW > 0:
+        key_lo = tl.maximum(seq_len - WINDOW, 0)
+    span = seq_len - key_lo
+    # Whole tiles per split, so splits never share a tile.
+    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = key_lo + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([G_PAD], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    q_pos_rows = tl.zeros([G_PAD], dtype=tl.int32) + q_pos
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for n_start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
+            sm_scale_log2, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32,
+        )
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    num_heads = NUM_KV_HEADS * GROUP
+    base = (req.to(tl.int64) * NUM_SPLITS + split) * num_heads + head
+    tl.store(part_out_ptr + base[:, None] * HEAD + d[None, :], out, mask=q_mask)
+    tl.store(part_lse_ptr + base, lse, mask=g < GROUP)
+
+
+@triton.jit
+def split_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Combine the splits of one request x one query head (log-sum-exp weights); 0 for an empty context."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    base = (req.to(tl.int64) * NUM_SPLITS + s) * NUM_HEADS + head
+    lse = tl.load(part_lse_ptr + base, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    o = tl.load(part_out_ptr + base[:, None] * HEAD + d[None, :],
+                mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tok = tl.load(query_start_ptr + req).to(tl.int64)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)

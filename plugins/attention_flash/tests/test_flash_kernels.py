@@ -1,0 +1,82 @@
+"""triton_flash kernels against the float64 reference beyond the conformance suite: forced split-K
+decode (uneven, more splits than tiles), long contexts, head size 256, block size 128, sizes that are
+multiples of nothing, GQA groups that are not powers of two, and poisoned output buffers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from keel.attention.backend import AttentionLayerConfig
+from keel.testing.attention import AttentionCase, make_step
+from keel.testing.reference import ref_varlen_attention
+from keel_attention_flash.backend import TritonFlashAttentionBackend
+from keel_attention_flash.impl import TritonFlashAttentionImpl, choose_num_splits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None = None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    step, num_blocks, (slots, k, v) = make_step(case, gen, dtype, DEVICE)
+    spec_shape = (2, num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    cache = torch.full(spec_shape, float("nan"), dtype=dtype, device=DEVICE)
+    flat = cache.view(2, -1, case.num_kv_heads, case.head_size)
+    flat[0, slots], flat[1, slots] = k, v
+    layer = AttentionLayerConfig(case.num_heads, case.num_kv_heads, case.head_size, 1 / math.sqrt(case.head_size),
+                                 dtype, case.block_size, sliding_window=case.sliding_window)
+    impl = TritonFlashAttentionImpl(layer, decode_splits=splits)
+    md = TritonFlashAttentionBackend.get_metadata_builder(torch.device(DEVICE)).build(step.common)
+    # Poison: NaN-filled memory freed just before, so an unwritten output row is caught.
+    junk = torch.full((step.q.numel() * 8,), float("nan"), dtype=dtype, device=DEVICE)
+    del junk
+    out = impl.forward(step.q, step.k, step.v, cache, md)
+    n = step.num_actual_tokens
+    assert torch.isfinite(out).all()
+    ref = ref_varlen_attention(step.q[:n], step.keys, step.values, list(case.query_lens),
+                               scale=1 / math.sqrt(case.head_size), sliding_window=case.sliding_window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out[:n].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_split_decode_matches_reference(splits: int) -> None:
+    case = AttentionCase(context_lens=(0, 200, 37, 129), query_lens=(1, 1, 1, 1), num_heads=6, num_kv_heads=2,
+                         head_size=64, block_size=16, num_padding_tokens=2)
+    _run(case, torch.float32, 100 + splits, splits=splits)
+
+
+def test_split_decode_sliding_window() -> None:
+    case = AttentionCase(context_lens=(150, 40), query_lens=(1, 1), num_heads=4, num_kv_heads=1,
+                         head_size=64, block_size=32, sliding_window=70)
+    _run(case, torch.float32, 7, splits=4)
+
+
+def test_long_decode_bf16_default_splits() -> None:
+    case = AttentionCase(context_lens=(700, 5), query_lens=(1, 1), num_heads=8, num_kv_heads=2,
+                         head_size=128, block_size=64)
+    _run(case, torch.bfloat16, 8)
+
+
+def test_head_256_block_128_mixed() -> None:
+    case = AttentionCase(context_lens=(0, 130, 3), query_lens=(45, 1, 19), num_heads=2, num_kv_heads=1,
+                         head_size=256, block_size=128)
+    _run(case, torch.float32, 9)
+
+
+def test_odd_group_and_long_chunk() -> None:
+    # GQA group of 3 (padded rows), a query chunk longer than one tile, context straddling pages.
+    case = AttentionCase(context_lens=(33, 0), query_lens=(77, 2), num_heads=6, num_kv_heads=2, head_size=64,
+                         block_size=16, num_padding_tokens=3)
+    _run(case, torch.bfloat16, 10)
+
+
+def test_choose_num_splits() -> None:
+    assert choose_num_splits(1, 8, 100, 132) == 1  # short context: one split
+    assert choose_num_splits(1, 8, 4096, 132) == 16  # one long request: split up to the cap
+    assert choose_num_splits(256, 8, 4096, 132) == 1  # the batch alone fills the device
+    for b in (1, 3, 32, 200):
+        s = choose_num_splits(b, 8, 4096, 132)
+        assert s & (s - 1) == 0 and 1 <= s <= 16
