@@ -15,6 +15,11 @@ def manifest() -> PluginManifest:
         name="attention-torch",
         version=__version__,
         core_api=">=1.0,<2",
-        provides={"attention_backend": {"torch_paged": "keel_attention_torch.backend:TorchPagedAttentionBackend"}},
+        provides={
+            "attention_backend": {
+                "torch_paged": "keel_attention_torch.backend:TorchPagedAttentionBackend",
+                "torch_mla": "keel_attention_torch.mla:TorchMLABackend",
+            }
+        },
         description="Reference paged attention in plain torch: any device, fp32/fp16/bf16, GQA, sliding window.",
     )

@@ -1,0 +1,195 @@
+"""Fused MoE in Triton: tokens sorted by expert, one grouped GEMM per projection, weighted combine.
+
+Called by `FusedMoE.forward` when the Triton path is selected (`triton_available()`): on CUDA devices,
+or anywhere under `TRITON_INTERPRET=1` (the interpreter runs kernels on CPU tensors; tests use it).
+
+1. `moe_align_block_size` sorts the (token, slot) pairs by expert and pads each expert's run to a
+   multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to exactly one expert. Experts
+   that received no tokens get no block at all. Sizes are upper bounds known without a host sync;
+   blocks past the real end exit immediately.
+2. `_fused_moe_kernel` on w13: rows gathered from `hidden` by sorted id // top_k, times the block's
+   expert weight -> [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
+3. the gated activation in torch, then `_fused_moe_kernel` on w2, multiplying each row by its routing
+   weight -> [num_tokens * top_k, hidden]; the combine is a sum over the top_k slots.
+
+The kernels are jitted on first use and cached per interpreter mode, because Triton decides at
+decoration time whether a function is compiled or interpreted.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from keel.layers.activation import get_act_and_mul_fn
+
+try:  # optional: the torch reference path needs no Triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+    tl = None
+
+BLOCK_M = 16
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton path can run for tensors on `device` (compiled on CUDA, or interpreted)."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    return device.type == "cuda"
+
+
+def _fused_moe_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    num_valid_tokens,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_tokens_post_padded:
+        return
+    offs_token_id = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id)
+    token_mask = offs_token < num_valid_tokens
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = tl.where(token_mask, offs_token // A_ROW_DIV, 0).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + tl.where(token_mask, offs_token, 0), mask=token_mask, other=0.0)
+        acc = acc * w[:, None]
+    c_rows = tl.where(token_mask, offs_token, 0).to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_n[None, :] < N))
+
+
+@functools.cache
+def _jitted(interpret: bool) -> Any:
+    del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
+    return triton.jit(_fused_moe_kernel)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    num_experts: int,
+    block_m: int = BLOCK_M,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids [max_padded] int32, expert_ids [max_padded // block_m] int32, total [1] int32).
+
+    sorted_token_ids lists flat (token * top_k + slot) indices grouped by expert, each expert's run padded
+    with the sentinel num_tokens * top_k to a multiple of block_m; expert_ids[b] is the expert of block b.
+    Entries past `total` are sentinels (rows) and 0 (experts); their blocks do no work.
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_valid = flat.numel()
+    device = flat.device
+    max_padded = num_valid + num_experts * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_start = torch.cumsum(padded, 0) - padded  # [E]
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # flat indices grouped by expert
+    experts_sorted = flat[order]
+    rank = torch.arange(num_valid, device=device) - count_start[experts_sorted]
+    sorted_ids = torch.full((max_padded,), num_valid, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[experts_sorted] + rank] = order.to(torch.int32)
+    blocks_per_expert = padded // block_m
+    expert_ids = torch.zeros(max_padded // block_m, dtype=torch.int32, device=device)
+    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), blocks_per_expert)
+    # Only the first (data-dependent) number of blocks are real; scatter them without a host sync.
+    idx = torch.arange(block_expert.numel(), device=device)
+    expert_ids.index_copy_(0, idx, block_expert.to(torch.int32))
+    total = padded.sum().reshape(1).to(torch.int32)
+    return sorted_ids, expert_ids, total
+
+
+def _invoke(
+    a: torch.Tensor,  # [rows_a, K]
+    b: torch.Tensor,  # [E, N, K]
+    c: torch.Tensor,  # [num_tokens * top_k, N], written
+    topk_weights: torch.Tensor | None,  # [num_tokens * top_k] float32
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    total: torch.Tensor,
+    a_row_div: int,
+) -> None:
+    kernel = _jitted(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    n, k = b.shape[1], b.shape[2]
+    block_n = 64 if n >= 64 else 32
+    block_k = 32
+    grid = (expert_ids.numel(), -(-n // block_n))
+    kernel[grid](
+        a, b, c, topk_weights if topk_weights is not None else c, sorted_ids, expert_ids, total,
+        n, k, c.shape[0],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        # float32 must not silently drop to TF32 on GPUs: fidelity tests compare at 1e-4.
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+
+
+def fused_experts_triton(
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden_size]
+    w2: torch.Tensor,  # [num_experts, hidden_size, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    activation: str = "silu",
+) -> torch.Tensor:  # [num_tokens, hidden_size], dtype of hidden
+    """Same contract as `fused_experts_torch`, computed by the grouped-GEMM kernel."""
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
+    hidden = hidden.contiguous()
+    sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0])
+    rows = num_tokens * top_k
+    gate_up = torch.empty(rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
+    _invoke(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, a_row_div=top_k)
+    inter = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
+    down = torch.empty(rows, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _invoke(inter, w2, down, weights, sorted_ids, expert_ids, total, a_row_div=1)
+    return down.view(num_tokens, top_k, -1).sum(dim=1)

@@ -1,0 +1,108 @@
+"""DeepSeek's multi-head latent attention block: projections, DeepSeek rope, and the MLA layer.
+
+Checkpoint names (HF layout): `q_proj` (no q_lora_rank) or `q_a_proj` + `q_a_layernorm` + `q_b_proj`;
+`kv_a_proj_with_mqa` (hidden -> kv_lora_rank + rope dims), `kv_a_layernorm`, `kv_b_proj` (latent ->
+per-head nope key and value), `o_proj`.
+
+Rope layout: DeepSeek checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (HF V2 always, V3
+when `rope_interleave`). Only q_pe . k_pe is ever used, so permuting both the same way changes nothing;
+we de-interleave q_pe and k_pe (evens, then odds) and apply keel's neox rotation, which is exactly HF's
+`apply_rotary_pos_emb_interleave`. The latent cache therefore stores k_pe de-interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from keel.forward_context import ForwardContext
+from keel.layers.layernorm import RMSNorm
+from keel.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from keel.layers.mla_attention import MLAAttention
+from keel.layers.rotary import get_rope, get_rope_parameters
+from keel.models.interface import ModelBuildContext
+from torch import nn
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(config: Any, rope: dict[str, Any]) -> float:
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 for scaled rope (DeepSeek YaRN)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    if rope.get("rope_type", "default") != "default":
+        mscale_all_dim = rope.get("mscale_all_dim") or 0
+        if mscale_all_dim:
+            factor = rope.get("factor") or config.max_position_embeddings / rope["original_max_position_embeddings"]
+            m = yarn_get_mscale(factor, mscale_all_dim)
+            scale = scale * m * m
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:  # x: [..., R] -> [..., R]: evens then odds
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class DeepseekV2MLAAttention(nn.Module):
+    """Built by the decoder layer; `forward(positions, hidden, ctx)` every step."""
+
+    def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, prefix: str) -> None:
+        super().__init__()
+        self.num_heads = h = config.num_attention_heads
+        self.qk_nope_head_dim = n = config.qk_nope_head_dim
+        self.qk_rope_head_dim = r = config.qk_rope_head_dim
+        self.v_head_dim = v = config.v_head_dim
+        self.kv_lora_rank = lora = config.kv_lora_rank
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        hidden = config.hidden_size
+        bias = bool(getattr(config, "attention_bias", False))
+        quant = build.quant_method
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(
+                hidden, self.q_lora_rank, bias, quant_config=quant, prefix=f"{prefix}.q_a_proj"
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, h * (n + r), False, quant_config=quant, prefix=f"{prefix}.q_b_proj"
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, h * (n + r), False, quant_config=quant, prefix=f"{prefix}.q_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, lora + r, bias, quant_config=quant, prefix=f"{prefix}.kv_a_proj_with_mqa"
+        )
+        self.kv_a_layernorm = RMSNorm(lora, config.rms_norm_eps)
+        # Not quantized: MLA reads its weight directly as W_UK / W_UV.
+        self.kv_b_proj = ColumnParallelLinear(lora, h * (n + v), False, prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(h * v, hidden, bias, quant_config=quant, prefix=f"{prefix}.o_proj")
+        rope = get_rope_parameters(config)
+        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
+        self.rotary_emb = get_rope(r, config.max_position_embeddings, rope)
+        self.mla_attn = MLAAttention(layer_idx, h, n, r, v, lora, mla_softmax_scale(config, rope), build)
+
+    def process_weights_after_loading(self) -> None:
+        """Called by the model after loading: W_UK / W_UV go to the MLA backend."""
+        self.mla_attn.process_weights_after_loading(self.kv_b_proj.weight)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        t, h, n, r = hidden.shape[0], self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q = q.view(t, h, n + r)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, r], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe = q[..., n:]
+        if self.rope_interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, h * r), k_pe.contiguous())
+        q = torch.cat((q[..., :n], q_pe.view(t, h, r)), dim=-1)
+        out = self.mla_attn(q.reshape(t, h * (n + r)), kv_c, k_pe, ctx)
+        return self.o_proj(out)

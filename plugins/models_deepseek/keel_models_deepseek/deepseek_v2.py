@@ -1,0 +1,163 @@
+"""DeepSeek-V2 decoder: MLA attention, dense first layers, then MoE layers with shared experts.
+
+Parameter names match HF checkpoints except for the stacked ones: dense `gate_proj`/`up_proj` ->
+`gate_up_proj`, and per-expert `experts.{e}.{gate,up,down}_proj` -> `experts.w13_weight` / `w2_weight`
+(shard id = (expert id, "w1" | "w3" | "w2")). Checkpoint layers at index >= num_hidden_layers are
+DeepSeek-V3's multi-token-prediction modules; they are skipped here (MTP is served separately).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from keel.forward_context import ForwardContext
+from keel.layers.fused_moe import FusedMoE
+from keel.layers.layernorm import RMSNorm
+from keel.layers.mla_attention import MLAAttention
+from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
+from keel.models.interface import ModelBuildContext
+from keel.models.weights import load_mapped_weights
+from torch import nn
+
+from keel_models_deepseek.attention import DeepseekV2MLAAttention
+from keel_models_deepseek.moe import DeepseekV2MLP, DeepseekV2MoE
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class UnsupportedDeepseekConfigError(ValueError):
+    """The DeepSeek config asks for something keel does not serve yet."""
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    """DeepSeek's rule: routed experts from `first_k_dense_replace` on, every `moe_layer_freq` layers."""
+    if not getattr(config, "n_routed_experts", None):
+        return False
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    freq = getattr(config, "moe_layer_freq", 1) or 1
+    return layer_idx >= first_dense and layer_idx % freq == 0
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, version: int, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV2MLAAttention(config, layer_idx, build, f"{prefix}.self_attn")
+        if is_moe_layer(config, layer_idx):
+            self.mlp: nn.Module = DeepseekV2MoE(config, build, version, f"{prefix}.mlp")
+        else:
+            act = getattr(config, "hidden_act", "silu")
+            self.mlp = DeepseekV2MLP(config.hidden_size, config.intermediate_size, act, build, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each sub-block is deferred into the next norm (fused add + norm).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, build: ModelBuildContext, version: int) -> None:
+        super().__init__()
+        config = build.hf_config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, build, version, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """Text generation for `DeepseekV2ForCausalLM` checkpoints; base of `DeepseekV3ForCausalLM`.
+
+    Built by the model loader under the build's device/dtype; see `keel.models.interface.CausalLM`.
+    Its attention layers are `MLAAttention` (KV cache kind "mla_latent").
+    """
+
+    version: ClassVar[int] = 2
+    skip_substrs: ClassVar[tuple[str, ...]] = (
+        "rotary_emb.inv_freq",
+        "rotary_emb.cos_cached",
+        "rotary_emb.sin_cached",
+    )
+
+    def __init__(self, build: ModelBuildContext) -> None:
+        super().__init__()
+        self.config = config = build.hf_config
+        tp_size = getattr(build, "tp_size", 1)
+        if tp_size != 1:
+            raise UnsupportedDeepseekConfigError(
+                f"DeepSeek models run with tensor_parallel_size=1 for now (got {tp_size})"
+            )
+        self.model = DeepseekV2Model(build, self.version)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return compute_logits(self.lm_head, hidden)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        """The attention layers in layer-index order (the runner asks each for its kv_cache_spec)."""
+        return [layer.self_attn.mla_attn for layer in self.model.layers]
+
+    def moe_layers(self) -> list[FusedMoE]:
+        """The routed-expert layers (capability: MoE)."""
+        return [layer.mlp.experts for layer in self.model.layers if isinstance(layer.mlp, DeepseekV2MoE)]
+
+    def stacked_params_mapping(self) -> list[tuple[str, str, Any]]:
+        # Expert rows first: the dense ".gate_proj" row would otherwise claim expert tensors too.
+        return [
+            *FusedMoE.make_expert_params_mapping(self.config.n_routed_experts or 0),
+            (".gate_up_proj", ".gate_proj", 0),
+            (".gate_up_proj", ".up_proj", 1),
+        ]
+
+    def _is_extra_layer(self, name: str) -> bool:
+        m = _LAYER_RE.match(name)
+        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = self.skip_substrs + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        ours = ((name, t) for name, t in weights if not self._is_extra_layer(name))
+        loaded = load_mapped_weights(self, ours, self.stacked_params_mapping(), skip)
+        for layer in self.model.layers:
+            layer.self_attn.process_weights_after_loading()
+        return loaded

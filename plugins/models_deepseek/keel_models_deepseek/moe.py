@@ -1,0 +1,119 @@
+"""DeepSeek MLP blocks: the dense SwiGLU MLP and the MoE block (router, routed experts, shared experts).
+
+Routing follows the HF config: V2 scores with softmax, greedy or `group_limited_greedy`; V3 scores
+with sigmoid plus `e_score_correction_bias`, group-limited (`noaux_tc`). `norm_topk_prob` renormalizes
+the top-k weights and `routed_scaling_factor` multiplies them, for both (transformers 5.x ignores
+`norm_topk_prob` for V2; with it set, keel follows vLLM and DeepSeek's own code and renormalizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from keel.layers.activation import get_act_and_mul_fn
+from keel.layers.fused_moe import FusedMoE, RoutingConfig
+from keel.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from keel.models.interface import ModelBuildContext
+from keel.models.weights import default_weight_loader, set_weight_attrs
+from torch import nn
+
+
+class DeepseekV2MLP(nn.Module):
+    """Dense SwiGLU MLP (first_k_dense_replace layers, and the shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, build: ModelBuildContext, prefix: str):
+        super().__init__()
+        quant = build.quant_method
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, False, quant_config=quant, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, False, quant_config=quant, prefix=f"{prefix}.down_proj"
+        )
+        self.act_fn = get_act_and_mul_fn(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    """Router weight [num_experts, hidden] (kept in float32, as HF does) and V3's correction bias."""
+
+    def __init__(self, num_experts: int, hidden_size: int, with_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        set_weight_attrs(self.weight, weight_loader=default_weight_loader)
+        if with_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+            )
+            set_weight_attrs(self.e_score_correction_bias, weight_loader=default_weight_loader)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden] -> [num_tokens, E] float32
+        return F.linear(x.float(), self.weight)
+
+
+def routing_config(config: Any, version: int) -> RoutingConfig:
+    """The RoutingConfig of a DeepSeek V2 (`version=2`) or V3 (`version=3`) HF config."""
+    num_experts = config.n_routed_experts
+    common = {
+        "num_experts": num_experts,
+        "top_k": config.num_experts_per_tok,
+        "renormalize": bool(getattr(config, "norm_topk_prob", False)),
+        "routed_scaling_factor": float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+    }
+    if version == 3:
+        return RoutingConfig(
+            scoring_func=getattr(config, "scoring_func", "sigmoid"),
+            use_grouped_topk=True,
+            num_expert_group=config.n_group or 1,
+            topk_group=config.topk_group or 1,
+            **common,
+        )
+    method = getattr(config, "topk_method", "greedy") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported; known: greedy, group_limited_greedy")
+    grouped = method == "group_limited_greedy"
+    return RoutingConfig(
+        scoring_func=getattr(config, "scoring_func", "softmax") or "softmax",
+        use_grouped_topk=grouped,
+        num_expert_group=config.n_group if grouped else None,
+        topk_group=config.topk_group if grouped else None,
+        **common,
+    )
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed experts plus always-on shared experts; checkpoint names `mlp.gate.*`, `mlp.experts.{e}.*`,
+    `mlp.shared_experts.*`."""
+
+    def __init__(self, config: Any, build: ModelBuildContext, version: int, prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        routing = routing_config(config, version)
+        act = getattr(config, "hidden_act", "silu")
+        self.gate = MoEGate(config.n_routed_experts, hidden, with_bias=version == 3)
+        self.experts = FusedMoE(
+            config.n_routed_experts,
+            hidden,
+            config.moe_intermediate_size,
+            routing,
+            activation=act,
+            prefix=f"{prefix}.experts",
+        )
+        n_shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = (
+            DeepseekV2MLP(hidden, config.moe_intermediate_size * n_shared, act, build, f"{prefix}.shared_experts")
+            if n_shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
