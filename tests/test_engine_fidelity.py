@@ -11,19 +11,18 @@ import random
 
 import pytest
 import torch
-
 from keel import SamplingParams
-from keel.engine.llm_engine import LLMEngine
 from keel.config import EngineArgs
+from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
 
 ATOL = 1e-4
 ARCH_OVERRIDES = {
-    "llama": dict(
-        tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "llama": {
+        "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    ),
+    },
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
@@ -69,8 +68,8 @@ def _hf_model(path):
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    args = dict(model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=4,
-                max_model_len=128, seed=0)
+    args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 4,
+                "max_model_len": 128, "seed": 0}
     args.update(kw)
     return LLMEngine.from_engine_args(EngineArgs(**args))
 

@@ -17,7 +17,7 @@ def manifest() -> PluginManifest:
         name="core",
         version=__version__,
         core_api=f"=={CORE_API_VERSION}",
-        description="keel core built-ins (KV cache spec kinds)",
+        description="keel core built-ins (KV cache spec kinds, n-gram drafts)",
         provides={
             "kv_cache_spec": {
                 "full_attention": f"{_SINGLE_TYPE}:FullAttentionManager",
@@ -25,5 +25,7 @@ def manifest() -> PluginManifest:
                 # MLA latent caches grow with the context like full attention: one latent per token.
                 "mla_latent": f"{_SINGLE_TYPE}:FullAttentionManager",
             },
+            # Model-free draft methods; model-specific ones (MTP) come from model plugins.
+            "spec_decoder": {"ngram": "keel.spec_decode.ngram:NgramProposer"},
         },
     )

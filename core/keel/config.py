@@ -34,6 +34,7 @@ class ConfigError(ValueError):
     """An invalid engine setting; the message names the field and the accepted values."""
 
 
+LOAD_FORMATS = ("auto", "dummy")
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                "bfloat16": "bfloat16"}
 
@@ -56,8 +57,11 @@ class ModelConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     served_model_name: str | None = None  # defaults to `model`
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"model.load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model.model must be a model directory or name, got {self.model!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -174,8 +178,10 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # a draft method key, e.g. "mtp", "ngram", "draft_model"
+    method: str  # a `spec_decoder` registry key, e.g. "ngram", "mtp"
     num_speculative_tokens: int = 1
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:

@@ -43,6 +43,7 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
+            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
         )
         self._hooks = self.plugins.hooks.hook
         self._shut_down = False

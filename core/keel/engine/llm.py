@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from keel.config import EngineArgs, EngineConfig
 from keel.engine.core import EngineCore
@@ -33,8 +34,9 @@ def load_tokenizer(config: EngineConfig):
     mc = config.model
     if mc.skip_tokenizer_init:
         return None
-    from keel.models.loader import resolve_model_path
     from transformers import AutoTokenizer
+
+    from keel.models.loader import resolve_model_path
 
     path = mc.tokenizer or mc.model
     if path == mc.model:
@@ -68,7 +70,7 @@ class LLMEngine:
         self._counter = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         args.model = resolve_model_shortcut(args.model)
         return cls(args.create_engine_config())
 

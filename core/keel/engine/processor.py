@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from keel.engine.request import EngineCoreRequest
 from keel.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ after preemption and speculative tokens are the same arithmetic.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from keel.engine.core_output import EngineCoreOutput, SchedulerStats
 from keel.engine.request import EngineCoreRequest, Request, RequestStatus
@@ -249,8 +249,21 @@ class Scheduler:
                 self._finish(request, status)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
+            else:
+                self._set_drafts(request, runner_output.spec_token_ids.get(rid))
             outputs.append(out)
         return outputs
+
+    def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
+        """Keep only drafts that could still be emitted (lengths, max_tokens: one token is always new)."""
+        if not drafts:
+            return
+        room = min(
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.num_spec_tokens,
+        )
+        request.spec_token_ids = list(drafts[: max(room, 0)])
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -22,6 +22,7 @@ KINDS: tuple[str, ...] = (
     "endpoint",
     "stat_logger",
     "kv_cache_spec",
+    "spec_decoder",
 )
 
 

@@ -17,14 +17,18 @@ from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
+from keel.spec_decode.proposer import DraftInput, DraftProposer
 from keel.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("keel.worker")
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
+                 proposer: DraftProposer | None = None, num_speculative_tokens: int = 0) -> None:
         self.model = model
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
         self.device = device
         self.block_size = block_size
         self.sampler = Sampler()
@@ -38,6 +42,7 @@ class ModelRunner:
                 builders[layer.backend] = layer.backend.get_metadata_builder(device)
         self._builders = list(builders.values())
         self._layer_builder = [list(builders).index(layer.backend) for layer in self.attn_layers]
+        self.cuda_graphs = None  # a DecodeGraphRunner once capture_cuda_graphs ran
 
     # ---------------------------------------------------------------- KV cache
 
@@ -68,6 +73,72 @@ class ModelRunner:
             spec = layer.kv_cache_spec()
             shape = layer.backend.kv_cache_shape(num_blocks, spec)
             self.kv_caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+
+    def capture_cuda_graphs(self, spec, max_num_seqs: int, max_model_len: int) -> bool:
+        """Called by the worker after `initialize_kv_cache` unless enforce_eager; `spec` is the platform's
+        GraphCaptureSpec. Returns whether graphs were captured (every layer's backend must allow it)."""
+        import importlib
+
+        if not spec.supported or not spec.capturer or not spec.batch_sizes:
+            return False
+        refusing = sorted({layer.backend.name for layer in self.attn_layers
+                           if not getattr(layer.backend, "supports_cuda_graph", False)})
+        if refusing:
+            logger.info("decode CUDA graphs off: attention backend(s) %s cannot be captured", refusing)
+            return False
+        sizes = [b for b in spec.batch_sizes if b <= max_num_seqs] or [min(spec.batch_sizes)]
+        module, _, attr = spec.capturer.partition(":")
+        capturer = getattr(importlib.import_module(module), attr)
+        self.cuda_graphs = capturer(self.model, self._builders, self._layer_builder, self.kv_caches, self.device,
+                                    self.block_size, sizes, max_model_len)
+        self.cuda_graphs.capture()
+        return True
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """A dummy prefill of `num_tokens` tokens (requests of at most `max_model_len`) plus logits for
+        up to `max_num_seqs` rows, on a temporary KV cache: the activation peak of the largest step.
+
+        Called by the worker before sizing the KV cache; returns the temporary cache's bytes (part of
+        the measured peak that the real cache will replace).
+        """
+        lens = []
+        left = num_tokens
+        while left > 0 and len(lens) < max_num_seqs:
+            lens.append(min(left, max_model_len))
+            left -= lens[-1]
+        bs = self.block_size
+        blocks = [-(-n // bs) for n in lens]
+        caches = []
+        for layer in self.attn_layers:
+            spec = layer.kv_cache_spec()
+            shape = layer.backend.kv_cache_shape(sum(blocks) + 1, spec)
+            caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+        first = 1
+        for i, n in enumerate(blocks):
+            table[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
+            first += n
+        qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        req = torch.repeat_interleave(torch.arange(len(lens)), seq)
+        slots = table[req, pos // bs].to(torch.int64) * bs + pos % bs
+        dev = self.device
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), seq_lens_cpu=seq,
+            block_table=table.to(dev), slot_mapping=slots.to(dev), num_reqs=len(lens),
+            num_actual_tokens=int(seq.sum()), max_query_len=max(lens), max_seq_len=max(lens), block_size=bs,
+        )
+        metas = [builder.build(common) for builder in self._builders]
+        ctx = ForwardContext(attn_metadata=[metas[b] for b in self._layer_builder], kv_caches=caches,
+                             num_actual_tokens=common.num_actual_tokens)
+        input_ids = torch.zeros(common.num_actual_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(input_ids, pos.to(dev), ctx)
+        rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
+        self.model.compute_logits(hidden[rows]).softmax(dim=-1)  # the sampler's largest intermediate
+        return sum(c.numel() * c.element_size() for c in caches)
 
     # ---------------------------------------------------------------- step
 
@@ -105,8 +176,8 @@ class ModelRunner:
         positions: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        sample_rows: list[int] = []  # flat index of the last token of requests that sample this step
-        sampling_reqs: list[int] = []  # batch index of those requests
+        sample_rows: list[int] = []  # flat rows whose next token is sampled (drafts: one row each + 1)
+        sampling_reqs: list[tuple[int, int]] = []  # (batch index, number of rows) of requests that sample
         for i, (rid, state) in enumerate(zip(req_ids, states)):
             n = so.num_scheduled_tokens[rid]
             start = state.num_computed_tokens
@@ -116,9 +187,11 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
-            if start + n >= len(state.token_ids):
-                sample_rows.append(query_start[-1] - 1)
-                sampling_reqs.append(i)
+            # Rows from the last committed token on predict unknown or draft tokens.
+            num_rows = start + n - (len(state.token_ids) - 1)
+            if num_rows > 0:
+                sample_rows.extend(range(query_start[-1] - num_rows, query_start[-1]))
+                sampling_reqs.append((i, num_rows))
         num_tokens = len(token_ids)
 
         max_blocks = max(len(s.block_ids) for s in states)
@@ -150,45 +223,85 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
-        metas = [builder.build(common) for builder in self._builders]
-        ctx = ForwardContext(
-            attn_metadata=[metas[b] for b in self._layer_builder],
-            kv_caches=self.kv_caches,
-            num_actual_tokens=num_tokens,
-        )
-        hidden = self.model(input_ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), ctx)
+        hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, pos, common)
+        if hidden is None:
+            metas = [builder.build(common) for builder in self._builders]
+            ctx = ForwardContext(
+                attn_metadata=[metas[b] for b in self._layer_builder],
+                kv_caches=self.kv_caches,
+                num_actual_tokens=num_tokens,
+            )
+            hidden = self.model(input_ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), ctx)
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
-        if not sample_rows:
-            return out
+        if sample_rows:
+            self._sample_and_verify(so, states, sample_rows, sampling_reqs, hidden, out)
+        return out
 
+    def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:
+        """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.
+
+        Row j of a request is sampled with the state a non-speculative step would have there: outputs
+        plus the j drafts before it (penalties, min_tokens) and seed counter outputs + j.
+        """
+        dev = self.device
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab]
-        sampled_states = [states[i] for i in sampling_reqs]
+        params, outputs, prompts, seeds, stops = [], [], [], [], []
+        for i, num_rows in sampling_reqs:
+            state = states[i]
+            drafts = so.scheduled_spec_decode_tokens.get(state.req_id, ())
+            prior = state.output_token_ids
+            prompt = state.prompt_token_ids
+            for j in range(num_rows):
+                params.append(state.sampling_params)
+                outputs.append(prior + list(drafts[:j]) if j else prior)
+                prompts.append(prompt)
+                seeds.append(state.seed)
+                stops.append(state.stop_token_ids)
         meta = SamplingMetadata.build(
-            params=[s.sampling_params for s in sampled_states],
-            output_token_ids=[s.output_token_ids for s in sampled_states],
-            prompt_token_ids=[s.prompt_token_ids for s in sampled_states],
-            seeds=[s.seed for s in sampled_states],
+            params=params,
+            output_token_ids=outputs,
+            prompt_token_ids=prompts,
+            seeds=seeds,
             vocab_size=logits.shape[-1],
             device=dev,
-            stop_token_ids_for_min_tokens=[s.stop_token_ids for s in sampled_states],
+            stop_token_ids_for_min_tokens=stops,
         )
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()  # the one host sync of the step
         lp_lists = None
         if result.logprobs is not None:
             lp_lists = (result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist())
-        for j, i in enumerate(sampling_reqs):
+        row = 0
+        for i, num_rows in sampling_reqs:
             state = states[i]
-            token = sampled[j]
-            state.token_ids.append(token)
-            out.sampled_token_ids[i] = [token]
+            drafts = so.scheduled_spec_decode_tokens.get(state.req_id, ())
+            targets = sampled[row : row + num_rows]
+            accepted = 0
+            while accepted < num_rows - 1 and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            tokens = targets[: accepted + 1]
+            state.token_ids.extend(tokens)
+            out.sampled_token_ids[i] = tokens
             k = state.sampling_params.logprobs
             if k is not None and lp_lists is not None:
-                ids, lps, ranks = (row[j][: k + 1] for row in lp_lists)
-                out.logprobs[state.req_id] = ([ids], [lps], [ranks])
-        return out
+                ids, lps, ranks = ([r[: k + 1] for r in col[row : row + len(tokens)]] for col in lp_lists)
+                out.logprobs[state.req_id] = (ids, lps, ranks)
+            row += num_rows
+        if self.proposer is not None:
+            self._propose(states, sampling_reqs, out)
+
+    def _propose(self, states, sampling_reqs, out: ModelRunnerOutput) -> None:
+        reqs = [states[i] for i, _ in sampling_reqs]
+        batch = DraftInput(
+            req_ids=[s.req_id for s in reqs],
+            token_ids=[s.token_ids for s in reqs],
+            max_drafts=[self.num_speculative_tokens] * len(reqs),
+        )
+        for state, drafts in zip(reqs, self.proposer.propose(batch)):
+            if drafts:
+                out.spec_token_ids[state.req_id] = list(drafts)
 
     def _prompt_logprobs(self, so, req_ids, states, query_start, hidden, out: ModelRunnerOutput) -> None:
         for i, (rid, state) in enumerate(zip(req_ids, states)):

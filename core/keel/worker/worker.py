@@ -6,10 +6,9 @@ The engine core (through an executor) calls, in order: `load_model`, `kv_cache_s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-
-import torch
 
 from keel.attention.backend import AttentionLayerConfig, BackendRequest
 from keel.attention.selector import select_attention_backend
@@ -17,6 +16,7 @@ from keel.config import EngineConfig
 from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
+from keel.spec_decode.proposer import ProposerContext
 from keel.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("keel.worker")
@@ -46,7 +46,7 @@ class Worker:
         hf_config = mc.hf_config
         archs = list(getattr(hf_config, "architectures", None) or [])
         registry = self.plugins.registry("model_arch")
-        arch = next((a for a in archs if a in registry.keys()), None)
+        arch = next((a for a in archs if a in registry), None)
         if arch is None:
             raise ValueError(
                 f"no loaded plugin serves the architecture(s) {archs} of {mc.model!r}; "
@@ -59,10 +59,21 @@ class Worker:
             hf_config=hf_config, dtype=dtype, device=self.device, block_size=block_size,
             attention_backend=None, attention_selector=self._select_backend,
         )
-        model = load_model(model_cls, build, resolve_model_path(mc.model, mc.revision))
-        self.runner = ModelRunner(model, self.device, block_size)
+        model = load_model(model_cls, build, resolve_model_path(mc.model, mc.revision),
+                           load_format=getattr(mc, "load_format", "auto"))
+        self.runner = ModelRunner(model, self.device, block_size, *self._make_proposer(model))
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s) with attention backend(s) %s", mc.model, arch, dtype, names)
+
+    def _make_proposer(self, model) -> tuple[object | None, int]:
+        spec = self.config.speculative
+        if spec is None:
+            return None, 0
+        proposer_cls = self.plugins.registry("spec_decoder").get(spec.method)
+        options = tuple((k, v) for k, v in dataclasses.asdict(spec).items()
+                        if k not in ("method", "num_speculative_tokens"))
+        ctx = ProposerContext(spec.method, spec.num_speculative_tokens, options, model, self.device)
+        return proposer_cls(ctx), spec.num_speculative_tokens
 
     def _select_backend(self, layer: AttentionLayerConfig, kv_cache_kind: str):
         """Called by each attention layer as the model is built; one validated choice per layer kind."""
@@ -102,15 +113,42 @@ class Worker:
     def _default_budget_bytes(self) -> int:
         if self.device.type == "cpu":
             return int(self.platform.free_memory() * _HOST_KV_FRACTION)
-        # Device platforms: what gpu_memory_utilization leaves after weights (no activation profile yet).
+        # Device platforms: what gpu_memory_utilization leaves after weights, other processes and the
+        # activation peak of the largest step (measured by a dummy forward when the platform can).
+        activation = self._profile_activation_bytes()
         total = self.platform.total_memory()
         free = self.platform.free_memory()
         used_by_others = total - free
-        return int(total * self.config.cache.gpu_memory_utilization - used_by_others)
+        budget = int(total * self.config.cache.gpu_memory_utilization - used_by_others - activation)
+        logger.info("KV cache budget %.2f GiB (total %.1f GiB x %.2f, in use %.2f GiB, activation peak %.2f GiB)",
+                    budget / 2**30, total / 2**30, self.config.cache.gpu_memory_utilization,
+                    used_by_others / 2**30, activation / 2**30)
+        return budget
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak bytes a forward of the largest step allocates beyond the weights (0 if not measurable)."""
+        p = self.platform
+        if p.memory_allocated() is None:
+            return 0
+        sched = self.config.scheduler
+        max_len = self.config.model.derived_max_model_len
+        num_tokens = sched.max_num_batched_tokens or max_len
+        p.synchronize()
+        p.empty_cache()
+        before = p.memory_allocated()
+        p.reset_peak_memory_stats()
+        temp_cache = self.runner.profile_run(num_tokens, sched.max_num_seqs, max_len)
+        p.synchronize()
+        peak = p.peak_memory_allocated() or before
+        p.empty_cache()
+        return max(0, peak - before - temp_cache)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
+        if not self.config.device.enforce_eager:
+            self.runner.capture_cuda_graphs(self.platform.graph_capture(), self.config.scheduler.max_num_seqs,
+                                            self.config.model.derived_max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
