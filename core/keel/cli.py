@@ -165,6 +165,8 @@ register_command("generate", "keel.generate_cmd:add_generate_args", "keel.genera
                  help="generate completions for prompts (offline)")
 register_command("bench", "keel.bench:add_bench_args", "keel.bench:run_bench",
                  help="offline throughput and latency benchmarks")
+register_command("serve", "keel.serve_cmd:add_serve_args", "keel.serve_cmd:run_serve",
+                 help="OpenAI-compatible API server")
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:

@@ -1,0 +1,75 @@
+"""OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, for every error the server
+returns -- including FastAPI's own (unknown route, wrong method) and unexpected failures."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("keel.endpoints")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+class OpenAIError(Exception):
+    """Raised by route handlers; rendered as an OpenAI error response with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(exc: Exception) -> OpenAIError:
+    """A user error (ValueError and friends) as HTTP 400, keeping a `param` the exception names."""
+    return OpenAIError(400, getattr(exc, "message", None) or str(exc) or type(exc).__name__,
+                       param=getattr(exc, "param", None))
+
+
+async def read_json(request: Request) -> Any:
+    """The decoded body; malformed JSON is a 400, never a 500."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Called once by `build_app`."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        return OpenAIError(400, f"{loc}: {err.get('msg', 'invalid request')}", param=loc or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return OpenAIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()

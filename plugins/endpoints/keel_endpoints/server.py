@@ -1,0 +1,133 @@
+"""The API server: builds the FastAPI app from the selected endpoints and serves it with uvicorn.
+
+`keel serve` finds `APIServer` as the `endpoint` registry entry "api_server" and calls `APIServer.serve`.
+As an endpoint itself, it adds the server's own routes: /health, /version, /v1/models, /tokenize,
+/detokenize and /metrics.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from keel.endpoint import EndpointContext
+from keel.version import __version__
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from keel_endpoints.errors import OpenAIError, install_error_handlers
+from keel_endpoints.utility import register_utility_routes
+
+logger = logging.getLogger("keel.endpoints")
+
+# Reachable without the API key: probes and scrapers carry no credentials.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (no response buffering, so streams and disconnects pass through untouched): every
+    path but `PUBLIC_PATHS` needs `Authorization: Bearer <key>`, else 401."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            error = OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                                code="invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _io_processors(plugin_set: Any, engine_client: Any, served_model_name: str) -> tuple[tuple[str, Any], ...]:
+    registry = plugin_set.registry("io_processor")
+    out = []
+    for key in registry:
+        factory = registry.get(key)
+        out.append((key, factory(tokenizer=engine_client.get_tokenizer(), served_model_name=served_model_name,
+                                 max_model_len=engine_client.max_model_len)))
+    return tuple(out)
+
+
+def build_app(engine_client: Any, config: Any, *, served_model_name: str | None = None,
+              api_key: str | None = None, plugin_set: Any = None) -> FastAPI:
+    """The app with every `endpoint` of the plugin set registered (the server's own routes first).
+
+    `plugin_set` defaults to `config.plugin_set()`: the profile decides which endpoint plugins exist.
+    """
+    plugin_set = plugin_set if plugin_set is not None else config.plugin_set()
+    name = served_model_name or config.model.served_model_name
+    app = FastAPI(title="keel", version=__version__, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    ctx = EndpointContext(engine_client=engine_client, config=config, served_model_name=name,
+                          io_processors=_io_processors(plugin_set, engine_client, name))
+    endpoints = plugin_set.registry("endpoint")
+    keys = ["api_server", *(k for k in endpoints if k != "api_server")]
+    for key in keys:
+        endpoint = APIServer() if key == "api_server" else endpoints.get(key)
+        if isinstance(endpoint, type):
+            endpoint = endpoint()
+        endpoint.register(app, ctx)
+        logger.info("registered endpoint %r from %s", key, endpoints.provider(key) if key in endpoints else "?")
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.state.keel_context = ctx
+    return app
+
+
+class APIServer:
+    """The "api_server" endpoint: the server's own routes, and the `serve` entry point of `keel serve`."""
+
+    def register(self, app: FastAPI, ctx: EndpointContext) -> None:
+        engine = ctx.engine_client
+        created = int(time.time())
+
+        @app.get("/health")
+        async def health() -> Response:
+            try:
+                await engine.check_health()
+            except Exception as exc:  # noqa: BLE001 -- any failure means unhealthy
+                return OpenAIError(503, f"the engine is not healthy: {exc}").response()
+            return Response(status_code=200)
+
+        @app.get("/ping")
+        async def ping() -> Response:
+            return await health()
+
+        @app.get("/version")
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": __version__})
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            root = ctx.config.model.model if ctx.config is not None and ctx.config.model else None
+            card = {"id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "keel",
+                    "root": root, "parent": None, "max_model_len": engine.max_model_len}
+            return JSONResponse({"object": "list", "data": [card]})
+
+        register_utility_routes(app, ctx)
+
+    @staticmethod
+    def serve(engine_client: Any, config: Any, *, host: str = "127.0.0.1", port: int = 8000,
+              api_key: str | None = None, log_level: str = "info") -> int:
+        """Called by `keel serve`: build the app and run uvicorn until interrupted; returns the exit status."""
+        import uvicorn
+
+        app = build_app(engine_client, config, api_key=api_key)
+        logger.warning("keel API server on http://%s:%d (model %r)", host, port, config.model.served_model_name)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        return 0
+
+
+def request_context(request: Request) -> EndpointContext:
+    """The EndpointContext of the app serving `request`."""
+    return request.app.state.keel_context

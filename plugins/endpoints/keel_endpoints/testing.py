@@ -1,0 +1,71 @@
+"""Run a real keel API server on a free loopback port in a background thread (for tests and scripts).
+
+    with serve_in_thread(EngineArgs(model=path, profile="cpu"), api_key="k") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="k")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from keel.config import EngineArgs
+from keel.engine.async_llm import AsyncLLM
+
+from keel_endpoints.server import build_app
+
+
+@dataclass
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    engine: AsyncLLM
+    app: Any
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's base_url."""
+        return f"{self.url}/v1"
+
+
+@contextlib.contextmanager
+def serve_app_in_thread(app: Any, startup_timeout: float = 30.0) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 (a port the OS picks); yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="keel-test-server",
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@contextlib.contextmanager
+def serve_in_thread(args: EngineArgs, *, api_key: str | None = None,
+                    served_model_name: str | None = None) -> Iterator[RunningServer]:
+    """An AsyncLLM for `args` behind the full app (every endpoint of the profile's plugins)."""
+    engine = AsyncLLM.from_engine_args(args)
+    try:
+        app = build_app(engine, engine.config, api_key=api_key, served_model_name=served_model_name)
+        with serve_app_in_thread(app) as url:
+            yield RunningServer(url=url, engine=engine, app=app)
+    finally:
+        engine.shutdown()

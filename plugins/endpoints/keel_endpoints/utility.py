@@ -1,0 +1,102 @@
+"""/tokenize, /detokenize (vLLM's shapes) and /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from keel.endpoint import EndpointContext
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from keel_endpoints.errors import OpenAIError, bad_request, read_json
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        raise OpenAIError(400, f"{loc}: {err['msg']}", param=loc or None) from None
+
+
+def _check_model(ctx: EndpointContext, model: str | None) -> None:
+    if model is not None and model != ctx.served_model_name:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
+    """Called by the api_server endpoint. /metrics attaches a Prometheus stat logger to the engine."""
+    from keel.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+
+    engine = ctx.engine_client
+    procs = dict(ctx.io_processors)
+    stat_logger = PrometheusStatLogger(ctx.served_model_name)
+    if hasattr(engine, "add_stat_logger"):
+        engine.add_stat_logger(stat_logger)
+    app.state.keel_stat_logger = stat_logger
+
+    def tokenizer() -> Any:
+        tok = engine.get_tokenizer()
+        if tok is None:
+            raise OpenAIError(400, "this server runs without a tokenizer (skip_tokenizer_init)")
+        return tok
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req = _parse(TokenizeRequest, await read_json(request))
+        _check_model(ctx, req.model)
+        tok = tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        try:
+            if req.messages is not None:
+                if "chat" not in procs:
+                    raise OpenAIError(400, "tokenizing messages needs the 'chat' io_processor", param="messages")
+                chat = procs["chat"]
+                body = {"messages": req.messages, "add_generation_prompt": req.add_generation_prompt}
+                parsed = chat.parse_request(body)
+                ids = [int(t) for p in await engine.run_in_tokenizer_thread(chat.pre_process, parsed)
+                       for t in p.prompt_token_ids]
+            else:
+                ids = await engine.run_in_tokenizer_thread(
+                    lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = _parse(DetokenizeRequest, await read_json(request))
+        _check_model(ctx, req.model)
+        tok = tokenizer()
+        vocab = len(tok)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token id(s) {bad[:5]} out of vocabulary range [0, {vocab})", param="tokens")
+        text = await engine.run_in_tokenizer_thread(tok.decode, req.tokens)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(stat_logger.render(), media_type=CONTENT_TYPE)

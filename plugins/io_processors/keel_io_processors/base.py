@@ -1,0 +1,82 @@
+"""What the completion and chat processors share: construction, prompt hand-off, usage, envelopes.
+
+Beyond `keel.io.IOProcessor` (parse_request, pre_process, post_process) the OpenAI processors offer
+what the endpoints plugin's OpenAI routes need for streaming and sampling:
+
+    sampling_params(request) -> SamplingParams     # HTTP 400 (InvalidRequestError) on bad values
+    is_stream(request) -> bool
+    create_stream(request) -> stream with on_output(prompt_index, RequestOutput) -> list[chunk dict]
+                                          and finish() -> list[chunk dict]   (the usage chunk)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from keel.engine.outputs import RequestOutput
+
+from keel_io_processors.protocol import SamplingFields
+
+
+class OpenAIProcessorBase:
+    """Created by the API server once, with the engine's tokenizer; stateless across requests."""
+
+    def __init__(self, *, tokenizer: Any = None, served_model_name: str = "", max_model_len: int | None = None,
+                 **_: Any) -> None:
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+
+    def is_stream(self, request: SamplingFields) -> bool:
+        return bool(request.stream)
+
+    def model_name(self, request: SamplingFields) -> str:
+        return self.served_model_name or request.model or ""
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids or ()) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class StreamBase:
+    """Per-request streaming state: which choices have started and the running token counts."""
+
+    object_name = ""
+
+    def __init__(self, processor: OpenAIProcessorBase, request: SamplingFields) -> None:
+        self.processor = processor
+        self.request = request
+        self.model = processor.model_name(request)
+        self.started: set[int] = set()
+        self.prompt_seen: set[int] = set()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.request.request_id, "object": self.object_name, "created": self.request.created,
+            "model": self.model, "choices": choices,
+        }
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def count(self, prompt_index: int, output: RequestOutput) -> None:
+        if prompt_index not in self.prompt_seen:
+            self.prompt_seen.add(prompt_index)
+            self.prompt_tokens += len(output.prompt_token_ids or ())
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Chunks after the last output: the usage chunk, if `stream_options.include_usage`."""
+        if not self.request.include_usage:
+            return []
+        chunk = self.envelope([])
+        chunk["usage"] = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        return [chunk]

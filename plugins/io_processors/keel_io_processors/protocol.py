@@ -1,0 +1,140 @@
+"""OpenAI request bodies (pydantic) plus vLLM's extra sampling fields, and the request error type.
+
+Validation is strict on types (a string where a number belongs is a 400, never coerced) and open on
+fields: unknown fields are accepted and ignored, since OpenAI clients send extras. Ranges OpenAI defines
+(max_tokens >= 1, logprobs <= 20, ...) are checked here; the rest by `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the API must answer with HTTP 400; `param` names the offending field, if one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def from_validation_error(exc: ValidationError) -> InvalidRequestError:
+    """The first pydantic error as an InvalidRequestError naming its field path."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    message = f"{loc}: {err['msg']}" if loc else str(err["msg"])
+    if err.get("type") == "missing":
+        message = f"'{loc}' is a required property"
+    return InvalidRequestError(message, loc or None)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[NonNegInt] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: NonNegInt | None = None
+
+    _request_id: str = PrivateAttr(default="")
+    _created: int = PrivateAttr(default=0)
+
+    def stamp(self, prefix: str) -> None:
+        """Called once by `parse_request`: the response id and creation time."""
+        self._request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self._created = int(time.time())
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def created(self) -> int:
+        return self._created
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM extras for templating
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def validate(model: type[SamplingFields], payload: Any, prefix: str) -> Any:
+    """Parse a decoded JSON body into `model`; InvalidRequestError (HTTP 400) on any problem."""
+    if not isinstance(payload, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got {type(payload).__name__}")
+    try:
+        request = model.model_validate(payload)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    request.stamp(prefix)
+    return request
