@@ -16,7 +16,8 @@ def test_manifest_fields():
     m = manifest()
     assert (m.name, m.version, m.core_api) == ("attention-torch", "0.1.0", ">=1.0,<2")
     assert dict(m.provides["attention_backend"]) == {
-        "torch_paged": "keel_attention_torch.backend:TorchPagedAttentionBackend"
+        "torch_paged": "keel_attention_torch.backend:TorchPagedAttentionBackend",
+        "torch_mla": "keel_attention_torch.mla:TorchMLABackend",
     }
 
 
