@@ -14,11 +14,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
 from keel.endpoint import EndpointContext
 from keel.engine.output_processor import RequestOutputKind
 from keel.engine.outputs import RequestOutput
 from keel.io import EnginePrompt
-
 from keel_endpoints.errors import OpenAIError, bad_request, read_json
 from keel_endpoints.streaming import SSEResponse, merge_async_iterators, run_until_disconnect, sse_event
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from keel.endpoint import EndpointContext
-from keel.version import __version__
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from keel.endpoint import EndpointContext
+from keel.version import __version__
 from keel_endpoints.errors import OpenAIError, install_error_handlers
 from keel_endpoints.utility import register_utility_routes
 

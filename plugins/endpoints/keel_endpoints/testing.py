@@ -16,7 +16,6 @@ from typing import Any
 
 from keel.config import EngineArgs
 from keel.engine.async_llm import AsyncLLM
-
 from keel_endpoints.server import build_app
 
 
@@ -69,3 +68,13 @@ def serve_in_thread(args: EngineArgs, *, api_key: str | None = None,
             yield RunningServer(url=url, engine=engine, app=app)
     finally:
         engine.shutdown()
+
+
+def make_tiny_model(path: Any, vocab_size: int = 512, **config: Any) -> Any:
+    """A tiny random Llama plus the local test tokenizer (with a ChatML template) in `path`."""
+    from keel.testing.checkpoints import make_checkpoint
+    from keel.testing.tokenizer import build_tokenizer
+
+    make_checkpoint("llama", path, vocab_size=vocab_size, **config)
+    build_tokenizer(path, vocab_size=vocab_size)
+    return path

@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from keel.endpoint import EndpointContext
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from keel.endpoint import EndpointContext
 from keel_endpoints.errors import OpenAIError, bad_request, read_json
 
 
