@@ -30,7 +30,7 @@ from keel.config import (
 
 _SECTION_OF = {
     **dict.fromkeys(("model", "tokenizer", "dtype", "seed", "max_model_len", "skip_tokenizer_init",
-                     "trust_remote_code", "revision", "served_model_name"), "model"),
+                     "trust_remote_code", "revision", "served_model_name", "load_format"), "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"), "scheduler"),
@@ -82,6 +82,7 @@ class EngineArgs:
     trust_remote_code: bool | None = None
     revision: str | None = None
     served_model_name: str | None = None
+    load_format: str | None = None  # "auto" or "dummy" (random weights, no checkpoint needed)
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod

@@ -88,6 +88,18 @@ class Platform:
     def empty_cache(self) -> None:
         """Return cached allocator memory; called after profiling, before allocating the KV cache."""
 
+    def reset_peak_memory_stats(self, index: int = 0) -> None:
+        """Start a peak-memory measurement; called by the worker before the profiling forward pass."""
+
+    def peak_memory_allocated(self, index: int = 0) -> int | None:
+        """Most bytes the framework's allocator held since the last reset, or None if unknown (then the
+        worker sizes the KV cache without an activation profile)."""
+        return None
+
+    def memory_allocated(self, index: int = 0) -> int | None:
+        """Bytes the framework's allocator holds now, or None if unknown."""
+        return None
+
     def adjust_config(self, config: EngineConfig) -> dict[str, dict[str, Any]]:
         """Called once by `create_engine_config`: a patch `{section: {field: value}}` for settings this
         platform cannot honour (e.g. `{"device": {"enforce_eager": True}}`). Never edits `config`.

@@ -19,7 +19,8 @@ from torch import nn
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import WeightLoadError
 
-__all__ = ["ModelNotFoundError", "WeightLoadError", "iterate_safetensors", "load_model", "resolve_model_path"]
+__all__ = ["ModelNotFoundError", "WeightLoadError", "init_dummy_weights", "iterate_safetensors", "load_model",
+           "resolve_model_path"]
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -119,8 +120,37 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path) -> nn.Module:
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> set[str]:
+    """Fill every floating-point parameter with random values (`load_format="dummy"`); returns their names.
+
+    Scales keep activations O(1) through any depth (norm weights 1, biases 0, embeddings N(0, 1),
+    matrices N(0, 1/fan_in)), so a benchmark on dummy weights does the same work as on real ones.
+    """
+    names: set[str] = set()
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if not p.dtype.is_floating_point:
+            continue
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 2 and "embed" in name:
+            p.normal_(0.0, 1.0, generator=gen)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 1.0, generator=gen)
+        names.add(name)
+    return names
+
+
+def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_format: str = "auto"
+               ) -> nn.Module:
     """Build `model_cls(build)` directly on `build.device` in `build.dtype`, then load `path` strictly.
+
+    With `load_format="dummy"` no weight file is read: parameters get `init_dummy_weights` (only the
+    checkpoint's config.json is needed).
 
     Returns the model in eval mode. Raises `WeightLoadError` for unconsumed checkpoint tensors, shape
     mismatches (from the model's `load_weights`) and parameters the checkpoint never filled. Then
@@ -131,7 +161,10 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path) -> nn
         raise ValueError(f"model dtype must be a floating point dtype, got {build.dtype}")
     with torch.device(build.device), _default_dtype(build.dtype):
         model = model_cls(build)
-    loaded = model.load_weights(iterate_safetensors(path))
+    if load_format == "dummy":
+        loaded = init_dummy_weights(model)
+    else:
+        loaded = model.load_weights(iterate_safetensors(path))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise WeightLoadError(
