@@ -12,6 +12,7 @@ import os
 from typing import ClassVar
 
 import torch
+
 from keel.attention.backend import (
     AttentionLayerConfig,
     BackendCapabilities,
@@ -19,7 +20,6 @@ from keel.attention.backend import (
     default_validate,
 )
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec
-
 from keel_attention_flash.impl import TritonFlashAttentionImpl
 from keel_attention_flash.metadata import FlashMetadataBuilder
 

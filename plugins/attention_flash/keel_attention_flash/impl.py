@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from keel.attention.backend import AttentionLayerConfig
 
+from keel.attention.backend import AttentionLayerConfig
 from keel_attention_flash import kernels
 from keel_attention_flash.metadata import FlashAttentionMetadata
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from keel.attention.metadata import CommonAttentionMetadata
 
 

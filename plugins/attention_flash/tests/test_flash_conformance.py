@@ -3,8 +3,9 @@ on CUDA."""
 
 import pytest
 import torch
-from keel.testing.attention import AttentionBackendConformance
 from keel_attention_flash.backend import TritonFlashAttentionBackend
+
+from keel.testing.attention import AttentionBackendConformance
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted runs are for machines without a GPU")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

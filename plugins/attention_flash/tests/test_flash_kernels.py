@@ -8,11 +8,12 @@ import math
 
 import pytest
 import torch
+from keel_attention_flash.backend import TritonFlashAttentionBackend
+from keel_attention_flash.impl import TritonFlashAttentionImpl, choose_num_splits
+
 from keel.attention.backend import AttentionLayerConfig
 from keel.testing.attention import AttentionCase, make_step
 from keel.testing.reference import ref_varlen_attention
-from keel_attention_flash.backend import TritonFlashAttentionBackend
-from keel_attention_flash.impl import TritonFlashAttentionImpl, choose_num_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}

@@ -4,11 +4,12 @@ import subprocess
 import sys
 
 import torch
+from keel_attention_flash import manifest
+from keel_attention_flash.backend import TritonFlashAttentionBackend, UnsupportedLayerError
+
 from keel.attention.backend import AttentionLayerConfig, BackendRequest
 from keel.kv_cache.spec import MLALatentSpec
 from keel.plugins.loader import load_plugins
-from keel_attention_flash import manifest
-from keel_attention_flash.backend import TritonFlashAttentionBackend, UnsupportedLayerError
 
 
 def _layer(**kw) -> AttentionLayerConfig:
