@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
 from keel.attention.backend import (
     AttentionLayerConfig,
     BackendCapabilities,
@@ -20,7 +21,6 @@ from keel.attention.backend import (
     default_validate,
 )
 from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
-
 from keel_attention_torch.backend import UnsupportedLayerError
 from keel_attention_torch.metadata import TorchPagedAttentionMetadata, TorchPagedMetadataBuilder
 

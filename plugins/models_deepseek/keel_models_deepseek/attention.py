@@ -16,13 +16,14 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
+
 from keel.forward_context import ForwardContext
 from keel.layers.layernorm import RMSNorm
 from keel.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from keel.layers.mla_attention import MLAAttention
 from keel.layers.rotary import get_rope, get_rope_parameters
 from keel.models.interface import ModelBuildContext
-from torch import nn
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
+
 from keel.forward_context import ForwardContext
 from keel.layers.fused_moe import FusedMoE
 from keel.layers.layernorm import RMSNorm
@@ -20,8 +22,6 @@ from keel.layers.mla_attention import MLAAttention
 from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import load_mapped_weights
-from torch import nn
-
 from keel_models_deepseek.attention import DeepseekV2MLAAttention
 from keel_models_deepseek.moe import DeepseekV2MLP, DeepseekV2MoE
 

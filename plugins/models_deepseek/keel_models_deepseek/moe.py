@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.fused_moe import FusedMoE, RoutingConfig
 from keel.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import default_weight_loader, set_weight_attrs
-from torch import nn
 
 
 class DeepseekV2MLP(nn.Module):

@@ -36,11 +36,15 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 BLOCK_M = 16
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton path can run for tensors on `device` (compiled on CUDA, or interpreted)."""
     if triton is None:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _interpreting():
         return True
     return device.type == "cuda"
 
@@ -66,6 +70,7 @@ def _fused_moe_kernel(
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,11 +90,16 @@ def _fused_moe_kernel(
     a_rows = tl.where(token_mask, offs_token // A_ROW_DIV, 0).to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(tl.cdiv(K, BLOCK_K)):
+    # Only core builtins (tl.full, not tl.zeros / tl.cdiv): the jitted helpers of triton.language.standard
+    # are bound to the mode (compiled or interpreted) triton was first imported in, which may not be ours.
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for k in range((K + BLOCK_K - 1) // BLOCK_K):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -152,7 +162,8 @@ def _invoke(
     total: torch.Tensor,
     a_row_div: int,
 ) -> None:
-    kernel = _jitted(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    interpret = _interpreting()
+    kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
     block_n = 64 if n >= 64 else 32
     block_k = 32
@@ -165,6 +176,7 @@ def _invoke(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         # float32 must not silently drop to TF32 on GPUs: fidelity tests compare at 1e-4.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=interpret and a.dtype != torch.float32,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

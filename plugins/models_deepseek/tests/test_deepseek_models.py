@@ -1,0 +1,124 @@
+"""DeepSeek-V2/V3 logits match transformers on tiny random checkpoints (float32, torch_mla backend).
+
+One varlen prefill step over paged latent caches, compared with transformers' eager forward at every
+token. Cases cover MLA with and without q_lora_rank, DeepSeek YaRN (mscale != mscale_all_dim), both
+rope layouts, V2 greedy and group-limited softmax routing, V3 sigmoid + bias group-limited routing
+with and without top-k normalization, routed scaling, dense first layers and shared experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepseek_test_utils import (
+    DEEPSEEK_YARN,
+    build_context,
+    hf_logits,
+    load_keel,
+    make_deepseek_checkpoint,
+    prefill_logits,
+    random_prompts,
+)
+from keel_models_deepseek import manifest
+from keel_models_deepseek.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, is_moe_layer
+from keel_models_deepseek.deepseek_v3 import DeepseekV3ForCausalLM
+
+from keel.kv_cache.spec import MLALatentSpec
+from keel.models.loader import load_model
+from keel.models.weights import WeightLoadError
+from keel.plugins.loader import load_plugins
+
+CASES = {
+    "v2-greedy-no-qlora": (2, {}),
+    "v2-qlora-yarn-grouped": (
+        2,
+        {"q_lora_rank": 48, "rope_parameters": DEEPSEEK_YARN, "topk_method": "group_limited_greedy",
+         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0, "num_hidden_layers": 3},
+    ),
+    "v3-qlora-yarn": (3, {"q_lora_rank": 48, "rope_parameters": DEEPSEEK_YARN, "routed_scaling_factor": 2.5}),
+    "v3-neox-rope-unnormalized": (3, {"rope_interleave": False, "norm_topk_prob": False, "attention_bias": True}),
+}
+CLASSES = {2: DeepseekV2ForCausalLM, 3: DeepseekV3ForCausalLM}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_logits_match_transformers(case, tmp_path):
+    version, overrides = CASES[case]
+    path = make_deepseek_checkpoint(version, tmp_path / case, **overrides)
+    prompts = random_prompts([5, 23, 1, 40])
+    model = load_keel(CLASSES[version], path)
+    ours = prefill_logits(model, prompts)
+    ref = hf_logits(path, prompts)
+    assert ours.shape == ref.shape == (69, 300)
+    assert ref.abs().max() > 1.0  # O(1) logits: the tolerance below means something
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_tolerance_catches_a_wrong_rope_layout(tmp_path):
+    """Guard on the test itself: treating the interleaved rope dims as neox halves must fail."""
+    path = make_deepseek_checkpoint(3, tmp_path / "v3")
+    prompts = random_prompts([30])
+    model = load_keel(DeepseekV3ForCausalLM, path)
+    for layer in model.model.layers:
+        layer.self_attn.rope_interleave = False
+    assert (prefill_logits(model, prompts) - hf_logits(path, prompts)).abs().max() > 1e-2
+
+
+def test_structure_kv_spec_and_moe_layers(tmp_path):
+    path = make_deepseek_checkpoint(3, tmp_path / "v3", num_hidden_layers=3, q_lora_rank=48)
+    model = load_keel(DeepseekV3ForCausalLM, path)
+    specs = {layer.kv_cache_spec() for layer in model.attention_layers()}
+    assert specs == {MLALatentSpec(4, torch.float32, kv_lora_rank=32, qk_rope_head_dim=8)}
+    assert next(iter(specs)).page_size_bytes == 4 * 40 * 4  # one latent per token, no heads
+    assert [isinstance(layer.mlp, DeepseekV2MoE) for layer in model.model.layers] == [False, True, True]
+    assert len(model.moe_layers()) == 2
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias is not None
+    cfg = model.config
+    assert [is_moe_layer(cfg, i) for i in range(3)] == [False, True, True]
+
+
+def _checkpoint_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_strict_loading_names_missing_expert(tmp_path):
+    path = make_deepseek_checkpoint(2, tmp_path / "v2")
+    tensors = _checkpoint_tensors(path)
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    model = DeepseekV2ForCausalLM(build_context(path))
+    loaded = model.load_weights(tensors.items())
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    assert missing == {"model.layers.1.mlp.experts.w13_weight"}
+    tensors = _checkpoint_tensors(path)
+    tensors["model.layers.1.mlp.experts.99.up_proj.weight"] = torch.zeros(32, 64)
+    with pytest.raises(WeightLoadError, match="experts.99"):
+        DeepseekV2ForCausalLM(build_context(path)).load_weights(tensors.items())
+
+
+def test_mtp_layers_in_checkpoint_are_skipped(tmp_path):
+    path = make_deepseek_checkpoint(3, tmp_path / "v3")
+    tensors = _checkpoint_tensors(path)
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)  # a V3 MTP module (layer index 2)
+    tensors["model.layers.2.self_attn.kv_b_proj.weight"] = torch.zeros(128, 32)
+    model = DeepseekV3ForCausalLM(build_context(path))
+    loaded = model.load_weights(tensors.items())
+    assert loaded == {n for n, _ in model.named_parameters()}
+
+
+def test_plugin_registers_both_architectures(tmp_path):
+    provides = dict(manifest().provides["model_arch"])
+    assert set(provides) == {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+    registry = load_plugins("auto").registry("model_arch")
+    assert registry.get("DeepseekV2ForCausalLM") is DeepseekV2ForCausalLM
+    assert registry.get("DeepseekV3ForCausalLM") is DeepseekV3ForCausalLM
+
+
+def test_model_built_by_loader_is_loaded_and_ready(tmp_path):
+    path = make_deepseek_checkpoint(2, tmp_path / "v2", tie_word_embeddings=True)
+    model = load_model(DeepseekV2ForCausalLM, build_context(path), path)
+    assert model.lm_head is model.model.embed_tokens
+    impl = model.attention_layers()[0].impl
+    kv_b = model.model.layers[0].self_attn.kv_b_proj.weight.view(4, 32, 32)
+    assert torch.equal(impl.w_uk, kv_b[:, :16]) and torch.equal(impl.w_uv, kv_b[:, 16:])
