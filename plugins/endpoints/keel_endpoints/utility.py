@@ -36,7 +36,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
+        loc = ".".join(str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and "[" in p))
         raise OpenAIError(400, f"{loc}: {err['msg']}", param=loc or None) from None
 
 

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from keel.engine.outputs import RequestOutput
-
 from keel_io_processors.protocol import SamplingFields
 
 

@@ -8,7 +8,6 @@ from typing import Any
 from keel.engine.outputs import RequestOutput
 from keel.engine.sampling_params import SamplingParams
 from keel.io import EnginePrompt
-
 from keel_io_processors.base import OpenAIProcessorBase, StreamBase, usage
 from keel_io_processors.logprobs import CompletionLogprobs
 from keel_io_processors.protocol import CompletionRequest, InvalidRequestError, validate

@@ -7,6 +7,7 @@ fields: unknown fields are accepted and ignored, since OpenAI clients send extra
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,10 +26,19 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# Union members pydantic adds to an error location ("stop.str", "prompt.list[int]"): not field names.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list)$|\[")
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """`('messages', 0, 'content', 'str')` -> `'messages.0.content'`."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and _UNION_TAG.search(p)))
+
+
 def from_validation_error(exc: ValidationError) -> InvalidRequestError:
     """The first pydantic error as an InvalidRequestError naming its field path."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
+    loc = field_path(tuple(err.get("loc", ())))
     message = f"{loc}: {err['msg']}" if loc else str(err["msg"])
     if err.get("type") == "missing":
         message = f"'{loc}' is a required property"

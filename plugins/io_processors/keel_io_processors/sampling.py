@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 from keel.engine.sampling_params import SamplingParams
-
 from keel_io_processors.protocol import InvalidRequestError, SamplingFields
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
