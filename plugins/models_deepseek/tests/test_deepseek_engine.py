@@ -3,7 +3,7 @@
 Greedy tokens must equal a full-recompute greedy loop in transformers and float32 logprobs must match
 within 1e-4 -- for batches, staggered arrivals with chunked prefill, preemption and prefix-cache hits.
 `attention_backend` stays "auto": MLA layers must land on torch_mla. MoE runs the torch reference,
-and (tiny run) the Triton kernel under TRITON_INTERPRET=1.
+and (tiny run) the Triton kernel under TRITON_INTERPRET=1 (conftest defaults it off).
 """
 
 from __future__ import annotations
@@ -30,13 +30,6 @@ CHECKPOINTS = {
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     return {name: make_deepseek_checkpoint(v, root / name, **kw) for name, (v, kw) in CHECKPOINTS.items()}
-
-
-@pytest.fixture
-def torch_moe(monkeypatch):
-    # Another plugin's conftest may turn the interpreter on for the whole session; these runs use the
-    # torch reference path.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 _HF: dict = {}
@@ -91,7 +84,7 @@ def check_against_hf(path, prompts, results, max_tokens):
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_batch_submitted_together(checkpoints, torch_moe, name):
+def test_batch_submitted_together(checkpoints, name):
     path = checkpoints[name]
     prompts = random_prompts([5, 17, 9, 30], seed=1)
     engine = make_engine(path)
@@ -100,14 +93,14 @@ def test_batch_submitted_together(checkpoints, torch_moe, name):
     check_against_hf(path, prompts, run(engine, prompts, GREEDY), 8)
 
 
-def test_staggered_arrivals_and_chunked_prefill(checkpoints, torch_moe):
+def test_staggered_arrivals_and_chunked_prefill(checkpoints):
     path = checkpoints["v3"]
     prompts = random_prompts([23, 4, 41, 12], seed=2)
     results = run(make_engine(path, max_num_batched_tokens=16), prompts, GREEDY, stagger=2)
     check_against_hf(path, prompts, results, 8)
 
 
-def test_preemption_keeps_outputs(checkpoints, torch_moe):
+def test_preemption_keeps_outputs(checkpoints):
     path = checkpoints["v2"]
     prompts = random_prompts([10, 14, 9, 12, 11, 13], seed=3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -117,7 +110,7 @@ def test_preemption_keeps_outputs(checkpoints, torch_moe):
     check_against_hf(path, prompts, results, 12)
 
 
-def test_prefix_cache_hits_compute_only_new_tokens(checkpoints, torch_moe):
+def test_prefix_cache_hits_compute_only_new_tokens(checkpoints):
     path = checkpoints["v3"]
     shared = random_prompts([16], seed=4)[0]
     prompts = [shared + [5, 6, 7], shared + [8, 9]]
