@@ -1,0 +1,227 @@
+"""AsyncLLM and the threaded engine-core client: plumbing with a scripted core, then the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from keel.config import EngineArgs
+from keel.engine.async_llm import AsyncLLM
+from keel.engine.core_output import EngineCoreOutput, SchedulerStats
+from keel.engine.engine_client import (
+    EngineClient,
+    EngineCoreClient,
+    EngineDeadError,
+    ThreadedEngineCoreClient,
+)
+from keel.engine.llm_engine import LLMEngine
+from keel.engine.output_processor import RequestOutputKind
+from keel.engine.processor import PromptTooLongError
+from keel.engine.sampling_params import SamplingParams
+from keel.testing.checkpoints import make_checkpoint
+from keel.testing.tokenizer import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    make_checkpoint("llama", path, vocab_size=512)
+    build_tokenizer(path)
+    return str(path)
+
+
+class ScriptedCore:
+    """Emits token `token` once per step for every request until max_tokens; records what it was told."""
+
+    def __init__(self, token: int = 262, fail_at_step: int | None = None, step_time: float = 0.0) -> None:
+        self.token, self.fail_at_step, self.step_time = token, fail_at_step, step_time
+        self.requests: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.thread: threading.Thread | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def add_request(self, request, max_tokens):
+        self.requests[request.request_id] = max_tokens
+
+    def abort_requests(self, ids):
+        for rid in ids:
+            if self.requests.pop(rid, None) is not None:
+                self.aborted.append(rid)
+        return []
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.thread = threading.current_thread()
+        self.gate.wait()
+        time.sleep(self.step_time)
+        self.steps += 1
+        if self.fail_at_step == self.steps:
+            raise RuntimeError("device lost")
+        outs = []
+        for rid in list(self.requests):
+            self.requests[rid] -= 1
+            done = self.requests[rid] == 0
+            outs.append(EngineCoreOutput(rid, [self.token], finish_reason="length" if done else None))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def get_stats(self):
+        return SchedulerStats(num_running_reqs=len(self.requests), kv_cache_usage=0.5 if self.requests else 0.0)
+
+
+def scripted(model_dir, **kw) -> tuple[AsyncLLM, ScriptedCore]:
+    core = ScriptedCore(**kw)
+    config = EngineArgs(model=model_dir, profile="cpu", max_model_len=64).create_engine_config()
+    return AsyncLLM(config, core_client=ThreadedEngineCoreClient(core)), core
+
+
+def test_protocols_are_implemented(model_dir):
+    engine, _ = scripted(model_dir)
+    try:
+        assert isinstance(engine, EngineClient) and isinstance(engine.core_client, EngineCoreClient)
+    finally:
+        engine.shutdown()
+
+
+def test_generate_streams_deltas_from_the_core_thread(model_dir):
+    engine, core = scripted(model_dir, step_time=0.02)
+
+    async def run():
+        outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=4), "a")]
+        return outs
+
+    try:
+        outs = asyncio.run(run())
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1, 1, 1]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert core.thread is not None and core.thread is not threading.main_thread()
+        assert engine.get_metrics()["num_unfinished_requests"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_slow_consumer_gets_merged_deltas(model_dir):
+    engine, _core = scripted(model_dir)
+
+    async def run():
+        gen = engine.generate("Hello", SamplingParams(max_tokens=6), "a", output_kind=RequestOutputKind.DELTA)
+        first = await anext(gen)
+        await asyncio.sleep(0.2)  # the core finishes meanwhile; pending deltas are merged, none lost
+        rest = [o async for o in gen]
+        return first, rest
+
+    try:
+        first, rest = asyncio.run(run())
+        tokens = first.outputs[0].token_ids + [t for o in rest for t in o.outputs[0].token_ids]
+        assert tokens == [262] * 6 and len(rest) < 5 and rest[-1].finished
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_generate_early_aborts_in_the_core(model_dir):
+    engine, core = scripted(model_dir)
+
+    async def run():
+        gen = engine.generate("Hello", SamplingParams(max_tokens=50, n=2), "a")
+        await anext(gen)
+        await gen.aclose()
+        for _ in range(100):
+            if not core.requests:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(run())
+        assert sorted(core.aborted) == ["0_a", "1_a"] and not core.requests
+    finally:
+        engine.shutdown()
+
+
+def test_validation_errors_queue_nothing(model_dir):
+    engine, core = scripted(model_dir)
+
+    async def run():
+        with pytest.raises(PromptTooLongError):
+            await engine.add_request("a", "hello " * 100, SamplingParams())
+        with pytest.raises(ValueError, match="vocabulary"):
+            await engine.add_request("b", [10**6], SamplingParams())
+        core.gate.clear()  # hold the core so "c" stays in flight
+        await engine.add_request("c", "hi", SamplingParams(max_tokens=3))
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("c", "hi", SamplingParams(max_tokens=3))
+        core.gate.set()
+
+    try:
+        asyncio.run(run())
+        assert list(core.requests) in (["c"], [])
+    finally:
+        core.gate.set()
+        engine.shutdown()
+
+
+def test_a_dead_engine_fails_pending_and_new_requests(model_dir):
+    engine, _core = scripted(model_dir, fail_at_step=2)
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for _ in engine.generate("Hello", SamplingParams(max_tokens=10), "a"):
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("b", "hi", SamplingParams())
+
+    try:
+        asyncio.run(run())
+        assert engine.errored
+    finally:
+        engine.shutdown()
+
+
+def test_matches_the_synchronous_engine_and_frees_kv(model_dir):
+    args = {"model": model_dir, "profile": "cpu", "max_model_len": 128, "num_kv_blocks": 64}
+    prompts = ["Hello world", "The quick brown fox", "Once upon a time"]
+    params = SamplingParams(max_tokens=8, temperature=0, stop=["zz"])
+    sync = LLMEngine.from_engine_args(EngineArgs(**args))
+    for i, p in enumerate(prompts):
+        sync.add_request(str(i), p, params)
+    expected: dict[str, str] = {}
+    while sync.has_unfinished_requests():
+        for out in sync.step():
+            expected[out.request_id] = out.outputs[0].text
+    engine = AsyncLLM.from_engine_args(EngineArgs(**args))
+
+    async def one(i, p):
+        text = ""
+        async for out in engine.generate(p, params, str(i)):
+            text += out.outputs[0].text
+        return text
+
+    async def run():
+        texts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        gen = engine.generate("A long one", SamplingParams(max_tokens=100, ignore_eos=True), "long")
+        await anext(gen)
+        assert engine.get_metrics()["kv_cache_usage"] > 0
+        await gen.aclose()
+        for _ in range(200):
+            if engine.get_metrics()["kv_cache_usage"] == 0 and engine.get_metrics()["num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return texts
+
+    try:
+        texts = asyncio.run(run())
+        assert texts == [expected[str(i)] for i in range(len(prompts))]
+        m = engine.get_metrics()
+        assert m["kv_cache_usage"] == 0 and m["num_requests_running"] == 0
+        assert m["request_success_total"].get("abort") == 1
+    finally:
+        engine.shutdown()
