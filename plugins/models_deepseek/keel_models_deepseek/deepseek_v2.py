@@ -142,6 +142,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The routed-expert layers (capability: MoE)."""
         return [layer.mlp.experts for layer in self.model.layers if isinstance(layer.mlp, DeepseekV2MoE)]
 
+    @classmethod
+    def get_expert_mapping(cls, hf_config: Any) -> list[tuple[str, str, int, str]]:
+        """Capability MoE: (param fragment, checkpoint fragment, expert id, shard id) per expert tensor."""
+        rows = FusedMoE.make_expert_params_mapping(getattr(hf_config, "n_routed_experts", None) or 0)
+        return [(param, ckpt, expert, shard) for param, ckpt, (expert, shard) in rows]
+
     def stacked_params_mapping(self) -> list[tuple[str, str, Any]]:
         # Expert rows first: the dense ".gate_proj" row would otherwise claim expert tensors too.
         return [

@@ -24,6 +24,7 @@ from keel_models_deepseek.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Mo
 from keel_models_deepseek.deepseek_v3 import DeepseekV3ForCausalLM
 
 from keel.kv_cache.spec import MLALatentSpec
+from keel.models.capabilities import model_capabilities
 from keel.models.loader import load_model
 from keel.models.weights import WeightLoadError
 from keel.plugins.loader import load_plugins
@@ -122,3 +123,14 @@ def test_model_built_by_loader_is_loaded_and_ready(tmp_path):
     impl = model.attention_layers()[0].impl
     kv_b = model.model.layers[0].self_attn.kv_b_proj.weight.view(4, 32, 32)
     assert torch.equal(impl.w_uk, kv_b[:, :16]) and torch.equal(impl.w_uv, kv_b[:, 16:])
+
+
+def test_capabilities_report_moe(tmp_path):
+    from deepseek_test_utils import tiny_deepseek_config
+
+    for cls in (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
+        assert {"text_generation", "moe"} <= model_capabilities(cls)
+        assert "mtp" not in model_capabilities(cls)
+    rows = DeepseekV3ForCausalLM.get_expert_mapping(tiny_deepseek_config(3))
+    assert len(rows) == 8 * 3
+    assert (".experts.w13_", ".experts.5.up_proj.", 5, "w3") in rows
