@@ -132,7 +132,7 @@ def prefill_logits(model: Any, prompts: Sequence[Sequence[int]], block_size: int
     layers = model.attention_layers()
     md = layers[0].backend.get_metadata_builder(torch.device("cpu")).build(common)
     caches = [
-        torch.zeros(layer.backend.kv_cache_shape(next_block, layer.kv_cache_spec()), dtype=torch.float32)
+        torch.zeros(layer.backend.kv_cache_shape(next_block, layer.kv_cache_spec()), dtype=layer.kv_cache_spec().dtype)
         for layer in layers
     ]
     ctx = ForwardContext(attn_metadata=[md] * len(layers), kv_caches=caches, num_actual_tokens=int(qsl[-1]))
@@ -141,10 +141,10 @@ def prefill_logits(model: Any, prompts: Sequence[Sequence[int]], block_size: int
 
 
 @torch.no_grad()
-def hf_logits(path: Path, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+def hf_logits(path: Path, prompts: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
     return torch.cat([ref(torch.tensor([p])).logits[0].float() for p in prompts])
 
 

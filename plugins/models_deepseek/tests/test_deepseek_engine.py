@@ -124,13 +124,14 @@ def test_prefix_cache_hits_compute_only_new_tokens(checkpoints):
     check_against_hf(path, prompts[1:], second, 8)
 
 
-def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch):
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch, name):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
     real = moe_layer.fused_experts_triton
     monkeypatch.setattr(moe_layer, "fused_experts_triton", lambda *a: calls.append(1) or real(*a))
-    path = checkpoints["v3"]
+    path = checkpoints[name]
     prompts = random_prompts([6, 3], seed=5)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     results = run(make_engine(path, max_num_batched_tokens=4), prompts, params)  # chunked too

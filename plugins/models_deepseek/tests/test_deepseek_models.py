@@ -134,3 +134,15 @@ def test_capabilities_report_moe(tmp_path):
     rows = DeepseekV3ForCausalLM.get_expert_mapping(tiny_deepseek_config(3))
     assert len(rows) == 8 * 3
     assert (".experts.w13_", ".experts.5.up_proj.", 5, "w3") in rows
+
+
+def test_bfloat16_error_is_no_worse_than_transformers_own(tmp_path):
+    path = make_deepseek_checkpoint(3, tmp_path / "v3", q_lora_rank=48, rope_parameters=DEEPSEEK_YARN)
+    prompts = random_prompts([5, 23, 40])
+    exact = hf_logits(path, prompts)
+    hf_err = (hf_logits(path, prompts, torch.bfloat16) - exact).abs().mean()
+    model = load_keel(DeepseekV3ForCausalLM, path, torch.bfloat16)
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # routing stays float32
+    ours = prefill_logits(model, prompts)
+    assert torch.isfinite(ours).all()
+    assert (ours - exact).abs().mean() < 2 * hf_err
