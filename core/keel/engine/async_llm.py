@@ -194,18 +194,7 @@ class AsyncLLM:
             from keel.engine.core_output import SchedulerStats
 
             s = SchedulerStats()
-        return {
-            "num_requests_running": s.num_running_reqs,
-            "num_requests_waiting": s.num_waiting_reqs,
-            "kv_cache_usage": s.kv_cache_usage,
-            "num_preemptions_total": s.num_preemptions_total,
-            "prefix_cache_queries_total": s.prefix_cache_queries_total,
-            "prefix_cache_hits_total": s.prefix_cache_hits_total,
-            "prompt_tokens_total": s.prompt_tokens_total,
-            "generation_tokens_total": s.generation_tokens_total,
-            "request_success_total": dict(s.num_finished_total),
-            "num_unfinished_requests": len(self._collectors),
-        }
+        return {**s.as_metrics(), "num_unfinished_requests": len(self._collectors)}
 
     def shutdown(self) -> None:
         if self._output_task is not None and not self._output_task.done():

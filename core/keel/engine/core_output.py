@@ -4,6 +4,7 @@ engine-client boundary, so it may be serialized when the core moves to its own p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -37,3 +38,19 @@ class SchedulerStats:
     num_finished_total: dict[str, int] = field(default_factory=dict)
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+
+    def as_metrics(self) -> dict[str, Any]:
+        """The `get_metrics()` dict of LLM / AsyncLLM (vLLM-style names, no prefix)."""
+        return {
+            "num_requests_running": self.num_running_reqs,
+            "num_requests_waiting": self.num_waiting_reqs,
+            "kv_cache_usage": self.kv_cache_usage,
+            "num_preemptions_total": self.num_preemptions_total,
+            "prefix_cache_queries_total": self.prefix_cache_queries_total,
+            "prefix_cache_hits_total": self.prefix_cache_hits_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "request_success_total": dict(self.num_finished_total),
+            "spec_decode_num_draft_tokens_total": self.spec_decode_num_draft_tokens_total,
+            "spec_decode_num_accepted_tokens_total": self.spec_decode_num_accepted_tokens_total,
+        }

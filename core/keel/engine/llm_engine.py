@@ -115,17 +115,4 @@ class LLMEngine:
         self.core.shutdown()
 
     def get_metrics(self) -> dict[str, Any]:
-        s = self.core.get_stats()
-        return {
-            "num_requests_running": s.num_running_reqs,
-            "num_requests_waiting": s.num_waiting_reqs,
-            "kv_cache_usage": s.kv_cache_usage,
-            "num_preemptions_total": s.num_preemptions_total,
-            "prefix_cache_queries_total": s.prefix_cache_queries_total,
-            "prefix_cache_hits_total": s.prefix_cache_hits_total,
-            "prompt_tokens_total": s.prompt_tokens_total,
-            "generation_tokens_total": s.generation_tokens_total,
-            "request_success_total": dict(s.num_finished_total),
-            "spec_decode_num_draft_tokens_total": s.spec_decode_num_draft_tokens_total,
-            "spec_decode_num_accepted_tokens_total": s.spec_decode_num_accepted_tokens_total,
-        }
+        return self.core.get_stats().as_metrics()
