@@ -99,7 +99,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        args.model = resolve_model_shortcut(args.model)
+        resolve_model_shortcut(args)
         return cls(args.create_engine_config(), **kwargs)
 
     # -- EngineClient ----------------------------------------------------------------------------------

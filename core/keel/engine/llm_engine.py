@@ -21,13 +21,15 @@ from keel.engine.sampling_params import SamplingParams
 logger = logging.getLogger("keel.engine")
 
 
-def resolve_model_shortcut(model: str) -> str:
-    """`model="demo"` names the small local demo checkpoint, built on first use."""
-    if model == "demo":
+def resolve_model_shortcut(args: EngineArgs) -> None:
+    """`model="demo"` names the small local demo checkpoint, built on first use; it keeps serving
+    under the name "demo" (not the cache path) unless served_model_name says otherwise."""
+    if args.model == "demo":
         from keel.demo import build_demo_checkpoint, default_demo_path
 
-        return str(build_demo_checkpoint(default_demo_path()))
-    return model
+        args.model = str(build_demo_checkpoint(default_demo_path()))
+        if args.served_model_name is None:
+            args.served_model_name = "demo"
 
 
 def load_tokenizer(config: EngineConfig):
@@ -71,7 +73,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        args.model = resolve_model_shortcut(args.model)
+        resolve_model_shortcut(args)
         return cls(args.create_engine_config())
 
     def next_request_id(self) -> str:
