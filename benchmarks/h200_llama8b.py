@@ -81,8 +81,8 @@ def hf_generate_throughput(model, prompts: list[list[int]], output_len: int, bat
     return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
-def decode_attention_alone(layer_cfg: dict, copy_bw: float, batch: int = 32, ctx: int = 4096, block: int = 16
-                           ) -> dict:
+def decode_attention_alone(layer_cfg: dict, copy_bw: float, batch: int = 32, ctx: int = 4096, block: int = 16,
+                           impl_cls=None) -> dict:
     from keel_attention_flash.backend import TritonFlashAttentionBackend
     from keel_attention_flash.impl import TritonFlashAttentionImpl
 
@@ -111,13 +111,39 @@ def decode_attention_alone(layer_cfg: dict, copy_bw: float, batch: int = 32, ctx
     layer = AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, block)
     out = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "by_splits": {}}
     for splits in (None, 1, 2, 4, 8):
-        impl = TritonFlashAttentionImpl(layer, decode_splits=splits)
-        ms = _events_ms(lambda impl=impl: impl.forward(q, k, v, cache, md), iters=50, warmup=5)
+        impl = (impl_cls or TritonFlashAttentionImpl)(layer, decode_splits=splits)
+        # Timed as CUDA-graph replays (as the engine runs it): Python launch gaps stay out of the number.
+        for _ in range(3):
+            impl.forward(q, k, v, cache, md)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            impl.forward(q, k, v, cache, md)
+        ms = _events_ms(graph.replay, iters=100, warmup=10)
         frac = kv_bytes / ms / 1e6 / copy_bw
         out["by_splits"]["default" if splits is None else str(splits)] = {"ms": ms, "bw_frac": frac}
     out["default_ms"] = out["by_splits"]["default"]["ms"]
     out["bw_frac"] = out["by_splits"]["default"]["bw_frac"]
     return out
+
+
+def sweep_decode(out_path: str) -> None:
+    """Decode attention alone (batch 32 x 4k) over (tile tokens, warps, stages) x splits."""
+    import keel_attention_flash.impl as impl_mod
+
+    copy_bw = ceilings()["copy_bw_GBps"]
+    rows = []
+    original = impl_mod.TritonFlashAttentionImpl
+    for launch in [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3),
+                   (64, 2, 3)]:
+        impl_mod.TritonFlashAttentionImpl = lambda layer, decode_splits=None, launch=launch: original(
+            layer, decode_splits=decode_splits, decode_launch=launch)
+        try:
+            res = decode_attention_alone(LLAMA3_8B, copy_bw, impl_cls=impl_mod.TritonFlashAttentionImpl)
+            rows.append({"launch": launch, **{k: v["bw_frac"] for k, v in res["by_splits"].items()}})
+        except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a data point too
+            rows.append({"launch": launch, "error": repr(exc)[:200]})
+        print(rows[-1], flush=True)
+    Path(out_path).write_text(json.dumps({"copy_bw_GBps": copy_bw, "sweep": rows}, indent=1))
 
 
 def step_profile(engine) -> dict:
@@ -185,7 +211,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=128)
     ap.add_argument("--latency-iters", type=int, default=3)
+    ap.add_argument("--sweep-decode-only", action="store_true",
+                    help="only time the decode attention kernel over launch configurations (tuning)")
     ns = ap.parse_args()
+    if ns.sweep_decode_only:
+        sweep_decode(ns.out)
+        return
 
     import transformers
     import triton

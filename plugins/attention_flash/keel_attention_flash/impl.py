@@ -43,7 +43,8 @@ class TritonFlashAttentionImpl:
     (tests); by default it follows `choose_num_splits`.
     """
 
-    def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None) -> None:
+    def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
+                 decode_launch: tuple[int, int, int] | None = None) -> None:
         self.layer = layer
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
@@ -61,6 +62,8 @@ class TritonFlashAttentionImpl:
         if self.block_q * g_pad < 16:
             self.block_q = -(-16 // g_pad)
         self.decode_g_pad = max(16, g_pad)
+        # (tile tokens, warps, pipeline stages) of the decode kernel; tuning runs override it.
+        self.decode_launch = decode_launch or (self.block_n, 4, 2)
 
     def forward(
         self,
@@ -119,13 +122,14 @@ class TritonFlashAttentionImpl:
         part_out = torch.empty((b, splits, self.num_heads, self.head_size), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((b, splits, self.num_heads), dtype=torch.float32, device=q.device)
+        block_n, warps, stages = self.decode_launch
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse,
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
             q.stride(0), q.stride(1), self.sm_scale_log2,
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.decode_g_pad, NUM_SPLITS=splits,
-            HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=self.block_n, PAGE=page, WINDOW=self.window,
-            PRECISION=self.precision, DOT_F32=q.device.type == "cpu",
+            HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", num_warps=warps, num_stages=stages,
         )
         kernels.split_reduce_kernel[(b, self.num_heads)](
             part_out, part_lse, out, common.query_start_loc, out.stride(0), out.stride(1),

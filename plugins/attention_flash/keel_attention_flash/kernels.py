@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
 
 
