@@ -42,6 +42,10 @@ _COUNTERS = (
      "Prefix cache queries, in terms of number of queried tokens."),
     ("keel:prefix_cache_hits", "prefix_cache_hits_total",
      "Prefix cache hits, in terms of number of cached tokens."),
+    ("keel:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens_total",
+     "Number of speculative draft tokens proposed and verified."),
+    ("keel:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_total",
+     "Number of speculative draft tokens accepted."),
 )
 
 
