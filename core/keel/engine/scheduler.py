@@ -95,10 +95,9 @@ class Scheduler:
                 i += 1
                 continue
             num_lookahead = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            reserve = num_lookahead + self._draft_slots(request.num_computed_tokens + num_new)
             while True:
-                blocks = self.kv.allocate_slots(
-                    request, num_new - num_lookahead, num_lookahead_tokens=num_lookahead
-                )
+                blocks = self.kv.allocate_slots(request, num_new - num_lookahead, num_lookahead_tokens=reserve)
                 if blocks is not None:
                     break
                 victim = self.running.pop()
@@ -127,7 +126,8 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             blocks = self.kv.allocate_slots(
-                request, num_new, num_new_computed_tokens=num_cached, new_computed_blocks=computed_blocks
+                request, num_new, num_new_computed_tokens=num_cached, new_computed_blocks=computed_blocks,
+                num_lookahead_tokens=self._draft_slots(num_cached + num_new),
             )
             if blocks is None:
                 break
@@ -154,6 +154,15 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return output
+
+    def _draft_slots(self, num_tokens_after_step: int) -> int:
+        """Slots reserved past this step's tokens while spec decoding is on (as vLLM's lookahead).
+
+        A draft model (MTP) writes its own KV at the positions of the drafts it proposes after the step,
+        before the target has computed them; those slots must exist. Never past max_model_len, where
+        no draft is proposed. Lookahead slots are never hashed into the prefix cache.
+        """
+        return max(0, min(self.num_spec_tokens, self.max_model_len - num_tokens_after_step))
 
     def _add_scheduled(
         self,

@@ -1,9 +1,17 @@
 """DraftProposer: the protocol of a speculative-decoding method, registered under the `spec_decoder` kind.
 
-The model runner builds the proposer once (`cls(ProposerContext)`) when `speculative_config.method`
-names it, and calls `propose` after every step for the requests that sampled. Drafts are tentative:
-the scheduler gives them KV slots as lookahead tokens, the next step verifies them all in one forward
-pass, and rejected ones are rolled back (they never enter the prefix cache).
+The worker builds the proposer once (`cls(ProposerContext)`) when `speculative_config.method` names
+it, before the model runner; the runner calls `propose` after every step for every scheduled request
+(`max_drafts` 0 for those that sampled nothing, e.g. a prefill chunk), so a model-based proposer sees
+every position the target computed. Drafts are tentative: the scheduler gives them KV slots as lookahead
+tokens, the next step verifies them all in one forward pass, and rejected ones are rolled back (they
+never enter the prefix cache).
+
+A proposer with its own attention layers (an MTP module) exposes them as `attention_layers()`; the runner
+then allocates their KV caches like the target's (same block ids, `layer_idx` continuing after the
+target's layers) and hands all caches over in `DraftInput.kv_caches`. While spec decoding is on, the
+scheduler reserves `num_speculative_tokens` lookahead slots past the scheduled tokens of every running
+request, so draft-model writes at positions the target has not computed yet always have a slot.
 
 Verification (worker/model_runner.py) samples the target at every draft position with exactly the
 sampling state a non-speculative step would have used (same seed counter, penalties seeing the earlier
@@ -15,6 +23,7 @@ output distribution is the target's; for seeded requests outputs are even identi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,8 +37,11 @@ class ProposerContext:
     method: str
     num_speculative_tokens: int
     options: tuple[tuple[str, Any], ...]  # method-specific settings from speculative_config
-    model: torch.nn.Module  # the target model (an MTP proposer reads its draft modules from it)
+    model: torch.nn.Module  # the target model
     device: torch.device
+    build: Any = None  # the target's ModelBuildContext (config, dtype, block size, backend selection)
+    model_path: Any = None  # pathlib.Path of the checkpoint directory (draft weights stored beside the target's)
+    load_format: str = "auto"  # the target's: "dummy" means random weights, no file read
 
     def option(self, name: str, default: Any) -> Any:
         return dict(self.options).get(name, default)
@@ -37,17 +49,29 @@ class ProposerContext:
 
 @dataclass(frozen=True)
 class DraftInput:
-    """Per step, for the requests that sampled. Frozen: fields are only ever added."""
+    """Per step, for every scheduled request. Frozen: fields are only ever added.
+
+    Request i computed positions `first_positions[i] ...` at rows `first_rows[i] ...` of
+    `hidden_states`; the first `num_valid_positions[i]` of them have a committed next token (all of a
+    chunk without drafts; 1 + accepted drafts otherwise), so `token_ids[i][p + 1]` exists for each.
+    """
 
     req_ids: list[str]
     token_ids: list[list[int]]  # committed tokens of each request, including those accepted this step
-    max_drafts: list[int]  # drafts wanted per request (already capped by lengths and max_tokens)
+    max_drafts: list[int]  # drafts wanted per request (0: sampled nothing; capped by max_model_len)
     hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] of this step's target forward
     last_hidden_rows: list[int] | None = None  # per request: row of its last accepted token
+    first_positions: list[int] | None = None  # per request: first position computed this step
+    first_rows: list[int] | None = None  # per request: its first row in hidden_states
+    num_valid_positions: list[int] | None = None  # per request: positions whose next token is committed
+    block_ids: list[list[int]] | None = None  # per request: its block table (lookahead slots included)
+    block_size: int = 0
+    kv_caches: Sequence[torch.Tensor] | None = None  # per attention layer index, the proposer's included
 
 
 @runtime_checkable
 class DraftProposer(Protocol):
     def propose(self, batch: DraftInput) -> list[list[int]]:
-        """Called by the runner after sampling; returns at most max_drafts[i] draft tokens per request."""
+        """Called by the runner after sampling, once per step with every scheduled request; returns at
+        most max_drafts[i] draft tokens per request (a list, possibly empty, per request)."""
         ...

@@ -25,16 +25,21 @@ logger = logging.getLogger("keel.worker")
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
-                 proposer: DraftProposer | None = None, num_speculative_tokens: int = 0) -> None:
+                 proposer: DraftProposer | None = None, num_speculative_tokens: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
+        # A draft model's layers (MTP) get caches like the target's; their layer_idx continues after them.
+        if proposer is not None and hasattr(proposer, "attention_layers"):
+            self.attn_layers += list(proposer.attention_layers())
         # One metadata builder per distinct backend; layer i uses builder _layer_builder[i].
         builders: dict[type, object] = {}
         for layer in self.attn_layers:
@@ -237,6 +242,8 @@ class ModelRunner:
         self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
         if sample_rows:
             self._sample_and_verify(so, states, sample_rows, sampling_reqs, hidden, out)
+        if self.proposer is not None:
+            self._propose(so, states, query_start, sampling_reqs, hidden, out)
         return out
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:
@@ -289,17 +296,38 @@ class ModelRunner:
                 ids, lps, ranks = ([r[: k + 1] for r in col[row : row + len(tokens)]] for col in lp_lists)
                 out.logprobs[state.req_id] = (ids, lps, ranks)
             row += num_rows
-        if self.proposer is not None:
-            self._propose(states, sampling_reqs, out)
 
-    def _propose(self, states, sampling_reqs, out: ModelRunnerOutput) -> None:
-        reqs = [states[i] for i, _ in sampling_reqs]
+    def _propose(self, so, states, query_start, sampling_reqs, hidden, out: ModelRunnerOutput) -> None:
+        """Hand every scheduled request to the proposer (after sampling); drafts go to `out`.
+
+        Requests that sampled nothing get max_drafts 0 but still come, so a draft model sees every
+        computed position whose next token is committed (its own KV cache stays complete).
+        """
+        sampled = {i for i, _ in sampling_reqs}
+        first_pos, valid, max_drafts = [], [], []
+        for i, state in enumerate(states):
+            start, n = state.num_computed_tokens, so.num_scheduled_tokens[state.req_id]
+            first_pos.append(start)
+            # Position p is valid when token p + 1 is committed (rejected drafts' positions are not).
+            valid.append(min(start + n, len(state.token_ids) - 1) - start)
+            room = self.num_speculative_tokens if i in sampled else 0
+            if self.max_model_len is not None:
+                room = min(room, self.max_model_len - len(state.token_ids))
+            max_drafts.append(max(room, 0))
         batch = DraftInput(
-            req_ids=[s.req_id for s in reqs],
-            token_ids=[s.token_ids for s in reqs],
-            max_drafts=[self.num_speculative_tokens] * len(reqs),
+            req_ids=[s.req_id for s in states],
+            token_ids=[s.token_ids for s in states],
+            max_drafts=max_drafts,
+            hidden_states=hidden,
+            last_hidden_rows=[query_start[i] + v - 1 for i, v in enumerate(valid)],
+            first_positions=first_pos,
+            first_rows=list(query_start[:-1]),
+            num_valid_positions=valid,
+            block_ids=[s.block_ids for s in states],
+            block_size=self.block_size,
+            kv_caches=self.kv_caches,
         )
-        for state, drafts in zip(reqs, self.proposer.propose(batch)):
+        for state, drafts in zip(states, self.proposer.propose(batch)):
             if drafts:
                 out.spec_token_ids[state.req_id] = list(drafts)
 

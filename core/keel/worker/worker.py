@@ -59,20 +59,23 @@ class Worker:
             hf_config=hf_config, dtype=dtype, device=self.device, block_size=block_size,
             attention_backend=None, attention_selector=self._select_backend,
         )
-        model = load_model(model_cls, build, resolve_model_path(mc.model, mc.revision),
-                           load_format=getattr(mc, "load_format", "auto"))
-        self.runner = ModelRunner(model, self.device, block_size, *self._make_proposer(model))
+        path = resolve_model_path(mc.model, mc.revision)
+        model = load_model(model_cls, build, path, load_format=getattr(mc, "load_format", "auto"))
+        self.runner = ModelRunner(model, self.device, block_size, *self._make_proposer(model, build, path),
+                                  max_model_len=mc.derived_max_model_len)
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s) with attention backend(s) %s", mc.model, arch, dtype, names)
 
-    def _make_proposer(self, model) -> tuple[object | None, int]:
+    def _make_proposer(self, model, build: ModelBuildContext, path) -> tuple[object | None, int]:
         spec = self.config.speculative
         if spec is None:
             return None, 0
         proposer_cls = self.plugins.registry("spec_decoder").get(spec.method)
         options = tuple((k, v) for k, v in dataclasses.asdict(spec).items()
                         if k not in ("method", "num_speculative_tokens"))
-        ctx = ProposerContext(spec.method, spec.num_speculative_tokens, options, model, self.device)
+        ctx = ProposerContext(spec.method, spec.num_speculative_tokens, options, model, self.device,
+                              build=build, model_path=path,
+                              load_format=getattr(self.config.model, "load_format", "auto"))
         return proposer_cls(ctx), spec.num_speculative_tokens
 
     def _select_backend(self, layer: AttentionLayerConfig, kv_cache_kind: str):
