@@ -21,7 +21,8 @@ def manifest() -> PluginManifest:
             "model_arch": {
                 "DeepseekV2ForCausalLM": "keel_models_deepseek.deepseek_v2:DeepseekV2ForCausalLM",
                 "DeepseekV3ForCausalLM": "keel_models_deepseek.deepseek_v3:DeepseekV3ForCausalLM",
-            }
+            },
+            "spec_decoder": {"mtp": "keel_models_deepseek.mtp:DeepSeekMTPProposer"},
         },
-        description="DeepSeek-V2/V3: multi-head latent attention (latent KV cache) and routed MoE",
+        description="DeepSeek-V2/V3: multi-head latent attention (latent KV cache), routed MoE, MTP drafts",
     )
