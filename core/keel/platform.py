@@ -118,6 +118,13 @@ class Platform:
         """Called by the model runner after warm-up unless `enforce_eager`."""
         return GraphCaptureSpec(supported=False)
 
+    def use_custom_ops(self) -> bool:
+        """Called by the worker once, after the model is loaded: whether to bind the `custom_op`
+        registry's fused kernels into the model's layers. False keeps every layer on its native torch
+        math (the CPU path stays bit-exact with transformers); accelerators where small-kernel launch
+        overhead matters return True."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, device_type={self.device_type!r})"
 

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """silu(x[..., :d]) * x[..., d:], the SwiGLU gate of Llama-family MLPs (gate first, then up)."""
+    """silu(x[..., :d]) * x[..., d:], the SwiGLU gate of Llama-family MLPs (gate first, then up).
+
+    The worker may bind a fused `silu_and_mul` kernel (see `keel.layers.custom_op`).
+    """
+
+    custom_ops: ClassVar[tuple[str, ...]] = ("silu_and_mul",)
+    bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]
+        op = self.bound_ops.get("silu_and_mul")
+        if op is not None:
+            return op(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 
@@ -14,7 +18,13 @@ class RMSNorm(nn.Module):
     `forward(x)` returns the normalized x. `forward(x, residual)` first adds the residual (in the
     input dtype, as HF does), returning `(normalized, new_residual)` so decoder layers can carry the
     un-normalized stream without an extra add.
+
+    `custom_ops` / `bound_ops`: the worker may bind fused kernels for these ops (see
+    `keel.layers.custom_op`); an unbound op runs the torch math below.
     """
+
+    custom_ops: ClassVar[tuple[str, ...]] = ("rms_norm", "fused_add_rms_norm")
+    bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -36,7 +46,11 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self._norm(x)
+            op = self.bound_ops.get("rms_norm")
+            return op(x, self.weight, self.variance_epsilon) if op is not None else self._norm(x)
+        op = self.bound_ops.get("fused_add_rms_norm")
+        if op is not None:
+            return op(x, residual, self.weight, self.variance_epsilon)
         x = x + residual
         return self._norm(x), x
 

@@ -10,7 +10,9 @@ top-level attributes.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -134,8 +136,12 @@ class RotaryEmbedding(nn.Module):
 
     Built by the model's attention layer; `forward(positions, q, k)` is called every step and returns
     rotated copies. Positions must lie in [0, cache_len); the cache is a non-persistent buffer, so it
-    is never expected in (or saved to) a checkpoint.
+    is never expected in (or saved to) a checkpoint. The worker may bind a fused `rotary_embedding`
+    kernel (see `keel.layers.custom_op`); it receives this layer's caches.
     """
+
+    custom_ops: ClassVar[tuple[str, ...]] = ("rotary_embedding",)
+    bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, rope: dict[str, Any]) -> None:
         super().__init__()
@@ -160,6 +166,9 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads * head_size]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        op = self.bound_ops.get("rotary_embedding")
+        if op is not None:
+            return op(positions, q, k, self.cos_cache, self.sin_cache, self.head_size, self.rotary_dim)
         # HF rotates in the activation dtype with cos/sin cast down from float32; do the same.
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)

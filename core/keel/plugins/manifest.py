@@ -23,6 +23,7 @@ KINDS: tuple[str, ...] = (
     "stat_logger",
     "kv_cache_spec",
     "spec_decoder",
+    "custom_op",
 )
 
 

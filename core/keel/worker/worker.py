@@ -14,6 +14,7 @@ from keel.attention.backend import AttentionLayerConfig, BackendRequest
 from keel.attention.selector import select_attention_backend
 from keel.config import EngineConfig
 from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from keel.layers.custom_op import bind_custom_ops
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
 from keel.spec_decode.proposer import ProposerContext
@@ -61,6 +62,9 @@ class Worker:
         )
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=getattr(mc, "load_format", "auto"))
+        if self.platform.use_custom_ops():
+            # Bound before the runner exists, so warm-up and graph capture already run the fused kernels.
+            bind_custom_ops(model, self.plugins.registry("custom_op"), self.device.type, dtype)
         self.runner = ModelRunner(model, self.device, block_size, *self._make_proposer(model, build, path),
                                   max_model_len=mc.derived_max_model_len)
         names = sorted({b.name for b in self._backends.values()})

@@ -86,3 +86,7 @@ class CudaPlatform(Platform):
     def graph_capture(self) -> GraphCaptureSpec:
         return GraphCaptureSpec(supported=True, batch_sizes=CAPTURE_SIZES,
                                 capturer="keel.worker.cuda_graph:DecodeGraphRunner")
+
+    def use_custom_ops(self) -> bool:
+        # A batch-1 decode step is ~500 tiny norm/rope/activation kernels; fused ones cut most of them.
+        return True

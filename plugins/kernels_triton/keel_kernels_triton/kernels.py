@@ -1,0 +1,158 @@
+"""Triton kernels of kernels-triton: (residual add +) RMSNorm, neox rope on q and k, SiluAndMul.
+
+Each kernel reproduces the rounding steps of keel's native layer math (which mirrors HF): values are
+widened to float32 for arithmetic and rounded back to the activation dtype exactly where the torch code
+rounds (after the residual add, after normalizing, after each product in rope, after silu). So in bf16
+the fused result differs from the native one only by reduction order and rsqrt's last bits.
+
+All tensors are addressed as rows with an explicit row stride and a contiguous last dimension.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_to(x, dt: tl.constexpr):
+    """float32 `x` rounded to `dt` to nearest-even. Compiled Triton already rounds so, but the
+    interpreter truncates to bfloat16; rounding the bits first makes both agree with torch."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,  # [rows, H] (row stride stride_x)
+    res_ptr,  # [rows, H] residual in (only read when HAS_RESIDUAL)
+    w_ptr,  # [H]
+    out_ptr,  # [rows, H]
+    res_out_ptr,  # [rows, H] new residual = x + residual (only written when HAS_RESIDUAL)
+    stride_x, stride_r, stride_o, stride_ro,
+    H, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = res_ptr + row * stride_r
+    ro_row = res_out_ptr + row * stride_ro
+    o_row = out_ptr + row * stride_o
+    if SINGLE:
+        # One pass: the row stays in registers between the sum of squares and the scaling.
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_row + offs, mask=mask, other=0.0)
+            x = _round_to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
+            tl.store(ro_row + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        y = _round_to(xf * rstd, x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + offs, _round_to(w * y, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Rows wider than one tile: sum in a first sweep (writing the new residual), scale in a second.
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < H
+            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + offs, mask=mask, other=0.0)
+                x = _round_to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
+                tl.store(ro_row + offs, x, mask=mask)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + eps)
+        for start in range(0, H, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < H
+            if HAS_RESIDUAL:
+                x = tl.load(ro_row + offs, mask=mask, other=0.0)
+            else:
+                x = tl.load(x_row + offs, mask=mask, other=0.0)
+            y = _round_to(x.to(tl.float32) * rstd, x.dtype).to(tl.float32)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_row + offs, _round_to(w * y, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_heads(
+    x_ptr, out_ptr, stride_x, stride_o, token, cos, sin, num_heads,
+    HEAD: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    # cos/sin: [1, BLOCK_HALF] float32 holding values already rounded to the activation dtype.
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, BLOCK_HALF)[None, :]
+    x_row = x_ptr + token * stride_x
+    o_row = out_ptr + token * stride_o
+    dt = out_ptr.dtype.element_ty
+    for h0 in range(0, num_heads, BLOCK_H):
+        h = h0 + hh
+        mask = (h < num_heads) & (dd < HALF)
+        x1 = tl.load(x_row + h * HEAD + dd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + h * HEAD + HALF + dd, mask=mask, other=0.0).to(tl.float32)
+        # torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the activation dtype.
+        a1 = _round_to(x1 * cos, dt).to(tl.float32)
+        b1 = _round_to(x2 * sin, dt).to(tl.float32)
+        a2 = _round_to(x2 * cos, dt).to(tl.float32)
+        b2 = _round_to(x1 * sin, dt).to(tl.float32)
+        tl.store(o_row + h * HEAD + dd, _round_to(a1 - b1, dt), mask=mask)
+        tl.store(o_row + h * HEAD + HALF + dd, _round_to(a2 + b2, dt), mask=mask)
+        if ROT < HEAD:  # partial rotary: the tail of each head passes through
+            pp = tl.arange(0, BLOCK_PASS)[None, :]
+            pmask = (h < num_heads) & (pp < HEAD - ROT)
+            tail = tl.load(x_row + h * HEAD + ROT + pp, mask=pmask, other=0.0)
+            tl.store(o_row + h * HEAD + ROT + pp, tail.to(dt), mask=pmask)
+
+
+@triton.jit
+def rotary_kernel(
+    pos_ptr,  # [num_tokens] int
+    q_ptr, k_ptr,  # [num_tokens, heads * HEAD] (row strides stride_q / stride_k)
+    q_out_ptr, k_out_ptr,  # [num_tokens, heads * HEAD] contiguous
+    cos_ptr, sin_ptr,  # [cache_len, ROT] float32 contiguous (the two halves are equal)
+    stride_q, stride_k, stride_qo, stride_ko,
+    num_q_heads, num_k_heads,
+    HEAD: tl.constexpr, ROT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = ROT // 2
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dd = tl.arange(0, BLOCK_HALF)[None, :]
+    dt = q_out_ptr.dtype.element_ty
+    # The torch path casts cos/sin to the activation dtype before multiplying.
+    cos = _round_to(tl.load(cos_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    sin = _round_to(tl.load(sin_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    # Program (t, 0) rotates the token's q heads, (t, 1) its k heads.
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr, q_out_ptr, stride_q, stride_qo, token, cos, sin, num_q_heads,
+                    HEAD, HALF, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
+    else:
+        _rope_heads(k_ptr, k_out_ptr, stride_k, stride_ko, token, cos, sin, num_k_heads,
+                    HEAD, HALF, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    x_ptr,  # [rows, 2 * D] (row stride stride_x): gate, then up
+    out_ptr,  # [rows, D] (row stride stride_o)
+    stride_x, stride_o, D,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
+    # torch: silu in float32 rounded to the activation dtype, then the product rounded again.
+    s = _round_to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, dt), mask=mask)

@@ -1,0 +1,152 @@
+"""The `custom_op` providers of kernels-triton: launch wrappers with keel's op contracts.
+
+Registered by the `kernels-triton` manifest; the worker instantiates each class once and binds the
+instance into the layers that declare the op (see `keel.layers.custom_op` for the contracts). Every op
+allocates its outputs and leaves its inputs untouched, like the native layers. On CUDA the kernels are
+compiled; on the CPU they run only through Triton's interpreter (`TRITON_INTERPRET=1`, tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from keel_kernels_triton.kernels import rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+# Widest row one program keeps in registers; wider rows take the two-sweep path.
+MAX_NORM_BLOCK = 8192
+SILU_BLOCK = 1024
+
+
+class UnsupportedTensorError(ValueError):
+    """An op got a tensor it cannot handle (dtype, shape); the message says what was expected."""
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """`x` as [rows, width] with a contiguous last dim, copying only when a view cannot do it."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedTensorError(f"{what}: dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
+    if x.shape[-1] != width:
+        raise UnsupportedTensorError(f"{what}: last dim {x.shape[-1]} != {width}")
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+class _TritonOp:
+    """Shared `supports`: float dtypes; CUDA, or the CPU when the Triton interpreter is on."""
+
+    def supports(self, device_type: str, dtype: torch.dtype) -> bool:
+        if dtype not in SUPPORTED_DTYPES:
+            return False
+        return device_type == "cuda" or (device_type == "cpu" and interpreter_enabled())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = weight.shape[0]
+    x2 = _rows(x, hidden, "rms_norm input")
+    res_dtype = x.dtype
+    if residual is not None:
+        r2 = _rows(residual, hidden, "rms_norm residual")
+        if r2.shape[0] != x2.shape[0]:
+            raise UnsupportedTensorError(f"residual has {r2.shape[0]} rows, input {x2.shape[0]}")
+        res_dtype = torch.promote_types(x.dtype, residual.dtype)
+        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+    else:
+        r2 = res_out = x2  # unused by the kernel
+    # As in torch, `weight * normalized` promotes (a float32 weight on bf16 activations gives float32).
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        block = min(triton.next_power_of_2(hidden), MAX_NORM_BLOCK)
+        rms_norm_kernel[(rows,)](
+            x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            hidden, float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE=block >= hidden,
+            num_warps=min(max(block // 256, 1), 16),
+        )
+    shape = (*x.shape[:-1], hidden)
+    return out.view(shape), (res_out.view(shape) if residual is not None else None)
+
+
+class TritonRMSNorm(_TritonOp):
+    """`rms_norm(x, weight, eps) -> out`; x: [..., hidden], weight: [hidden]."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _norm_launch(x, None, weight, eps)[0]
+
+
+class TritonFusedAddRMSNorm(_TritonOp):
+    """`fused_add_rms_norm(x, residual, weight, eps) -> (out, new_residual)` in one pass over the row."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, res = _norm_launch(x, residual, weight, eps)
+        assert res is not None
+        return out, res
+
+
+class TritonRotaryEmbedding(_TritonOp):
+    """`rotary_embedding(positions, q, k, cos_cache, sin_cache, head_size, rotary_dim) -> (q, k)`.
+
+    Neox layout; one launch rotates q and k; cos/sin are gathered by position inside the kernel.
+    """
+
+    def __call__(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int
+        q: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        cos_cache: torch.Tensor,  # [cache_len, rotary_dim] float32
+        sin_cache: torch.Tensor,  # [cache_len, rotary_dim] float32
+        head_size: int,
+        rotary_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = q.shape[0]
+        q2, k2 = q.reshape(n, -1), k.reshape(n, -1)
+        for name, t in (("q", q2), ("k", k2)):
+            if t.shape[1] % head_size:
+                raise UnsupportedTensorError(f"rope {name}: width {t.shape[1]} is not a multiple of {head_size}")
+        q2 = _rows(q2, q2.shape[1], "rope q")
+        k2 = _rows(k2, k2.shape[1], "rope k")
+        if cos_cache.dtype != torch.float32 or not cos_cache.is_contiguous() or not sin_cache.is_contiguous():
+            raise UnsupportedTensorError("rope caches must be contiguous float32 [cache_len, rotary_dim]")
+        q_out, k_out = torch.empty_like(q2), torch.empty_like(k2)
+        if n:
+            nq, nk = q2.shape[1] // head_size, k2.shape[1] // head_size
+            half = rotary_dim // 2
+            block_half = triton.next_power_of_2(half)
+            block_h = min(triton.next_power_of_2(max(nq, nk)), max(1, 4096 // block_half))
+            rotary_kernel[(n, 2)](
+                positions, q2, k2, q_out, k_out, cos_cache, sin_cache,
+                q2.stride(0), k2.stride(0), q_out.stride(0), k_out.stride(0), nq, nk,
+                HEAD=head_size, ROT=rotary_dim, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+            )
+        return q_out, k_out
+
+
+class TritonSiluAndMul(_TritonOp):
+    """`silu_and_mul(x) -> out`; x: [..., 2 * d] (gate, then up), out: [..., d]."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise UnsupportedTensorError(f"silu_and_mul: last dim {x.shape[-1]} is odd")
+        d = x.shape[-1] // 2
+        x2 = _rows(x, 2 * d, "silu_and_mul input")
+        out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+        if x2.shape[0] and d:
+            block = min(triton.next_power_of_2(d), SILU_BLOCK)
+            silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+                x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+            )
+        return out.view(*x.shape[:-1], d)
