@@ -243,3 +243,33 @@ def test_mtp_loading_is_strict(tmp_path):
     missing = make_mtp_checkpoint(tmp_path / "missing", drop=("hnorm.weight",))
     with pytest.raises(WeightLoadError, match="hnorm"):
         make_engine(missing, 1)
+
+
+def test_drafts_stop_at_max_model_len(ckpt):
+    # Requests run into max_model_len with drafts in flight: no draft (nor MTP write) past it.
+    prompts = random_prompts([17, 20, 9], seed=14)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    engine = make_engine(ckpt, 3, max_model_len=24)
+    spec = run(engine, prompts, params)
+    assert [len(o.token_ids) for o in spec] == [7, 4, 15]
+    assert_same(run(make_engine(ckpt, None, max_model_len=24), prompts, params), spec)
+    assert_counters(engine)
+
+
+
+def test_dummy_load_format_builds_random_mtp_weights(ckpt):
+    # The proposer alone (the engine's DeepSeek target does not serve load_format="dummy" yet).
+    from deepseek_test_utils import build_context, load_keel
+    from keel_models_deepseek.deepseek_v3 import DeepseekV3ForCausalLM
+    from keel_models_deepseek.mtp import DeepSeekMTPProposer
+
+    from keel.spec_decode.proposer import ProposerContext
+
+    target = load_keel(DeepseekV3ForCausalLM, ckpt)
+    ctx = ProposerContext("mtp", 2, (), target, torch.device("cpu"), build=build_context(ckpt),
+                          model_path=None, load_format="dummy")
+    proposer = DeepSeekMTPProposer(ctx)
+    (layer,) = proposer.attention_layers()
+    assert layer.layer_idx == NUM_LAYERS
+    assert all(torch.isfinite(p).all() for p in proposer.layer.parameters())
+    assert proposer.layer.eh_proj.weight.abs().sum() > 0 and proposer.layer.embed_tokens.weight.abs().sum() > 0
