@@ -2,7 +2,8 @@
 
 Per step: update the request mirrors, flatten all scheduled tokens into one varlen batch (token ids,
 positions, slot mapping, block table), build the attention metadata once, run the model, compute logits
-only at sampling positions, sample, and report. It never touches scheduler state.
+only at sampling positions, sample, let the speculative proposer (if any) draft, and report. It never
+touches scheduler state.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ For position i the module computes, as DeepSeek-V3 and vLLM do,
 
 Draft 1 is the argmax at the last committed position; drafts 2..k reuse the same module recursively
 (g of the previous step as the "previous hidden", the previous draft as the token), as vLLM does with
-one MTP module. Only the first MTP module drafts; further ones in a checkpoint are not loaded.
+one MTP module. Only the first MTP module drafts; further ones in a checkpoint are not loaded. (vLLM
+also zeroes the token embedding at position 0; keel does not -- drafts only change acceptance rates.)
 
 KV state: the module's MLA layer has its own latent cache, allocated by the runner with the target's
 block ids (`attention_layers()`; its layer_idx follows the target's). Every step it is run over every
