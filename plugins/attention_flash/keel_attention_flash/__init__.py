@@ -1,4 +1,4 @@
-"""keel plugin `attention-flash`: the Triton FlashAttention paged backend `triton_flash`.
+"""keel plugin `attention-flash`: Triton paged attention backends `triton_flash` and `triton_mla` (MLA).
 
 Only the manifest lives here; discovery imports this module, so it must not import torch or triton.
 """
@@ -14,6 +14,9 @@ def manifest() -> PluginManifest:
         name="attention-flash",
         version=__version__,
         core_api=">=1.0,<2",
-        provides={"attention_backend": {"triton_flash": "keel_attention_flash.backend:TritonFlashAttentionBackend"}},
-        description="Triton paged FlashAttention: varlen mixed prefill/decode, GQA/MQA, split-K decode.",
+        provides={"attention_backend": {
+            "triton_flash": "keel_attention_flash.backend:TritonFlashAttentionBackend",
+            "triton_mla": "keel_attention_flash.mla_backend:TritonMLABackend",
+        }},
+        description="Triton paged FlashAttention (varlen prefill/decode, GQA/MQA, split-K decode) and MLA.",
     )

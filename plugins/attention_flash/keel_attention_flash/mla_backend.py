@@ -1,0 +1,98 @@
+"""TritonMLABackend (`triton_mla`): multi-head latent attention (DeepSeek-V2/V3) written in Triton.
+
+Serves `MLAAttention` layers; the forward contract is defined in `keel.layers.mla_attention`. The cache
+holds one latent cat(kv_c, k_pe) per token, [num_blocks, block_size, kv_lora_rank + rope_dim]. Decode
+runs split-K over the latents (flash-decoding), prefill runs causal query tiles of the same absorbed
+kernel; fp32 (IEEE dot products), fp16, bf16. On CUDA the kernels are compiled; on the CPU they run only
+through Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks them without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from keel.attention.backend import (
+    AttentionLayerConfig,
+    BackendCapabilities,
+    BackendRequest,
+    default_validate,
+)
+from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
+from keel_attention_flash.backend import UnsupportedLayerError, interpreter_enabled
+from keel_attention_flash.mla_impl import TritonMLAImpl
+from keel_attention_flash.mla_metadata import TritonMLAMetadataBuilder
+
+_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+class TritonMLABackend:
+    """Registered under `attention_backend` as `triton_mla` by the `attention-flash` plugin.
+
+    `supports_cuda_graph`: a pure-decode step's metadata only references the common metadata's device
+    tensors, its launch grid depends only on the batch size, and the kernels read each request's
+    context length from `seq_lens` at run time, so the model runner may capture decode steps.
+    """
+
+    name: ClassVar[str] = "triton_mla"
+    supports_cuda_graph: ClassVar[bool] = True
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        block_sizes=(4, 8, 16, 32, 64, 128),
+        device_types=("cuda", "cpu"),
+        kv_cache_kinds=("mla_latent",),
+        supports_mla=True,
+    )
+
+    @classmethod
+    def validate(cls, request: BackendRequest) -> list[str]:
+        """Called by the selector at startup: MLA layers only, their dimensions in `extra`, and on the
+        CPU only under Triton's interpreter."""
+        reasons = default_validate(cls.capabilities, request)
+        layer = request.layer
+        if request.device_type == "cpu" and not interpreter_enabled():
+            reasons.append("on the CPU the Triton kernels need the interpreter: set TRITON_INTERPRET=1 "
+                           "before starting (slow; meant for tests)")
+        if not layer.use_mla:
+            reasons.append("triton_mla serves only MLA layers (use_mla=True)")
+            return reasons
+        extra = dict(layer.extra)
+        missing = [k for k in _MLA_KEYS if k not in extra]
+        if missing:
+            reasons.append(f"MLA layer config lacks {missing} in `extra`")
+            return reasons
+        if layer.num_kv_heads != 1:
+            reasons.append(f"MLA layers have one shared latent head, got num_kv_heads={layer.num_kv_heads}")
+        if layer.head_size != extra["kv_lora_rank"] + extra["qk_rope_head_dim"]:
+            reasons.append(
+                f"MLA head_size {layer.head_size} != kv_lora_rank + qk_rope_head_dim "
+                f"({extra['kv_lora_rank']} + {extra['qk_rope_head_dim']})"
+            )
+        if any(extra[k] <= 0 for k in _MLA_KEYS):
+            reasons.append(f"MLA dimensions must be positive, got { {k: extra[k] for k in _MLA_KEYS} }")
+        return reasons
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
+        """Called by the runner per layer: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)."""
+        if not isinstance(spec, MLALatentSpec):
+            raise UnsupportedLayerError(
+                f"triton_mla stores latents; got a {type(spec).__name__} (kind {spec.kind!r}). "
+                "Select a standard attention backend (e.g. triton_flash) for this model."
+            )
+        return (num_blocks, spec.block_size, spec.latent_size)
+
+    @classmethod
+    def get_metadata_builder(cls, device: torch.device) -> TritonMLAMetadataBuilder:
+        """Called by the runner once per KV cache group."""
+        return TritonMLAMetadataBuilder(device)
+
+    @classmethod
+    def get_impl(cls, layer: AttentionLayerConfig) -> TritonMLAImpl:
+        """Called once per MLA layer when the model is built."""
+        # The device was checked by the selector; here only the layer's own shape matters.
+        reasons = cls.validate(BackendRequest(layer=layer, device_type="cuda", kv_cache_kind="mla_latent"))
+        if reasons:
+            raise UnsupportedLayerError(f"triton_mla cannot serve layer {layer}: " + "; ".join(reasons))
+        return TritonMLAImpl(layer)

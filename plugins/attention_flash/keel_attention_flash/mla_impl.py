@@ -1,0 +1,153 @@
+"""The per-layer forward of triton_mla: latent cache write, absorbed attention, W_UV.
+
+Every row runs in the absorbed form (see `mla_kernels`): the query is folded through W_UK once per
+step with one batched matmul, decode requests run the split-K latent kernel plus its reduce, other
+requests (prefill, chunked prefill) run causal query tiles of the same kernel over their paged
+latents, and W_UV maps the latent outputs to per-head values with a second batched matmul. The cache
+is never expanded, for decode or prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keel.attention.backend import AttentionLayerConfig
+from keel_attention_flash import kernels as flash_kernels
+from keel_attention_flash import mla_kernels
+from keel_attention_flash.impl import _pow2, _sm_count, choose_num_splits
+from keel_attention_flash.mla_metadata import TritonMLAMetadata
+
+
+class TritonMLAImpl:
+    """Created by `TritonMLABackend.get_impl(layer)` once per MLA layer; satisfies
+    `keel.layers.mla_attention.MLAAttentionImpl`.
+
+    `process_weights_after_loading` is called once by the layer after weight loading; `forward` every
+    step. `decode_splits` fixes the split count of the decode kernel (tests); by default it follows
+    `choose_num_splits`. `decode_launch` = (heads per program, key tile, warps, stages) of the decode
+    kernel, for tuning runs.
+    """
+
+    def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
+                 decode_launch: tuple[int, int, int, int] | None = None) -> None:
+        extra = dict(layer.extra)
+        self.num_heads = layer.num_heads
+        self.kv_lora_rank: int = extra["kv_lora_rank"]
+        self.qk_nope_head_dim: int = extra["qk_nope_head_dim"]
+        self.qk_rope_head_dim: int = extra["qk_rope_head_dim"]
+        self.v_head_dim: int = extra["v_head_dim"]
+        self.sm_scale_log2 = layer.scale * flash_kernels.LOG2E
+        self.precision = "ieee" if layer.dtype == torch.float32 else "tf32"
+        self.block_l = max(16, _pow2(self.kv_lora_rank))
+        self.block_r = max(16, _pow2(self.qk_rope_head_dim))
+        self.decode_splits = decode_splits
+        wide = self.block_l >= 256  # DeepSeek's L = 512: keep the float32 accumulator within registers
+        block_h = max(16, min(_pow2(self.num_heads), 32 if wide else 64))
+        self.decode_launch = decode_launch or (block_h, 32 if wide else 64, 8 if wide else 4, 2)
+        # Prefill tiles: rows = tokens x heads; 16 heads per program, as many tokens as fit 32/64 rows.
+        self.prefill_block_h = max(1, min(_pow2(self.num_heads), 16))
+        self.prefill_block_q = max(1, (32 if wide else 64) // self.prefill_block_h)
+        if self.prefill_block_q * self.prefill_block_h < 16:
+            self.prefill_block_q = -(-16 // self.prefill_block_h)
+        self.prefill_block_n = 32 if wide else 64
+        self.w_uk: torch.Tensor | None = None  # [H, N, L]
+        self.w_uv_t: torch.Tensor | None = None  # [H, L, V]
+
+    def process_weights_after_loading(
+        self,
+        w_uk: torch.Tensor,  # [H, N, L]
+        w_uv: torch.Tensor,  # [H, V, L]
+    ) -> None:
+        self.w_uk = w_uk.contiguous()
+        self.w_uv_t = w_uv.transpose(1, 2).contiguous()
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, N + R]
+        kv_c: torch.Tensor,  # [T, L]
+        k_pe: torch.Tensor,  # [T, R]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
+        metadata: TritonMLAMetadata,
+    ) -> torch.Tensor:  # [T, H, V]
+        if self.w_uk is None or self.w_uv_t is None:
+            raise RuntimeError(
+                "triton_mla: process_weights_after_loading was never called; the model must hand over "
+                "kv_b_proj's W_UK/W_UV after loading its weights"
+            )
+        self._write(kv_c, k_pe, kv_cache, metadata)
+        n = self.qk_nope_head_dim
+        q_pe = q[..., n:]
+        q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+        # W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides.
+        q_c = torch.bmm(q[..., :n].transpose(0, 1), self.w_uk).transpose(0, 1)
+        o_latent = torch.empty((q.shape[0], self.num_heads, self.kv_lora_rank), dtype=q.dtype, device=q.device)
+        if metadata.num_decodes:
+            self._decode(q_c, q_pe, kv_cache, metadata, o_latent)
+        if metadata.prefill_reqs:
+            self._prefill(q_c, q_pe, kv_cache, metadata, o_latent)
+        if metadata.num_query_rows < o_latent.shape[0]:
+            o_latent[metadata.num_query_rows :].zero_()  # padding rows: unspecified, but never garbage
+        # W_UV: [H, T, L] @ [H, L, V] -> [H, T, V]
+        return torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+
+    def _write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+               md: TritonMLAMetadata) -> None:
+        num = md.num_actual_tokens
+        if not num:
+            return
+        kv_c = kv_c if kv_c.stride(-1) == 1 else kv_c.contiguous()
+        k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+        mla_kernels.mla_write_latent_kernel[(num,)](
+            kv_c, k_pe, kv_cache, md.common.slot_mapping, kv_c.stride(0), k_pe.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), PAGE=kv_cache.shape[1], LORA=self.kv_lora_rank,
+            BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim, BLOCK_R=self.block_r,
+        )
+
+    def _launch(self, grid: tuple[int, int, int], q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor | None, tile_req: torch.Tensor | None,
+                tile_q0: torch.Tensor | None, md: TritonMLAMetadata, block_h: int, block_q: int,
+                block_n: int, splits: int, warps: int, stages: int) -> None:
+        common = md.common
+        split_out = lse is not None
+        dummy = common.query_start_loc  # stands in for the tables the TILED / TILE_Q0 / SPLIT_OUT flags skip
+        mla_kernels.mla_attention_kernel[grid](
+            q_c, q_pe, kv_cache, out, lse if split_out else out,
+            tile_req if tile_req is not None else dummy, tile_q0 if tile_q0 is not None else dummy,
+            common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
+            q_c.stride(0), q_c.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1),
+            0 if split_out else out.stride(0), 0 if split_out else out.stride(1), self.sm_scale_log2,
+            NUM_HEADS=self.num_heads, BLOCK_H=block_h, BLOCK_Q=block_q, LORA=self.kv_lora_rank,
+            BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim, BLOCK_R=self.block_r, BLOCK_N=block_n,
+            PAGE=kv_cache.shape[1], NUM_SPLITS=splits, TILED=tile_req is not None,
+            TILE_Q0=tile_q0 is not None, SPLIT_OUT=split_out,
+            PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", num_warps=warps, num_stages=stages,
+        )
+
+    def _decode(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
+                o_latent: torch.Tensor) -> None:
+        """Split-K (flash-decoding) over the cached latents of every decode request, then the reduce."""
+        b = md.num_decodes
+        block_h, block_n, warps, stages = self.decode_launch
+        head_blocks = -(-self.num_heads // block_h)
+        splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len, _sm_count(q_c.device))
+        part_out = torch.empty((b, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
+                               device=q_c.device)
+        part_lse = torch.empty((b, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
+        self._launch((b, head_blocks, splits), q_c, q_pe, kv_cache, part_out, part_lse, md.decode_reqs, None,
+                     md, block_h, 1, block_n, splits, warps, stages)
+        tiled = md.decode_reqs is not None
+        mla_kernels.mla_split_reduce_kernel[(b, self.num_heads)](
+            part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,
+            md.common.query_start_loc, o_latent.stride(0), o_latent.stride(1),
+            NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), LORA=self.kv_lora_rank,
+            BLOCK_L=self.block_l, TILED=tiled,
+        )
+
+    def _prefill(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
+                 o_latent: torch.Tensor) -> None:
+        """Causal query tiles of the requests with several new tokens, written straight to `o_latent`."""
+        tile_req, tile_q0 = md.prefill_tiles(self.prefill_block_q)
+        grid = (tile_req.numel(), -(-self.num_heads // self.prefill_block_h), 1)
+        self._launch(grid, q_c, q_pe, kv_cache, o_latent, None, tile_req, tile_q0, md, self.prefill_block_h,
+                     self.prefill_block_q, self.prefill_block_n, 1, 4, 2)

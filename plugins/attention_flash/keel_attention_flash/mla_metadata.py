@@ -1,0 +1,90 @@
+"""Per-step metadata of triton_mla, built once per step and shared by every MLA layer.
+
+A step's requests split in two by their number of new tokens: decode requests (exactly one) run the
+split-K latent kernel; the others (prefill, chunked prefill, speculative verification) run query tiles
+of the same latent kernel without splits. A pure-decode step needs nothing beyond the common
+metadata's device tensors (request i is tile i), so the model runner may capture it as a CUDA graph;
+mixed steps get request/tile tables built on the CPU from `query_start_loc_cpu`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from keel.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass
+class TritonMLAMetadata:
+    """What `TritonMLAImpl.forward` reads; one object per step."""
+
+    common: CommonAttentionMetadata
+    num_reqs: int
+    num_actual_tokens: int  # tokens whose latents are written (padding rows carry slot -1)
+    num_query_rows: int  # rows with an output of a real request (query_start_loc[num_reqs])
+    max_seq_len: int  # an upper bound of seq_lens: picks the decode split count
+    num_decodes: int  # requests with exactly one new token
+    decode_reqs: torch.Tensor | None  # [num_decodes] int32 device; None: request i is decode i (pure decode)
+    prefill_reqs: list[int]  # requests with more than one new token (CPU indices)
+    _tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.decode_reqs is None
+
+    def prefill_tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([num_tiles] int32 request, [num_tiles] int32 first query row) over the prefill requests.
+
+        Called by each layer's forward on steps with prefill rows; computed once per tile height.
+        """
+        found = self._tiles.get(block_q)
+        if found is None:
+            qsl = self.common.query_start_loc_cpu.to(torch.int64)
+            reqs = torch.tensor(self.prefill_reqs, dtype=torch.int64)
+            query_lens = qsl[reqs + 1] - qsl[reqs]
+            per_req = (query_lens + block_q - 1) // block_q
+            tile_req = torch.repeat_interleave(reqs, per_req)
+            first_tile = torch.cumsum(per_req, 0) - per_req
+            tile_idx = torch.repeat_interleave(torch.arange(len(self.prefill_reqs)), per_req)
+            tile_q0 = (torch.arange(int(per_req.sum())) - first_tile[tile_idx]) * block_q
+            device = self.common.query_start_loc.device
+            found = (tile_req.to(torch.int32).to(device, non_blocking=True),
+                     tile_q0.to(torch.int32).to(device, non_blocking=True))
+            self._tiles[block_q] = found
+        return found
+
+
+class TritonMLAMetadataBuilder:
+    """Returned by `TritonMLABackend.get_metadata_builder(device)`; one per KV cache group.
+
+    `build` is called by the model runner once per step (and once per captured batch size when the
+    runner captures CUDA graphs). It never synchronizes with the device: on mixed steps it reads only
+    the CPU copy of `query_start_loc`.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
+        n = common.num_reqs
+        num_rows = int(common.query_start_loc_cpu[n]) if n else 0
+        if common.max_query_len <= 1:
+            decode_reqs, prefill_reqs, num_decodes = None, [], n
+        else:
+            query_lens = common.query_start_loc_cpu[1 : n + 1] - common.query_start_loc_cpu[:n]
+            decode_idx = torch.nonzero(query_lens == 1).flatten()
+            prefill_reqs = torch.nonzero(query_lens > 1).flatten().tolist()
+            num_decodes = int(decode_idx.numel())
+            decode_reqs = decode_idx.to(torch.int32).to(common.query_start_loc.device, non_blocking=True)
+        return TritonMLAMetadata(
+            common=common,
+            num_reqs=n,
+            num_actual_tokens=common.num_actual_tokens,
+            num_query_rows=num_rows,
+            max_seq_len=common.max_seq_len,
+            num_decodes=num_decodes,
+            decode_reqs=decode_reqs,
+            prefill_reqs=prefill_reqs,
+        )

@@ -1,0 +1,182 @@
+"""triton_mla (interpreted on the CPU, compiled on CUDA) against a float64 fully expanded reference.
+
+The reference expands every context token's K/V from its latent, never touching the paged cache.
+triton_mla must agree on mixed batches (decodes through split-K, prefills and chunked prefills through
+query tiles), over random scattered block tables with NaN everywhere outside the requests' contexts
+(unused slots, the null block), with -1-padded slot mappings and padded rows; it must leave exactly
+cat(kv_c, k_pe) of each new token in its slot and never expand the cache on decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from keel_attention_flash.mla_backend import TritonMLABackend
+from keel_attention_flash.mla_impl import TritonMLAImpl
+
+from keel.attention.backend import AttentionLayerConfig
+from keel.attention.metadata import CommonAttentionMetadata
+
+H, N, R, V, L = 4, 16, 8, 16, 32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def mla_layer(block_size: int, dtype: torch.dtype = torch.float32, **kw) -> AttentionLayerConfig:
+    fields = {
+        "num_heads": H, "num_kv_heads": 1, "head_size": L + R, "scale": (N + R) ** -0.5, "dtype": dtype,
+        "block_size": block_size, "use_mla": True,
+        "extra": (("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)),
+    }
+    return AttentionLayerConfig(**{**fields, **kw})
+
+
+def make_step(context_lens, query_lens, bs: int, gen: torch.Generator, pad_rows: int = 0):
+    """Random float64 latents of each request's full context, a scattered block table, the step's
+    common metadata (`pad_rows` extra rows with slot -1) and a NaN-poisoned float32 cache holding the
+    earlier context."""
+    totals = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks = [-(-t // bs) for t in totals]
+    spare = 3  # blocks nobody owns: NaN
+    perm = (torch.randperm(sum(blocks) + spare, generator=gen) + 1).tolist()  # never the null block
+    table = torch.zeros(len(totals), max(blocks) + 1, dtype=torch.int32)  # a trailing null entry
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+    latents = [torch.randn(t, L + R, generator=gen, dtype=torch.float64) for t in totals]
+    rows, slots = [], []
+    for i, (c, t) in enumerate(zip(context_lens, totals)):
+        for p in range(c, t):
+            slots.append(int(table[i, p // bs]) * bs + p % bs)
+            rows.append(latents[i][p])
+    num_tokens = len(slots)
+    rows += [torch.randn(L + R, generator=gen, dtype=torch.float64) for _ in range(pad_rows)]
+    slots += [-1] * pad_rows
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(totals, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(DEVICE), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(DEVICE),
+        seq_lens_cpu=seq_lens, block_table=table.to(DEVICE), slot_mapping=torch.tensor(slots).to(DEVICE),
+        num_reqs=len(totals), num_actual_tokens=num_tokens, max_query_len=max(query_lens),
+        max_seq_len=max(totals), block_size=bs,
+    )
+    cache = torch.full((sum(blocks) + spare + 1, bs, L + R), float("nan"))
+    for i, c in enumerate(context_lens):
+        for p in range(c):  # earlier steps wrote the context
+            cache[table[i, p // bs], p % bs] = latents[i][p].float()
+    return latents, torch.stack(rows), common, cache.to(DEVICE)
+
+
+def reference(q, latents, context_lens, query_lens, w_uk, w_uv, scale):  # float64, fully expanded
+    out, start = [], 0
+    for lat, c, n in zip(latents, context_lens, query_lens):
+        k = torch.cat((torch.einsum("sl,hnl->hsn", lat[:, :L], w_uk), lat[None, :, L:].expand(H, -1, -1)), -1)
+        v = torch.einsum("sl,hvl->hsv", lat[:, :L], w_uv)
+        qi = q[start : start + n].transpose(0, 1)  # [H, n, N + R]
+        scores = qi @ k.transpose(1, 2) * scale  # [H, n, S]
+        mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v  # [H, n, V]
+        out.append(o.transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """Every float tensor the impl leaves uninitialized starts as NaN: a row it forgets to write shows."""
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, dtype=torch.float32,
+             atol=2e-5):
+    gen = torch.Generator().manual_seed(seed)
+    latents, new_latents, common, cache = make_step(context_lens, query_lens, bs, gen, pad_rows)
+    w_uk = torch.randn(H, N, L, generator=gen, dtype=torch.float64) / L**0.5
+    w_uv = torch.randn(H, V, L, generator=gen, dtype=torch.float64) / L**0.5
+    q = torch.randn(new_latents.shape[0], H, N + R, generator=gen, dtype=torch.float64)
+    layer = mla_layer(bs, dtype)
+    impl = TritonMLAImpl(layer, decode_splits=splits)
+    impl.process_weights_after_loading(w_uk.to(DEVICE, dtype), w_uv.to(DEVICE, dtype))
+    md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
+    cache = cache.to(dtype)
+    dev = new_latents.to(DEVICE, dtype)
+    out = impl.forward(q.to(DEVICE, dtype), dev[:, :L], dev[:, L:], cache, md)
+    num = common.num_actual_tokens
+    ref = reference(q[:num], latents, context_lens, query_lens, w_uk, w_uv, layer.scale)
+    assert out.shape == (q.shape[0], H, V)
+    assert torch.isfinite(out).all()  # padding rows included
+    torch.testing.assert_close(out[:num].double().cpu(), ref, atol=atol, rtol=0)
+    written = cache.view(-1, L + R)[common.slot_mapping[:num]]
+    torch.testing.assert_close(written.double().cpu(), new_latents[:num].to(dtype).double(), atol=0, rtol=0)
+    return cache, common
+
+
+@pytest.mark.parametrize(
+    "context_lens,query_lens,bs,splits",
+    [
+        ((0, 5, 31, 16, 70), (1, 1, 1, 1, 1), 4, None),  # pure decode, one split each
+        ((0, 5, 31, 16, 70), (1, 1, 1, 1, 1), 8, 4),  # split-K with empty splits (short contexts)
+        ((130, 77), (1, 1), 16, 3),  # split-K, non-power-of-two split count, partial last tile
+        ((0, 17, 0, 40, 9), (21, 1, 6, 1, 5), 4, 2),  # mixed: prefill, decode, chunk, decode, chunk
+        ((12, 3), (9, 4), 8, None),  # chunked prefill over a cached prefix
+        ((0,), (67,), 16, None),  # one long prefill: several query and key tiles
+    ],
+)
+def test_forward_matches_expanded_reference(context_lens, query_lens, bs, splits):
+    run_case(context_lens, query_lens, bs, seed=sum(context_lens) + bs, splits=splits)
+
+
+def test_slot_minus_one_padding_rows_are_skipped_and_finite():
+    cache, common = run_case((6, 0, 9), (1, 5, 1), 4, seed=3, pad_rows=3)
+    # only the real tokens' slots were written; every other slot outside the contexts stays NaN
+    written = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
+    for i, t in enumerate(common.seq_lens_cpu.tolist()):
+        for p in range(t):
+            written[int(common.block_table[i, p // 4]) * 4 + p % 4] = True
+    flat = cache.view(-1, L + R).cpu()
+    assert torch.isnan(flat[~written]).all() and torch.isfinite(flat[written]).all()
+
+
+def test_bfloat16_within_rounding():
+    run_case((0, 23, 9), (11, 1, 4), 8, seed=5, splits=2, dtype=torch.bfloat16, atol=5e-2)
+
+
+def test_decode_is_absorbed_and_never_expands(monkeypatch):
+    """Decode goes only through the split-K launch; no tensor of the context's size x heads x head dim
+    is ever created (the expanded K would be [ctx, H, N])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gen = torch.Generator().manual_seed(11)
+    ctx = (150, 170, 190)
+    _, new_latents, common, cache = make_step(ctx, (1, 1, 1), 8, gen)
+    impl = TritonMLAImpl(mla_layer(8), decode_splits=4)
+    impl.process_weights_after_loading(torch.randn(H, N, L, generator=gen).to(DEVICE),
+                                       torch.randn(H, V, L, generator=gen).to(DEVICE))
+    calls: list[str] = []
+    for name in ("_decode", "_prefill"):
+        real = getattr(TritonMLAImpl, name)
+        monkeypatch.setattr(TritonMLAImpl, name,
+                            lambda self, *a, _n=name, _r=real: calls.append(_n) or _r(self, *a))
+    expanded = min(ctx) * H * min(N, V)
+    biggest: list[int] = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape != cache.shape:
+                    biggest.append(t.numel())
+            return result
+
+    md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
+    q = torch.randn(3, H, N + R, generator=gen).to(DEVICE)
+    dev = new_latents.float().to(DEVICE)
+    with Sizes():
+        out = impl.forward(q, dev[:, :L], dev[:, L:], cache, md)
+    assert calls == ["_decode"] and out.shape == (3, H, V) and torch.isfinite(out).all()
+    assert biggest and max(biggest) < expanded
