@@ -1,4 +1,4 @@
-"""The CUDA platform: NVIDIA GPUs, NCCL, CUDA graphs for decode steps, triton_flash first."""
+"""The CUDA platform: NVIDIA GPUs, NCCL, CUDA graphs for decode steps, the Triton backends first."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class CudaPlatform(Platform):
         return {}
 
     def attention_backend_preference(self) -> list[str]:
-        return ["triton_flash", "torch_paged"]
+        return ["triton_flash", "triton_mla", "torch_paged", "torch_mla"]
 
     def communicator(self) -> CommunicatorSpec:
         return CommunicatorSpec(dist_backend="nccl",
