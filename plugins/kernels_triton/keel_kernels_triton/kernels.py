@@ -69,16 +69,17 @@ def rms_norm_kernel(
             xf = x.to(tl.float32)
             acc += xf * xf
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + eps)
-        for start in range(0, H, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < H
+        # Fresh names in the second sweep: nothing here is carried over from the first loop.
+        for start2 in range(0, H, BLOCK):
+            offs2 = start2 + tl.arange(0, BLOCK)
+            mask2 = offs2 < H
             if HAS_RESIDUAL:
-                x = tl.load(ro_row + offs, mask=mask, other=0.0)
+                v = tl.load(ro_row + offs2, mask=mask2, other=0.0)
             else:
-                x = tl.load(x_row + offs, mask=mask, other=0.0)
-            y = _round_to(x.to(tl.float32) * rstd, x.dtype).to(tl.float32)
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(o_row + offs, _round_to(w * y, out_ptr.dtype.element_ty), mask=mask)
+                v = tl.load(x_row + offs2, mask=mask2, other=0.0)
+            y2 = _round_to(v.to(tl.float32) * rstd, v.dtype).to(tl.float32)
+            w2 = tl.load(w_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
+            tl.store(o_row + offs2, _round_to(w2 * y2, out_ptr.dtype.element_ty), mask=mask2)
 
 
 @triton.jit
@@ -120,11 +121,10 @@ def rotary_kernel(
     cos_ptr, sin_ptr,  # [cache_len, ROT] float32 contiguous (the two halves are equal)
     stride_q, stride_k, stride_qo, stride_ko,
     num_q_heads, num_k_heads,
-    HEAD: tl.constexpr, ROT: tl.constexpr,
+    HEAD: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    HALF: tl.constexpr = ROT // 2
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dd = tl.arange(0, BLOCK_HALF)[None, :]
     dt = q_out_ptr.dtype.element_ty

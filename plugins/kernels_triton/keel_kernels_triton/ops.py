@@ -129,7 +129,7 @@ class TritonRotaryEmbedding(_TritonOp):
             rotary_kernel[(n, 2)](
                 positions, q2, k2, q_out, k_out, cos_cache, sin_cache,
                 q2.stride(0), k2.stride(0), q_out.stride(0), k_out.stride(0), nq, nk,
-                HEAD=head_size, ROT=rotary_dim, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                HEAD=head_size, ROT=rotary_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
                 BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
             )
         return q_out, k_out
