@@ -21,7 +21,8 @@ def test_manifest_fields():
     m = manifest()
     assert (m.name, m.core_api) == ("attention-flash", ">=1.0,<2")
     assert dict(m.provides["attention_backend"]) == {
-        "triton_flash": "keel_attention_flash.backend:TritonFlashAttentionBackend"
+        "triton_flash": "keel_attention_flash.backend:TritonFlashAttentionBackend",
+        "triton_mla": "keel_attention_flash.mla_backend:TritonMLABackend",
     }
 
 
