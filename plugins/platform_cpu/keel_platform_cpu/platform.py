@@ -75,7 +75,9 @@ class CpuPlatform(Platform):
         return patch
 
     def attention_backend_preference(self) -> list[str]:
-        return ["torch_paged", "triton_flash"]
+        # The torch references first: the Triton backends accept the CPU under TRITON_INTERPRET=1 (a test
+        # mode), which must not make `auto` trade torch_mla for the interpreted triton_mla.
+        return ["torch_paged", "torch_mla", "triton_flash", "triton_mla"]
 
     def communicator(self) -> CommunicatorSpec:
         return CommunicatorSpec(dist_backend="gloo")

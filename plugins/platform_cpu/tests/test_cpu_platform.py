@@ -14,7 +14,7 @@ class TestCpuPlatformConformance(PlatformConformance):
 def test_identity_and_preference():
     p = CpuPlatform()
     assert (p.name, p.device_type, p.dist_backend) == ("cpu", "cpu", "gloo")
-    assert p.attention_backend_preference() == ["torch_paged", "triton_flash"]
+    assert p.attention_backend_preference() == ["torch_paged", "torch_mla", "triton_flash", "triton_mla"]
     assert not p.supports_graph_capture and not p.graph_capture().supported
 
 
