@@ -2,6 +2,7 @@
 
     python benchmarks/h200_llama8b.py [--out benchmarks/results/h200-llama8b.json] [--layers 32]
         [--num-prompts 1000] [--hf-prompts 128]
+    python benchmarks/h200_llama8b.py --decode-b1-custom-ops   # batch-1 decode, fused ops on vs off
 
 One run measures, in this order, on the same device:
   1. the ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul;
@@ -27,6 +28,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -165,9 +167,67 @@ def step_profile(engine) -> dict:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 runner.model(ids, pos, ctx)
                 torch.cuda.synchronize()
-        rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
+        averages = [e for e in prof.key_averages() if e.device_time_total > 0]
+        rows = sorted(averages, key=lambda e: -e.device_time_total)[:8]
         result["eager_b1_top_kernels_ms"] = {e.key[:60]: e.device_time_total / 1e3 for e in rows}
+        result["eager_b1_kernel_launches"] = sum(e.count for e in averages)
     return result
+
+
+def _decode_b1_variant(ns) -> None:
+    """One side of --decode-b1-custom-ops, in its own process so each engine gets the whole GPU."""
+    from transformers import LlamaConfig
+
+    from keel.bench import run_latency
+    from keel.config import EngineArgs
+    from keel.engine.llm_engine import LLMEngine
+    from keel.profile import load_profile
+
+    cfg = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": ns.layers})
+    cfg.architectures = ["LlamaForCausalLM"]
+    model_dir = Path(tempfile.mkdtemp()) / "llama8b"
+    cfg.save_pretrained(model_dir)
+    plugins = list(load_profile("cuda").plugins)
+    if ns.decode_b1_variant == "native":
+        plugins = [p for p in plugins if p != "kernels-triton"]
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), profile="cuda", plugins=plugins, load_format="dummy", dtype="bfloat16",
+        skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.6))
+    model = engine.core.worker.runner.model
+    bound = sorted({op for m in model.modules() for op in getattr(m, "bound_ops", {})})
+    lat = run_latency(engine, 1, 128, 256, ns.latency_iters, cfg.vocab_size)
+    result = {"plugins": plugins, "bound_ops": bound, "latency_b1": lat,
+              "decode_b1_ms_per_token": lat["time_per_output_token_ms"], "step_profile": step_profile(engine)}
+    Path(ns.out).write_text(json.dumps(result, default=float))
+
+
+def decode_b1_custom_ops(ns) -> None:
+    """Batch-1 decode with the fused custom ops (profile `cuda`) and without them (the same plugin set minus
+    kernels-triton): per-token latency through the engine and the GPU time of one graph replay."""
+    import triton
+
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                             check=False).stdout.strip() or os.environ.get("KEEL_COMMIT", "unknown"),
+                    "num_layers": ns.layers, "dtype": "bfloat16", "target_ms_per_token": 4.7}
+    variants = ("custom_ops", "native")
+    for name in variants:
+        tmp = Path(tempfile.mkdtemp()) / f"{name}.json"
+        cmd = [sys.executable, __file__, "--decode-b1-variant", name, "--layers", str(ns.layers),
+               "--latency-iters", str(ns.latency_iters), "--out", str(tmp)]
+        subprocess.run(cmd, check=True)
+        result[name] = json.loads(tmp.read_text())
+        print(name, json.dumps(result[name], default=float), flush=True)
+    result["graph_replay_b1_ms"] = {k: result[k]["step_profile"].get("graph_replay_b1_ms") for k in variants}
+    result["decode_b1_ms_per_token"] = {k: result[k]["decode_b1_ms_per_token"] for k in variants}
+    result["speedup_decode_b1"] = (result["native"]["decode_b1_ms_per_token"]
+                                   / result["custom_ops"]["decode_b1_ms_per_token"])
+    out = Path(ns.out or "benchmarks/results/h200-llama8b-custom-ops.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=float))
+    print(json.dumps({k: result[k] for k in ("graph_replay_b1_ms", "decode_b1_ms_per_token", "speedup_decode_b1")},
+                     indent=2, default=float))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -206,14 +266,26 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/h200-llama8b.json")
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default benchmarks/results/h200-llama8b.json, or "
+                         "h200-llama8b-custom-ops.json with --decode-b1-custom-ops)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=128)
     ap.add_argument("--latency-iters", type=int, default=3)
     ap.add_argument("--sweep-decode-only", action="store_true",
                     help="only time the decode attention kernel over launch configurations (tuning)")
+    ap.add_argument("--decode-b1-custom-ops", action="store_true",
+                    help="only batch-1 decode, with and without the fused custom ops (a few minutes)")
+    ap.add_argument("--decode-b1-variant", choices=["custom_ops", "native"], help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    if ns.decode_b1_variant:
+        _decode_b1_variant(ns)
+        return
+    if ns.decode_b1_custom_ops:
+        decode_b1_custom_ops(ns)
+        return
+    ns.out = ns.out or "benchmarks/results/h200-llama8b.json"
     if ns.sweep_decode_only:
         sweep_decode(ns.out)
         return
