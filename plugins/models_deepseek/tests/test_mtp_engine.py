@@ -113,9 +113,16 @@ PROMPTS = random_prompts([5, 17, 9, 30], seed=11)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 
 
-@pytest.fixture(scope="module")
+_BASE: dict = {}
+
+
+@pytest.fixture
 def greedy_base(ckpt):
-    return run(make_engine(ckpt, None), PROMPTS, GREEDY)
+    # Function-scoped, cached: engines run only inside tests, after conftest's autouse TRITON_INTERPRET=0
+    # (a module-scoped fixture would run before it, under another plugin's session-wide setting).
+    if str(ckpt) not in _BASE:
+        _BASE[str(ckpt)] = run(make_engine(ckpt, None), PROMPTS, GREEDY)
+    return _BASE[str(ckpt)]
 
 
 def test_non_speculative_engine_matches_transformers(ckpt, greedy_base):
