@@ -162,7 +162,9 @@ def main() -> None:
         enforce_eager=ns.eager))
     result["engine_init_s"] = time.perf_counter() - t0
     runner = engine.core.worker.runner
-    runner.model.load_weights(hf.state_dict().items())
+    runner.model.load_weights(hf.state_dict().items())  # the very same weights as transformers
+    runner.model.process_weights_after_loading()  # MLA re-absorbs kv_b_proj
+    engine.core.scheduler.kv.reset_prefix_cache()
     result["attention_backends"] = sorted({layer.backend.name for layer in runner.attn_layers})
     result["weight_bytes_total"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     result["weight_bytes_b1_step"] = active_bytes_b1(shape, ns.layers)

@@ -155,7 +155,8 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
     Returns the model in eval mode. Raises `WeightLoadError` for unconsumed checkpoint tensors, shape
     mismatches (from the model's `load_weights`) and parameters the checkpoint never filled. Then
     every module's quantization method (a `quant_method` attribute) gets its one
-    `process_weights_after_loading` call.
+    `process_weights_after_loading` call, then the model's own `process_weights_after_loading()` if
+    it has one.
     """
     if not build.dtype.is_floating_point:
         raise ValueError(f"model dtype must be a floating point dtype, got {build.dtype}")
@@ -176,4 +177,9 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    # Models that derive tensors from their weights (MLA's absorbed W_UK / W_UV) do it here, after
+    # either load path, so dummy weights are processed exactly like checkpoint weights.
+    hook = getattr(model, "process_weights_after_loading", None)
+    if hook is not None:
+        hook()
     return model.eval()

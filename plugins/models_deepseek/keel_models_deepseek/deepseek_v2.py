@@ -163,7 +163,10 @@ class DeepseekV2ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = self.skip_substrs + (("lm_head.weight",) if self.tie_word_embeddings else ())
         ours = ((name, t) for name, t in weights if not self._is_extra_layer(name))
-        loaded = load_mapped_weights(self, ours, self.stacked_params_mapping(), skip)
+        return load_mapped_weights(self, ours, self.stacked_params_mapping(), skip)
+
+    def process_weights_after_loading(self) -> None:
+        """Called by the model loader after the weights are in (checkpoint or dummy): MLA absorbs
+        kv_b_proj into W_UK / W_UV. Call it again after replacing weights by hand."""
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()
-        return loaded
