@@ -51,10 +51,13 @@ def test_communicator_requires_initialization():
         NcclCommunicator()
 
 
-def test_cuda_profile_selects_cuda_and_triton_flash():
-    profile = load_profile("cuda")
-    assert profile.platform == "cuda" and profile.attention_backend == "triton_flash"
-    assert {"platform-cuda", "attention-flash"} <= set(profile.plugins)
+def test_cuda_profiles_select_cuda_and_let_the_platform_pick_backends():
+    # auto: the CUDA platform prefers triton_flash, and triton_mla for MLA layers (DeepSeek)
+    for name in ("cuda", "deepseek"):
+        profile = load_profile(name)
+        assert profile.platform == "cuda" and profile.attention_backend == "auto"
+        assert {"platform-cuda", "attention-flash", "kernels-triton"} <= set(profile.plugins)
+    assert "models-deepseek" in load_profile("deepseek").plugins
 
 
 def test_auto_detection_prefers_cuda_only_when_present():
