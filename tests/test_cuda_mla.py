@@ -18,7 +18,8 @@ import random
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 H, N, R, V, L = 16, 128, 64, 128, 512
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 6e-3}
@@ -88,7 +89,7 @@ def test_deepseek_sized_mixed_batch_matches_expanded_reference(dtype, bs):
         use_mla=True,
         extra=(("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)),
     )
-    assert TritonMLABackend.validate(BackendRequest(layer=layer, device_type="cuda", kv_cache_kind="mla_latent")) == []
+    assert TritonMLABackend.validate(BackendRequest(layer, "cuda", "mla_latent")) == []
     impl = TritonMLABackend.get_impl(layer)
     impl.process_weights_after_loading(w_uk.to(dtype), w_uv.to(dtype))
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)

@@ -80,7 +80,8 @@ class TritonMLAImpl:
         q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
         # W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides.
         q_c = torch.bmm(q[..., :n].transpose(0, 1), self.w_uk).transpose(0, 1)
-        o_latent = torch.empty((q.shape[0], self.num_heads, self.kv_lora_rank), dtype=q.dtype, device=q.device)
+        o_latent = torch.empty((q.shape[0], self.num_heads, self.kv_lora_rank), dtype=q.dtype,
+                               device=q.device)
         if metadata.num_decodes:
             self._decode(q_c, q_pe, kv_cache, metadata, o_latent)
         if metadata.prefill_reqs:
@@ -103,10 +104,12 @@ class TritonMLAImpl:
             BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim, BLOCK_R=self.block_r,
         )
 
-    def _launch(self, grid: tuple[int, int, int], q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor | None, tile_req: torch.Tensor | None,
-                tile_q0: torch.Tensor | None, md: TritonMLAMetadata, block_h: int, block_q: int,
-                block_n: int, splits: int, warps: int, stages: int) -> None:
+    def _launch(self, grid: tuple[int, int, int], q_c: torch.Tensor, q_pe: torch.Tensor,
+                kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                tile_req: torch.Tensor | None, tile_q0: torch.Tensor | None, md: TritonMLAMetadata,
+                block_h: int, block_q: int, block_n: int, splits: int, warps: int, stages: int) -> None:
+        """One launch of the latent kernel: decode tiles into split partials (`lse` given) or prefill
+        tiles straight into the latent output."""
         common = md.common
         split_out = lse is not None
         dummy = common.query_start_loc  # stands in for the tables the TILED / TILE_Q0 / SPLIT_OUT flags skip
@@ -130,7 +133,8 @@ class TritonMLAImpl:
         b = md.num_decodes
         block_h, block_n, warps, stages = self.decode_launch
         head_blocks = -(-self.num_heads // block_h)
-        splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len, _sm_count(q_c.device))
+        splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len,
+                                                         _sm_count(q_c.device))
         part_out = torch.empty((b, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
                                device=q_c.device)
         part_lse = torch.empty((b, splits, self.num_heads), dtype=torch.float32, device=q_c.device)

@@ -180,3 +180,33 @@ def test_decode_is_absorbed_and_never_expands(monkeypatch):
         out = impl.forward(q, dev[:, :L], dev[:, L:], cache, md)
     assert calls == ["_decode"] and out.shape == (3, H, V) and torch.isfinite(out).all()
     assert biggest and max(biggest) < expanded
+
+
+def test_graph_padding_requests_read_and_write_nothing():
+    """Decode CUDA graphs pad the batch with requests of seq_len 0 and slot -1: their rows come out 0."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(13)
+    _, new_latents, common, cache = make_step((5, 9), (1, 1), 4, gen)
+    dev = torch.device(DEVICE)
+    padded = dataclasses.replace(
+        common,
+        query_start_loc=torch.arange(5, dtype=torch.int32, device=dev),
+        query_start_loc_cpu=torch.arange(5, dtype=torch.int32),
+        seq_lens=torch.tensor([6, 10, 0, 0], dtype=torch.int32, device=dev),
+        seq_lens_cpu=torch.tensor([6, 10, 0, 0], dtype=torch.int32),
+        block_table=torch.cat((common.block_table, torch.zeros_like(common.block_table))),
+        slot_mapping=torch.cat((common.slot_mapping, torch.full((2,), -1, device=dev))), num_reqs=4,
+        num_actual_tokens=4,
+    )
+    impl = TritonMLAImpl(mla_layer(4), decode_splits=2)
+    impl.process_weights_after_loading(torch.randn(H, N, L, generator=gen).to(DEVICE),
+                                       torch.randn(H, V, L, generator=gen).to(DEVICE))
+    before = cache.clone()
+    md = TritonMLABackend.get_metadata_builder(dev).build(padded)
+    rows = torch.cat((new_latents.float(), torch.randn(2, L + R, generator=gen, dtype=torch.float64).float()))
+    q = torch.randn(4, H, N + R, generator=gen).to(DEVICE)
+    out = impl.forward(q, rows[:, :L].to(DEVICE), rows[:, L:].to(DEVICE), cache, md)
+    assert torch.isfinite(out[:2]).all() and torch.equal(out[2:].cpu(), torch.zeros(2, H, V))
+    changed = ~(torch.isclose(cache, before) | (cache.isnan() & before.isnan()))
+    assert int(changed.any(-1).sum()) == 2  # only the two real tokens' slots

@@ -49,7 +49,8 @@ def make_tiny_deepseek_v2(path):
 def hf_greedy(path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
     ids, toks, lps = list(prompt), [], []
     with torch.no_grad():
         for _ in range(n):

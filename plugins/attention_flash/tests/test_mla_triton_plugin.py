@@ -18,8 +18,8 @@ H, N, R, V, L, BS = 4, 16, 8, 16, 32, 16
 
 def mla_layer(**kw) -> AttentionLayerConfig:
     fields = {
-        "num_heads": H, "num_kv_heads": 1, "head_size": L + R, "scale": (N + R) ** -0.5, "dtype": torch.float32,
-        "block_size": BS, "use_mla": True,
+        "num_heads": H, "num_kv_heads": 1, "head_size": L + R, "scale": (N + R) ** -0.5,
+        "dtype": torch.float32, "block_size": BS, "use_mla": True,
         "extra": (("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)),
     }
     return AttentionLayerConfig(**{**fields, **kw})
@@ -70,7 +70,8 @@ def test_impl_satisfies_protocol_and_needs_weights():
     impl = TritonMLABackend.get_impl(mla_layer())
     assert isinstance(impl, MLAAttentionImpl)
     with pytest.raises(RuntimeError, match="process_weights_after_loading"):
-        impl.forward(torch.zeros(1, H, N + R), torch.zeros(1, L), torch.zeros(1, R), torch.zeros(2, BS, L + R), None)
+        impl.forward(torch.zeros(1, H, N + R), torch.zeros(1, L), torch.zeros(1, R),
+                     torch.zeros(2, BS, L + R), None)
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
@@ -87,3 +88,29 @@ def test_auto_keeps_torch_mla_on_cpu_and_picks_triton_mla_on_cuda(monkeypatch, i
     plain = BackendRequest(mla_layer(use_mla=False, num_kv_heads=4, head_size=64, extra=()), "cuda",
                            "full_attention")
     assert select_attention_backend(CudaPlatform(), plain, "auto", plugins).name == "triton_flash"
+
+
+def test_metadata_splits_decodes_from_prefills_and_tiles_prefills():
+    from keel.attention.metadata import CommonAttentionMetadata
+
+    def common(query_lens, seq_lens):
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
+            block_table=torch.zeros(len(seq_lens), 4, dtype=torch.int32),
+            slot_mapping=torch.zeros(int(qsl[-1]) + 2, dtype=torch.int64), num_reqs=len(seq_lens),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            block_size=BS,
+        )
+
+    builder = TritonMLABackend.get_metadata_builder(torch.device("cpu"))
+    decode = builder.build(common([1, 1, 1], [5, 9, 1]))
+    assert decode.is_decode and decode.decode_reqs is None and decode.num_decodes == 3
+    assert decode.prefill_reqs == [] and decode.num_query_rows == 3
+    mixed = builder.build(common([5, 1, 0, 9, 1], [5, 20, 3, 12, 2]))
+    assert not mixed.is_decode and mixed.decode_reqs.tolist() == [1, 4] and mixed.num_decodes == 2
+    assert mixed.prefill_reqs == [0, 3]  # a request without new tokens is neither
+    tile_req, tile_q0 = mixed.prefill_tiles(4)
+    assert tile_req.tolist() == [0, 0, 3, 3, 3] and tile_q0.tolist() == [0, 4, 0, 4, 8]
+    assert mixed.prefill_tiles(4)[0] is tile_req  # computed once per tile height and step
