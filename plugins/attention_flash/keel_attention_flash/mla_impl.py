@@ -43,13 +43,18 @@ class TritonMLAImpl:
         self.decode_splits = decode_splits
         wide = self.block_l >= 256  # DeepSeek's L = 512: keep the float32 accumulator within registers
         block_h = max(16, min(_pow2(self.num_heads), 32 if wide else 64))
-        self.decode_launch = decode_launch or (block_h, 32 if wide else 64, 8 if wide else 4, 2)
+        # float32 latent tiles are twice the bytes: halve the key tile and drop pipelining to stay
+        # inside shared memory.
+        f32_wide = wide and layer.dtype == torch.float32
+        key_tile = (16 if f32_wide else 32) if wide else 64
+        self.decode_launch = decode_launch or (block_h, key_tile, 8 if wide else 4, 1 if f32_wide else 2)
         # Prefill tiles: rows = tokens x heads; 16 heads per program, as many tokens as fit 32/64 rows.
         self.prefill_block_h = max(1, min(_pow2(self.num_heads), 16))
         self.prefill_block_q = max(1, (32 if wide else 64) // self.prefill_block_h)
         if self.prefill_block_q * self.prefill_block_h < 16:
             self.prefill_block_q = -(-16 // self.prefill_block_h)
-        self.prefill_block_n = 32 if wide else 64
+        self.prefill_block_n = key_tile
+        self.prefill_stages = 1 if f32_wide else 2
         self.w_uk: torch.Tensor | None = None  # [H, N, L]
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V]
 
@@ -154,4 +159,4 @@ class TritonMLAImpl:
         tile_req, tile_q0 = md.prefill_tiles(self.prefill_block_q)
         grid = (tile_req.numel(), -(-self.num_heads // self.prefill_block_h), 1)
         self._launch(grid, q_c, q_pe, kv_cache, o_latent, None, tile_req, tile_q0, md, self.prefill_block_h,
-                     self.prefill_block_q, self.prefill_block_n, 1, 4, 2)
+                     self.prefill_block_q, self.prefill_block_n, 1, 4, self.prefill_stages)
