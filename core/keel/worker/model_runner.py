@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from keel.attention.metadata import CommonAttentionMetadata
@@ -19,7 +20,9 @@ from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
 from keel.spec_decode.proposer import DraftInput, DraftProposer
+from keel.worker.input_batch import InputBatch
 from keel.worker.request_state import CachedRequestState
+from keel.worker.sampling_batch import BatchSamplingState
 
 logger = logging.getLogger("keel.worker")
 
@@ -36,6 +39,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(block_size, max_model_len=max_model_len or 256)
+        self.sampling_state = BatchSamplingState(device)
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
         # A draft model's layers (MTP) get caches like the target's; their layer_idx continues after them.
@@ -149,10 +154,16 @@ class ModelRunner:
     # ---------------------------------------------------------------- step
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                batch.remove_request(state.row)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
+            old = self.requests.pop(new.req_id, None)
+            if old is not None:  # resumed without a forget in between: start over
+                batch.remove_request(old.row)
+            state = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
@@ -162,10 +173,17 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 stop_token_ids=new.stop_token_ids,
             )
+            state.row = batch.add_request(state.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
+                                          state.block_ids, new.sampling_params, new.seed, new.stop_token_ids)
+            self.requests[new.req_id] = state
+        computed = batch.num_computed_tokens
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                batch.append_block_ids(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            computed[state.row] = cached.num_computed_tokens
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -174,60 +192,48 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[rid] for rid in req_ids]
+        requests = self.requests
+        states = [requests[rid] for rid in req_ids]
         num_reqs = len(req_ids)
+        batch = self.input_batch
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        # Drafts (speculative tokens) follow the committed tokens.
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            batch.write_drafts(requests[rid].row, drafts)
+        step = batch.prepare_inputs(rows, num_scheduled)
 
-        # Flatten the batch. Drafts (speculative tokens) follow the committed tokens.
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []  # flat rows whose next token is sampled (drafts: one row each + 1)
-        sampling_reqs: list[tuple[int, int]] = []  # (batch index, number of rows) of requests that sample
-        for i, (rid, state) in enumerate(zip(req_ids, states)):
-            n = so.num_scheduled_tokens[rid]
-            start = state.num_computed_tokens
-            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
-            seq = state.token_ids if not drafts else state.token_ids + list(drafts)
-            token_ids.extend(seq[start : start + n])
-            positions.extend(range(start, start + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            # Rows from the last committed token on predict unknown or draft tokens.
-            num_rows = start + n - (len(state.token_ids) - 1)
-            if num_rows > 0:
-                sample_rows.extend(range(query_start[-1] - num_rows, query_start[-1]))
-                sampling_reqs.append((i, num_rows))
-        num_tokens = len(token_ids)
-
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table_cpu = torch.zeros((num_reqs, max_blocks), dtype=torch.int32)
-        for i, s in enumerate(states):
-            block_table_cpu[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        # Flat rows whose next token is sampled (drafts: one row each + 1), and (batch index, rows).
+        sampling_idx = np.flatnonzero(step.num_sample_rows)
+        sample_counts = step.num_sample_rows[sampling_idx]
+        ends = step.query_start_loc[1:][sampling_idx].astype(np.int64)
+        if not so.scheduled_spec_decode_tokens:  # at most one row per request
+            sample_rows = ends - 1
+        else:
+            group = np.repeat(np.arange(sampling_idx.shape[0]), sample_counts)
+            firsts = np.cumsum(sample_counts) - sample_counts
+            sample_rows = (ends - sample_counts)[group] + (np.arange(group.shape[0]) - firsts[group])
+        sampling_reqs = list(zip(sampling_idx.tolist(), sample_counts.tolist()))
+        num_tokens = int(step.input_ids.shape[0])
 
         dev = self.device
-        input_ids = torch.tensor(token_ids, dtype=torch.int64)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        req_index = torch.repeat_interleave(torch.arange(num_reqs), qsl_cpu[1:] - qsl_cpu[:-1])
-        bs = self.block_size
-        slot_mapping = (
-            block_table_cpu[req_index, pos // bs].to(torch.int64) * bs + pos % bs
-        )  # [num_tokens]
-
+        input_ids = torch.from_numpy(step.input_ids)
+        pos = torch.from_numpy(step.positions)
+        qsl_cpu = torch.from_numpy(step.query_start_loc)
+        seq_lens_cpu = torch.from_numpy(step.seq_lens)
+        block_table_cpu = torch.from_numpy(step.block_table)
         common = CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(dev, non_blocking=True),
             query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
             seq_lens_cpu=seq_lens_cpu,
             block_table=block_table_cpu.to(dev, non_blocking=True),
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
-            max_query_len=int(max(so.num_scheduled_tokens.values())),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            block_size=self.block_size,
         )
         hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, pos, common)
         if hidden is None:
@@ -240,12 +246,50 @@ class ModelRunner:
             hidden = self.model(input_ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), ctx)
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
-        if sample_rows:
-            self._sample_and_verify(so, states, sample_rows, sampling_reqs, hidden, out)
+        query_start = step.query_start_loc.tolist()
+        if self._any_prompt_logprobs(states):
+            self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
+        if sampling_reqs:
+            if so.scheduled_spec_decode_tokens:
+                self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out)
+            else:
+                self._sample_one_each(states, rows[sampling_idx], sampling_idx, sample_rows, hidden, out)
         if self.proposer is not None:
             self._propose(so, states, query_start, sampling_reqs, hidden, out)
         return out
+
+    @staticmethod
+    def _any_prompt_logprobs(states: list[CachedRequestState]) -> bool:
+        # Prompt logprobs only exist while the prompt is computed; most steps have none.
+        return any(s.sampling_params.prompt_logprobs is not None for s in states)
+
+    def _sample_one_each(self, states, sample_batch_rows: np.ndarray, sampling_idx: np.ndarray,
+                         sample_rows: np.ndarray, hidden, out: ModelRunnerOutput) -> None:
+        """A step without drafts: one sampled token per sampling request, metadata from the input batch.
+
+        sample_batch_rows: [S] InputBatch rows; sampling_idx: [S] batch indices; sample_rows: [S] rows
+        of `hidden`.
+        """
+        dev = self.device
+        logits = self.model.compute_logits(hidden[torch.from_numpy(sample_rows).to(dev)])  # [S, vocab]
+        meta = self.sampling_state.build(self.input_batch, sample_batch_rows, logits.shape[-1])
+        result = self.sampler(logits, meta)
+        sampled_t = result.sampled_token_ids.cpu()  # the one host sync of the step
+        sampled_np = sampled_t.numpy()
+        self.input_batch.append_sampled(sample_batch_rows, sampled_np)
+        self.sampling_state.record_sampled(self.input_batch, sample_batch_rows, sampled_t)
+        sampled = sampled_np.tolist()
+        out_lists = out.sampled_token_ids
+        for i, tok in zip(sampling_idx.tolist(), sampled):
+            states[i].token_ids.append(tok)
+            out_lists[i] = [tok]
+        if result.logprobs is None:
+            return
+        lp_lists = (result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist())
+        for j, i in enumerate(sampling_idx.tolist()):
+            k = states[i].sampling_params.logprobs
+            if k is not None:
+                out.logprobs[states[i].req_id] = tuple([col[j][: k + 1]] for col in lp_lists)
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:
         """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.
@@ -278,6 +322,8 @@ class ModelRunner:
         )
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()  # the one host sync of the step
+        # Penalty counts of these rows are rebuilt from their tokens when they next sample.
+        self.sampling_state.invalidate(np.array([states[i].row for i, _ in sampling_reqs], dtype=np.int64))
         lp_lists = None
         if result.logprobs is not None:
             lp_lists = (result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist())
@@ -291,6 +337,7 @@ class ModelRunner:
                 accepted += 1
             tokens = targets[: accepted + 1]
             state.token_ids.extend(tokens)
+            self.input_batch.append_tokens(state.row, tokens)
             out.sampled_token_ids[i] = tokens
             k = state.sampling_params.logprobs
             if k is not None and lp_lists is not None:

@@ -18,6 +18,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: frozenset[int]
+    row: int = -1  # the request's row in the runner's InputBatch
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,0 +1,140 @@
+"""SamplingMetadata from the persistent input batch: per-row parameters gathered, not rebuilt.
+
+`SamplingMetadata.build` turns Python lists into about ten small tensors and, when any row uses a
+penalty, counts every request's prompt and outputs again, every step. Here the parameters were
+written once per row at add (`InputBatch.add_request`); a step gathers the sampling rows with numpy
+fancy indexing and derives the flags from those arrays. Penalty state (output token counts, prompt
+masks) lives in per-row device tensors, built once when a penalized row first samples and then
+advanced by one scatter per step.
+
+The result equals `SamplingMetadata.build` for one sampling row per request (steps without draft
+tokens), except that the count/mask rows of requests without any penalty are zero: those rows are
+multiplied by zero penalties (or divided by 1.0), so the sampled tokens are the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from keel.engine.sampling_params import _SAMPLING_EPS
+from keel.layers.sampling_metadata import SamplingMetadata, _logit_bias_tensor, token_counts
+from keel.worker.input_batch import InputBatch
+
+
+class BatchSamplingState:
+    """Owned by the model runner; `build` once per step without drafts, then `record_sampled`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.output_counts: torch.Tensor | None = None  # [capacity, vocab] int32, penalized rows only
+        self.prompt_mask: torch.Tensor | None = None  # [capacity, vocab] bool
+        self._ready_gen = np.zeros(0, dtype=np.int64)  # row generation the penalty state was built for
+
+    def invalidate(self, rows: np.ndarray) -> None:
+        """Penalty state of these rows is stale (a step with drafts appended several tokens)."""
+        if self._ready_gen.shape[0]:
+            self._ready_gen[rows[rows < self._ready_gen.shape[0]]] = -1
+
+    def _ensure(self, capacity: int, vocab: int) -> None:
+        if self.output_counts is not None and self.output_counts.shape == (capacity, vocab):
+            return
+        counts = torch.zeros((capacity, vocab), dtype=torch.int32, device=self.device)
+        mask = torch.zeros((capacity, vocab), dtype=torch.bool, device=self.device)
+        ready = np.full(capacity, -1, dtype=np.int64)
+        if self.output_counts is not None and self.output_counts.shape[1] == vocab:
+            old = self.output_counts.shape[0]
+            counts[:old] = self.output_counts
+            mask[:old] = self.prompt_mask
+            ready[:old] = self._ready_gen
+        self.output_counts, self.prompt_mask, self._ready_gen = counts, mask, ready
+
+    def _prepare_penalty_rows(self, batch: InputBatch, rows: np.ndarray, vocab: int) -> None:
+        """Build counts/masks of penalized rows seen for the first time (or since invalidated)."""
+        self._ensure(batch.capacity, vocab)
+        stale = rows[self._ready_gen[rows] != batch.generation[rows]]
+        if stale.shape[0] == 0:
+            return
+        outputs, prompts = [], []
+        for row in stale.tolist():
+            num_prompt, num = int(batch.num_prompt_tokens[row]), int(batch.num_tokens[row])
+            prompts.append(batch.token_ids[row, :num_prompt].tolist())
+            outputs.append(batch.token_ids[row, num_prompt:num].tolist())
+        idx = torch.from_numpy(stale).to(self.device)
+        self.output_counts[idx] = token_counts(outputs, vocab, self.device)
+        self.prompt_mask[idx] = token_counts(prompts, vocab, self.device) > 0
+        self._ready_gen[stale] = batch.generation[stale]
+
+    def build(self, batch: InputBatch, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """Metadata for `rows` (one logits row each, in this order). Raises ValueError for a
+        logit_bias token outside the vocabulary, as `SamplingMetadata.build`."""
+        dev = self.device
+
+        def _t(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(arr).to(device=dev, dtype=dtype)
+
+        temperature = batch.temperature[rows]
+        top_p = batch.top_p[rows]
+        min_p = batch.min_p[rows]
+        raw_k = batch.top_k[rows]
+        top_k = np.where(raw_k == 0, vocab_size, np.minimum(raw_k, vocab_size))
+        greedy = temperature < _SAMPLING_EPS
+        num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        penalized = batch.uses_penalties[rows]
+        num_logprobs = batch.num_logprobs[rows]
+        max_lp = int(num_logprobs.max()) if rows.shape[0] else -1
+        meta = SamplingMetadata(
+            temperature=_t(temperature, torch.float32),
+            top_p=_t(top_p, torch.float32),
+            top_k=_t(top_k, torch.int64),
+            min_p=_t(min_p, torch.float32),
+            presence_penalties=_t(batch.presence_penalty[rows], torch.float32),
+            frequency_penalties=_t(batch.frequency_penalty[rows], torch.float32),
+            repetition_penalties=_t(batch.repetition_penalty[rows], torch.float32),
+            seeds=_t(batch.seed[rows], torch.int64),
+            step=_t(num_outputs, torch.int64),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            no_penalties=not bool(penalized.any()),
+            no_top_k=bool((top_k == vocab_size).all()),
+            no_top_p=bool((top_p >= 1.0).all()),
+            no_min_p=bool((min_p <= 0.0).all()),
+            max_num_logprobs=max_lp if max_lp >= 0 else None,
+            vocab_size=vocab_size,
+        )
+        if not meta.no_penalties:
+            self._prepare_penalty_rows(batch, rows[penalized], vocab_size)
+            idx = torch.from_numpy(rows).to(dev)
+            # Rows without penalties read zeros here (never written): harmless, their penalties are 0/1.
+            unpenalized = torch.from_numpy(~penalized).to(dev)
+            meta.output_token_counts = self.output_counts[idx].masked_fill(unpenalized[:, None], 0)
+            meta.prompt_token_mask = self.prompt_mask[idx].masked_fill(unpenalized[:, None], False)
+        banned_rows = num_outputs < batch.min_tokens[rows]
+        if banned_rows.any():
+            banned = [[t for t in batch.stop_token_ids[r] if t < vocab_size] if b else []
+                      for r, b in zip(rows.tolist(), banned_rows.tolist())]
+            if any(banned):
+                meta.min_tokens_mask = token_counts(banned, vocab_size, dev) > 0
+        if batch.has_logit_bias[rows].any():
+            meta.logit_bias = _logit_bias_tensor([batch.params[r] for r in rows.tolist()], vocab_size, dev)
+        return meta
+
+    def record_sampled(self, batch: InputBatch, rows: np.ndarray, tokens: torch.Tensor) -> None:
+        """After a step without drafts: count each penalized row's new token (rows: [B], tokens: [B])."""
+        if self.output_counts is None:
+            return
+        mask = batch.uses_penalties[rows]
+        if not mask.any():
+            return
+        sel = rows[mask]
+        ready = self._ready_gen[sel] == batch.generation[sel]
+        if not ready.all():  # never built: it will be, from the token ids, when it next samples
+            mask[np.flatnonzero(mask)[~ready]] = False
+            sel = sel[ready]
+        if sel.shape[0] == 0:
+            return
+        idx = torch.from_numpy(sel).to(self.device)
+        picked = tokens.to(self.device)[torch.from_numpy(np.flatnonzero(mask)).to(self.device)]
+        self.output_counts.index_put_((idx, picked), torch.ones_like(picked, dtype=torch.int32),
+                                      accumulate=True)
+
