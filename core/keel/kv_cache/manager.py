@@ -135,6 +135,16 @@ class KVCacheManager:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
         rid = request.request_id
         mgr = self.single_type_manager
+        if not hits and not num_new_computed_tokens and mgr.keeps_all_blocks:
+            # The common decode step: the last block still has room and no block fills up, so nothing
+            # is allocated, hashed or cached. O(1), and exactly what the general path would do.
+            held = mgr.req_to_blocks.get(rid)
+            if held and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= len(
+                held
+            ) * self.block_size and (
+                not self.enable_caching or self._nothing_to_cache(request, num_new_tokens)
+            ):
+                return KVCacheBlocks([])
         if hits and mgr.req_to_blocks.get(rid):
             raise ValueError(
                 f"request {rid} already holds blocks; new_computed_blocks apply only to a request holding "
@@ -161,6 +171,12 @@ class KVCacheManager:
             update_block_hashes(request, self.block_size)
             mgr.cache_blocks(request, num_to_cache)
         return KVCacheBlocks(new_blocks)
+
+    def _nothing_to_cache(self, request: KVCacheRequest, num_new_tokens: int) -> bool:
+        """No new full block to hash or register after this step (so the hashing calls are no-ops)."""
+        num_full = min(request.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+        return (request.num_tokens // self.block_size <= len(request.block_hashes)
+                and num_full <= self.single_type_manager.num_cached_block.get(request.request_id, 0))
 
     def free(self, request: KVCacheRequest) -> None:
         """Release every block of the request (no-op if it holds none). Cached blocks stay hits."""

@@ -32,6 +32,14 @@ class SingleTypeKVCacheManager:
         self.block_size = spec.block_size
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
+        # Full-attention bookkeeping as defined here (no block ever skipped): lets
+        # `KVCacheManager.allocate_slots` return at once on a step that needs no new block.
+        base = SingleTypeKVCacheManager
+        self.keeps_all_blocks = all(
+            getattr(type(self), name) is getattr(base, name)
+            for name in ("get_num_blocks_to_allocate", "get_num_skipped_blocks_freed", "remove_skipped_blocks",
+                         "save_new_computed_blocks", "allocate_new_blocks", "cache_blocks")
+        )
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
         # Leading blocks of each request already registered in the prefix cache (or skipped as null).
         self.num_cached_block: dict[str, int] = {}
