@@ -216,12 +216,15 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for idx, rid in enumerate(runner_output.req_ids):
-            request = self.requests.get(rid)
+        requests, stats = self.requests, self.stats
+        # Hoisted: at hundreds of requests per step the per-request lookups are the cost.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        prompt_lps, lps, spec_ids = runner_output.prompt_logprobs, runner_output.logprobs, runner_output.spec_token_ids
+        for rid, generated in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = requests.get(rid)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
-            generated = runner_output.sampled_token_ids[idx]
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            drafts = spec_tokens.get(rid) if spec_tokens else None
             if drafts:
                 num_accepted = max(0, len(generated) - 1)
                 request.num_computed_tokens -= len(drafts) - num_accepted
@@ -232,19 +235,19 @@ class Scheduler:
             new_tokens: list[int] = []
             status = None
             for token in generated:
-                if request.num_output_tokens == 0:
-                    self.stats.prompt_tokens_total += request.num_prompt_tokens
+                if not request.output_token_ids:
+                    stats.prompt_tokens_total += request.num_prompt_tokens
                 request.append_output_token_ids(token)
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
                     break
-            self.stats.generation_tokens_total += len(new_tokens)
+            stats.generation_tokens_total += len(new_tokens)
 
-            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            prompt_lp = prompt_lps.get(rid) if prompt_lps else None
             if not new_tokens and prompt_lp is None:
                 continue
-            lp = runner_output.logprobs.get(rid)
+            lp = lps.get(rid) if lps else None
             if lp is not None and len(new_tokens) < len(generated):
                 lp = tuple(x[: len(new_tokens)] for x in lp)
             out = EngineCoreOutput(
@@ -259,7 +262,7 @@ class Scheduler:
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
             else:
-                self._set_drafts(request, runner_output.spec_token_ids.get(rid))
+                self._set_drafts(request, spec_ids.get(rid) if spec_ids else None)
             outputs.append(out)
         return outputs
 
@@ -276,13 +279,14 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
