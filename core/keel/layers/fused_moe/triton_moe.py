@@ -58,7 +58,8 @@ def _fused_moe_kernel(
     expert_ids_ptr,
     num_tokens_post_padded_ptr,
     N,
-    K,
+    K: tl.constexpr,  # the reduction size (hidden or intermediate): two values per model, so constexpr;
+    # a runtime K trips older interpreters' range() over a scalar tensor
     num_valid_tokens,
     stride_am,
     stride_ak,
@@ -133,21 +134,23 @@ def moe_align_block_size(
     device = flat.device
     max_padded = num_valid + num_experts * (block_m - 1)
     max_padded = -(-max_padded // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # No host sync anywhere (CUDA-graph capturable): counts by scatter-add, not bincount (which reads the
+    # max id back); block -> expert by searchsorted, not repeat_interleave (data-dependent output size).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = torch.cumsum(padded, 0) - padded  # [E]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    padded_start = padded_end - padded
     count_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)  # flat indices grouped by expert
     experts_sorted = flat[order]
     rank = torch.arange(num_valid, device=device) - count_start[experts_sorted]
     sorted_ids = torch.full((max_padded,), num_valid, dtype=torch.int32, device=device)
     sorted_ids[padded_start[experts_sorted] + rank] = order.to(torch.int32)
-    blocks_per_expert = padded // block_m
-    expert_ids = torch.zeros(max_padded // block_m, dtype=torch.int32, device=device)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), blocks_per_expert)
-    # Only the first (data-dependent) number of blocks are real; scatter them without a host sync.
-    idx = torch.arange(block_expert.numel(), device=device)
-    expert_ids.index_copy_(0, idx, block_expert.to(torch.int32))
+    block_starts = torch.arange(max_padded // block_m, device=device) * block_m
+    owner = torch.searchsorted(padded_end, block_starts, right=True)  # [max_blocks]
+    # Blocks past the real ones (owner == E) do no work; they read expert 0.
+    expert_ids = torch.where(owner < num_experts, owner, 0).to(torch.int32)
     total = padded.sum().reshape(1).to(torch.int32)
     return sorted_ids, expert_ids, total
 
