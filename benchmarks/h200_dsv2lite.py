@@ -63,6 +63,26 @@ def active_bytes_b1(cfg: dict, layers: int, elt: int = 2) -> int:
     return (per_model + lm_head + embedding_row + final_norm) * elt
 
 
+def per_expert(state: dict, cfg: dict):
+    """transformers keeps a MoE layer's experts fused in memory (`mlp.experts.gate_up_proj` /
+    `down_proj`, [E, ...]); checkpoints -- and keel's loader -- use the released per-expert names."""
+    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            t = t if t.shape[-1] == h else t.transpose(1, 2)  # -> [E, 2I, H], gate rows first
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", t[e, :inter]
+                yield f"{base}{e}.up_proj.weight", t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            t = t if t.shape[-1] == inter else t.transpose(1, 2)  # -> [E, H, I]
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
 def moe_kernel_vs_loop(cfg: dict) -> dict:
     from keel.layers.fused_moe.torch_ref import fused_experts_torch
     from keel.layers.fused_moe.triton_moe import fused_experts_triton
@@ -162,7 +182,7 @@ def main() -> None:
         enforce_eager=ns.eager))
     result["engine_init_s"] = time.perf_counter() - t0
     runner = engine.core.worker.runner
-    runner.model.load_weights(hf.state_dict().items())  # the very same weights as transformers
+    runner.model.load_weights(per_expert(hf.state_dict(), shape))  # the very same weights as transformers
     runner.model.process_weights_after_loading()  # MLA re-absorbs kv_b_proj
     engine.core.scheduler.kv.reset_prefix_cache()
     result["attention_backends"] = sorted({layer.backend.name for layer in runner.attn_layers})
