@@ -144,7 +144,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--mtp-only", action="store_true", help="only the MTP step cost, merged into --out")
     ns = ap.parse_args()
+    if ns.mtp_only:
+        out = Path(ns.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["mtp"] = mtp_step_cost({**DSV2_LITE, "num_hidden_layers": ns.layers}, 0.0)
+        out.write_text(json.dumps(result, indent=2, default=str))
+        print("mtp:", result["mtp"])
+        return
 
     import transformers
     import triton
@@ -262,7 +270,7 @@ def mtp_step_cost(shape: dict, copy_bw: float) -> dict:
     for name, spec in (("plain", None), ("mtp_k1", {"method": "mtp", "num_speculative_tokens": 1})):
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(model_dir), profile="cuda", load_format="dummy", dtype="bfloat16",
-            skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.5,
+            skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=8, num_kv_blocks=2048,
             speculative_config=spec))
         lat = run_latency(engine, 1, 128, 64, 2, cfg.vocab_size)
         metrics = engine.get_metrics()
