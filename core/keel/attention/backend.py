@@ -90,6 +90,11 @@ def default_validate(caps: BackendCapabilities, request: BackendRequest) -> list
         reasons.append("non-causal (encoder) attention not supported")
     if layer.logits_soft_cap is not None and not caps.supports_soft_cap:
         reasons.append("logits soft cap not supported")
+    # Shape facts every backend relies on, whatever it declares.
+    if layer.num_kv_heads <= 0 or layer.num_heads % layer.num_kv_heads != 0:
+        reasons.append(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads {layer.num_kv_heads}")
+    if layer.sliding_window is not None and layer.sliding_window <= 0:
+        reasons.append(f"sliding window {layer.sliding_window} must be positive")
     return reasons
 
 

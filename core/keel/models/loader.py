@@ -111,13 +111,14 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside get `dtype` (models build in the engine's dtype)."""
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.setdefault_dtype(dtype)
     try:
         yield
     finally:
-        torch.set_default_dtype(old)
+        torch.setdefault_dtype(old)
 
 
 @torch.no_grad()
@@ -160,7 +161,7 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
     """
     if not build.dtype.is_floating_point:
         raise ValueError(f"model dtype must be a floating point dtype, got {build.dtype}")
-    with torch.device(build.device), _default_dtype(build.dtype):
+    with torch.device(build.device), default_dtype(build.dtype):
         model = model_cls(build)
     if load_format == "dummy":
         loaded = init_dummy_weights(model)

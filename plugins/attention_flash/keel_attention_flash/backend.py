@@ -56,12 +56,7 @@ class TritonFlashAttentionBackend:
     @classmethod
     def validate(cls, request: BackendRequest) -> list[str]:
         """Called by the selector at startup: capabilities, GQA divisibility, interpreter on the CPU."""
-        reasons = default_validate(cls.capabilities, request)
-        layer = request.layer
-        if layer.num_kv_heads <= 0 or layer.num_heads % layer.num_kv_heads != 0:
-            reasons.append(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads {layer.num_kv_heads}")
-        if layer.sliding_window is not None and layer.sliding_window <= 0:
-            reasons.append(f"sliding window {layer.sliding_window} must be positive")
+        reasons = default_validate(cls.capabilities, request)  # includes GQA divisibility, window > 0
         if request.device_type == "cpu" and not interpreter_enabled():
             reasons.append("on the CPU the Triton kernels need the interpreter: set TRITON_INTERPRET=1 "
                            "before starting (slow; meant for tests)")

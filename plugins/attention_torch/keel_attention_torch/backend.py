@@ -43,14 +43,8 @@ class TorchPagedAttentionBackend:
 
     @classmethod
     def validate(cls, request: BackendRequest) -> list[str]:
-        """Called by the selector at startup; the capability checks plus GQA divisibility."""
-        reasons = default_validate(cls.capabilities, request)
-        layer = request.layer
-        if layer.num_kv_heads <= 0 or layer.num_heads % layer.num_kv_heads != 0:
-            reasons.append(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads {layer.num_kv_heads}")
-        if layer.sliding_window is not None and layer.sliding_window <= 0:
-            reasons.append(f"sliding window {layer.sliding_window} must be positive")
-        return reasons
+        """Called by the selector at startup: the capability and layer-shape checks of the core."""
+        return default_validate(cls.capabilities, request)
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:

@@ -26,7 +26,6 @@ draft layer a slightly different context than a fresh run would: drafts may diff
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -43,7 +42,7 @@ from keel.layers.linear import ReplicatedLinear
 from keel.layers.mla_attention import MLAAttention
 from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from keel.models.interface import ModelBuildContext
-from keel.models.loader import init_dummy_weights, iterate_safetensors
+from keel.models.loader import default_dtype, init_dummy_weights, iterate_safetensors
 from keel.models.weights import WeightLoadError, load_mapped_weights
 from keel.spec_decode.proposer import DraftInput, ProposerContext
 from keel_models_deepseek.deepseek_v2 import DeepseekV2DecoderLayer
@@ -90,14 +89,6 @@ class DeepSeekMultiTokenPredictorLayer(DeepseekV2DecoderLayer):
         return compute_logits(self.shared_head.head, self.shared_head.norm(hidden))
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _iter_prefixed(path: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -152,7 +143,7 @@ class DeepSeekMTPProposer:
         self.device = build.device
         num_layers = config.num_hidden_layers
         attn_idx = len(ctx.model.attention_layers())
-        with torch.device(build.device), _default_dtype(build.dtype):
+        with torch.device(build.device), default_dtype(build.dtype):
             self.layer = DeepSeekMultiTokenPredictorLayer(
                 config, num_layers, build, getattr(ctx.model, "version", 3), f"model.layers.{num_layers}"
             )
