@@ -114,11 +114,11 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Parameters created inside get `dtype` (models build in the engine's dtype)."""
     old = torch.get_default_dtype()
-    torch.setdefault_dtype(dtype)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
-        torch.setdefault_dtype(old)
+        torch.set_default_dtype(old)
 
 
 @torch.no_grad()
