@@ -10,11 +10,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
+from keel.testing.fidelity import assert_matches_hf, run_requests
 
 ATOL = 1e-4
 ARCH_OVERRIDES = {
@@ -35,38 +36,6 @@ def checkpoints(tmp_path_factory):
     return {arch: make_checkpoint(arch, root / arch, **kw) for arch, kw in ARCH_OVERRIDES.items()}
 
 
-def hf_greedy(path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    model = _hf_model(path)
-    ids = list(prompt)
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            lp = torch.log_softmax(logits, dim=-1)
-            tok = int(torch.argmax(logits))
-            tokens.append(tok)
-            logprobs.append(float(lp[tok]))
-            ids.append(tok)
-    del AutoModelForCausalLM
-    return tokens, logprobs
-
-
-_HF_CACHE: dict = {}
-
-
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    key = str(path)
-    if key not in _HF_CACHE:
-        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(
-            path, torch_dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-    return _HF_CACHE[key]
-
-
 def make_engine(path, **kw) -> LLMEngine:
     args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 4,
                 "max_model_len": 128, "seed": 0}
@@ -79,31 +48,12 @@ def prompts_for(seed: int, lengths) -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
 
 
-def run_staggered(engine: LLMEngine, prompts, params, stagger: int = 0) -> dict[str, object]:
-    """Submit prompts (all at once, or one every `stagger` steps) and run to completion."""
-    results = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and (stagger == 0 or step % stagger == 0):
-            i, p = pending.pop(0)
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-            if stagger:
-                break
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-        step += 1
-    return results
+def run_staggered(engine: LLMEngine, prompts, params, stagger: int = 0):
+    return run_requests(engine, prompts, params, stagger=stagger)
 
 
 def check_against_hf(path, prompts, results, max_tokens):
-    for i, p in enumerate(prompts):
-        out = results[str(i)].outputs[0]
-        ref_tokens, ref_lps = hf_greedy(path, p, max_tokens)
-        assert out.token_ids == ref_tokens, f"prompt {i}: greedy tokens differ"
-        got = [out.logprobs[j][t].logprob for j, t in enumerate(out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(got, ref_lps)) < ATOL
+    assert_matches_hf(path, prompts, results, max_tokens, atol=ATOL)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -156,7 +106,8 @@ def test_outputs_identical_with_and_without_chunking_preemption_caching(checkpoi
     path = checkpoints["mistral"]
     prompts = prompts_for(5, [19, 6, 25, 11])
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
-    base = run_staggered(make_engine(path, enable_prefix_caching=False, max_num_batched_tokens=256), prompts, params)
+    base = run_staggered(make_engine(path, enable_prefix_caching=False, max_num_batched_tokens=256), prompts,
+                         params)
     stressed = run_staggered(
         make_engine(path, max_num_batched_tokens=8, num_kv_blocks=14, max_model_len=40), prompts, params
     )

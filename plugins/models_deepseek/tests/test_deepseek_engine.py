@@ -9,13 +9,13 @@ and (tiny run) the Triton kernel under TRITON_INTERPRET=1 (conftest defaults it 
 from __future__ import annotations
 
 import pytest
-import torch
 from deepseek_test_utils import DEEPSEEK_YARN, make_deepseek_checkpoint, random_prompts
 
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.layers.fused_moe import layer as moe_layer
+from keel.testing.fidelity import assert_matches_hf, run_requests
 
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -32,27 +32,6 @@ def checkpoints(tmp_path_factory):
     return {name: make_deepseek_checkpoint(v, root / name, **kw) for name, (v, kw) in CHECKPOINTS.items()}
 
 
-_HF: dict = {}
-
-
-def hf_greedy(path, prompt, max_tokens):
-    from transformers import AutoModelForCausalLM
-
-    if str(path) not in _HF:
-        _HF[str(path)] = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-    model, ids, tokens, logprobs = _HF[str(path)], list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            tok = int(torch.argmax(logits))
-            tokens.append(tok)
-            logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
-            ids.append(tok)
-    return tokens, logprobs
-
-
 def make_engine(path, **kw) -> LLMEngine:
     args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 4,
             "max_model_len": 128, "seed": 0, **kw}
@@ -60,27 +39,11 @@ def make_engine(path, **kw) -> LLMEngine:
 
 
 def run(engine, prompts, params, stagger=0):
-    results, pending, step = {}, list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        while pending and (stagger == 0 or step % stagger == 0):
-            i, p = pending.pop(0)
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-            if stagger:
-                break
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
-        step += 1
-    return results
+    return run_requests(engine, prompts, params, stagger=stagger)
 
 
 def check_against_hf(path, prompts, results, max_tokens):
-    for i, p in enumerate(prompts):
-        out = results[str(i)].outputs[0]
-        ref_tokens, ref_lps = hf_greedy(path, p, max_tokens)
-        assert out.token_ids == ref_tokens, f"prompt {i}: greedy tokens differ"
-        got = [out.logprobs[j][t].logprob for j, t in enumerate(out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(got, ref_lps)) < ATOL
+    assert_matches_hf(path, prompts, results, max_tokens, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))

@@ -1,0 +1,80 @@
+"""Fidelity harness: drive a keel engine and compare with transformers' greedy decoding.
+
+Model and backend plugins (in-repo or third-party) use it to show "greedy tokens equal, logprobs within
+tolerance" the same way: `run_requests` submits prompts (together or staggered) and runs the engine to
+completion; `hf_greedy` is a plain full-recompute greedy loop in transformers (no cache, no padding: the
+simplest possible reference); `assert_matches_hf` compares the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def load_hf(model_or_path: Any, device: str = "cpu") -> torch.nn.Module:
+    """A transformers model as is, or loaded from a checkpoint directory in float32, eager attention."""
+    if isinstance(model_or_path, torch.nn.Module):
+        return model_or_path
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_or_path, dtype=torch.float32, attn_implementation="eager"
+    ).to(device).eval()
+
+
+def hf_greedy(
+    model_or_path: Any, prompt: Sequence[int], max_tokens: int, *, device: str = "cpu"
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-softmax logprobs from transformers, recomputing the full sequence
+    each step. `model_or_path`: a loaded model (kept on its device) or a checkpoint directory (loaded in
+    float32 with eager attention on `device`)."""
+    model = load_hf(model_or_path, device)
+    dev = next(model.parameters()).device
+    ids = list(prompt)
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids], device=dev)).logits[0, -1].float()
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+            ids.append(tok)
+    return tokens, logprobs
+
+
+def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Any, *, stagger: int = 0,
+                 prefix: str = "") -> dict[str, Any]:
+    """Submit token-id prompts to an `LLMEngine` (all at once, or one every `stagger` steps) and step it
+    until everything finished. Returns request id (`prefix` + index) -> final RequestOutput."""
+    results: dict[str, Any] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and (stagger == 0 or step % stagger == 0):
+            i, p = pending.pop(0)
+            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": list(p)}, params)
+            if stagger:
+                break
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        step += 1
+    return results
+
+
+def assert_matches_hf(model_or_path: Any, prompts: Sequence[Sequence[int]], results: dict[str, Any],
+                      max_tokens: int, *, atol: float = 1e-4, prefix: str = "", device: str = "cpu") -> None:
+    """Every request's greedy tokens equal transformers'; the sampled tokens' logprobs (requests made
+    with `logprobs=0` or more) are within `atol` of transformers' log-softmax."""
+    model = load_hf(model_or_path, device)
+    for i, p in enumerate(prompts):
+        out = results[f"{prefix}{i}"].outputs[0]
+        ref_tokens, ref_lps = hf_greedy(model, p, max_tokens)
+        assert list(out.token_ids) == ref_tokens, f"prompt {i}: greedy tokens differ"
+        if out.logprobs is not None:
+            got = [out.logprobs[j][t].logprob for j, t in enumerate(out.token_ids)]
+            worst = max(abs(a - b) for a, b in zip(got, ref_lps))
+            assert worst < atol, f"prompt {i}: logprob differs by {worst:.2e} (tolerance {atol:.0e})"
