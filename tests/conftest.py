@@ -1,7 +1,15 @@
+import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
+
+# --import-mode=importlib does not put test directories on sys.path; helper modules beside these tests
+# (kv_test_utils) are imported by name.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture

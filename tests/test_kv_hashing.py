@@ -5,23 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 
 from keel.kv_cache import hashing
 from keel.kv_cache.hashing import NONE_HASH, hash_block_tokens, update_block_hashes
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    block_hashes: list = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+from kv_test_utils import Req
 
 
 def test_hash_chains_parent_and_tokens() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -11,21 +10,9 @@ from keel.kv_cache.hashing import update_block_hashes
 from keel.kv_cache.manager import KVCacheManager
 from keel.kv_cache.single_type import FullAttentionManager, SlidingWindowManager
 from keel.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from kv_test_utils import Req
 
 BS = 4
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    block_hashes: list = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def make(window: int, num_blocks: int = 11) -> KVCacheManager:

@@ -9,27 +9,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 from keel.kv_cache.manager import KVCacheManager
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kv_test_utils import Req
 
 BS = 4
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    block_hashes: list = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def check_invariants(m: KVCacheManager) -> None:
