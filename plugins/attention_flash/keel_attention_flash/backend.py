@@ -32,6 +32,16 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def device_reasons(device_type: str) -> list[str]:
+    """Why this plugin's Triton kernels cannot run on `device_type` (empty when they can); shared by the
+    validate() of both backends."""
+    if device_type == "cpu" and not interpreter_enabled():
+        reason = ("on the CPU the Triton kernels need the interpreter: set TRITON_INTERPRET=1 "
+                  "before starting (slow; meant for tests)")
+        return [reason]
+    return []
+
+
 class TritonFlashAttentionBackend:
     """Registered under `attention_backend` as `triton_flash` by the `attention-flash` plugin.
 
@@ -56,11 +66,8 @@ class TritonFlashAttentionBackend:
     @classmethod
     def validate(cls, request: BackendRequest) -> list[str]:
         """Called by the selector at startup: capabilities, GQA divisibility, interpreter on the CPU."""
-        reasons = default_validate(cls.capabilities, request)  # includes GQA divisibility, window > 0
-        if request.device_type == "cpu" and not interpreter_enabled():
-            reasons.append("on the CPU the Triton kernels need the interpreter: set TRITON_INTERPRET=1 "
-                           "before starting (slow; meant for tests)")
-        return reasons
+        # default_validate includes GQA divisibility and window > 0.
+        return default_validate(cls.capabilities, request) + device_reasons(request.device_type)
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
@@ -82,7 +89,7 @@ class TritonFlashAttentionBackend:
         """Called once per attention layer when the model is built."""
         kind = "sliding_window" if layer.sliding_window is not None else "full_attention"
         # The device was checked by the selector; here only the layer's own shape matters.
-        reasons = [r for r in cls.validate(BackendRequest(layer=layer, device_type="cuda", kv_cache_kind=kind))]
+        reasons = cls.validate(BackendRequest(layer=layer, device_type="cuda", kv_cache_kind=kind))
         if reasons:
             raise UnsupportedLayerError(f"triton_flash cannot serve layer {layer}: " + "; ".join(reasons))
         return TritonFlashAttentionImpl(layer)

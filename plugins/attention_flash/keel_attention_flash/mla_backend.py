@@ -20,7 +20,7 @@ from keel.attention.backend import (
     default_validate,
 )
 from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
-from keel_attention_flash.backend import UnsupportedLayerError, interpreter_enabled
+from keel_attention_flash.backend import UnsupportedLayerError, device_reasons
 from keel_attention_flash.mla_impl import TritonMLAImpl
 from keel_attention_flash.mla_metadata import TritonMLAMetadataBuilder
 
@@ -49,11 +49,8 @@ class TritonMLABackend:
     def validate(cls, request: BackendRequest) -> list[str]:
         """Called by the selector at startup: MLA layers only, their dimensions in `extra`, and on the
         CPU only under Triton's interpreter."""
-        reasons = default_validate(cls.capabilities, request)
+        reasons = default_validate(cls.capabilities, request) + device_reasons(request.device_type)
         layer = request.layer
-        if request.device_type == "cpu" and not interpreter_enabled():
-            reasons.append("on the CPU the Triton kernels need the interpreter: set TRITON_INTERPRET=1 "
-                           "before starting (slow; meant for tests)")
         if not layer.use_mla:
             reasons.append("triton_mla serves only MLA layers (use_mla=True)")
             return reasons
