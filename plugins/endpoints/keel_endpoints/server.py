@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -80,7 +80,6 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
         logger.info("registered endpoint %r from %s", key, endpoints.provider(key) if key in endpoints else "?")
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.state.keel_context = ctx
     return app
 
 
@@ -126,8 +125,3 @@ class APIServer:
         logger.warning("keel API server on http://%s:%d (model %r)", host, port, config.model.served_model_name)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
         return 0
-
-
-def request_context(request: Request) -> EndpointContext:
-    """The EndpointContext of the app serving `request`."""
-    return request.app.state.keel_context

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
@@ -112,11 +112,6 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(_Strict):
