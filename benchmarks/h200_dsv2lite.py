@@ -158,7 +158,6 @@ def main() -> None:
     import triton
     from transformers import AutoModelForCausalLM, DeepseekV2Config
 
-    from keel import SamplingParams
     from keel.bench import random_prompts, run_latency, run_throughput
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
@@ -214,17 +213,7 @@ def main() -> None:
     result["throughput_output_tok_s"] = thr["output_tokens_per_s"]
     print("throughput:", thr, flush=True)
 
-    probe = random_prompts(4, 32, vocab, seed=7)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for i, p in enumerate(probe):
-        engine.add_request(f"probe-{i}", {"prompt_token_ids": p}, params)
-    ours = {}
-    while engine.has_unfinished_requests():
-        ours.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-    with torch.inference_mode():
-        ref = hf.generate(input_ids=torch.tensor(probe, device="cuda"), max_new_tokens=8, do_sample=False,
-                          pad_token_id=0)[:, 32:].tolist()
-    result["greedy_first_token_agreement_bf16"] = sum(ours[f"probe-{i}"][0] == r[0] for i, r in enumerate(ref)) / 4
+    result["greedy_first_token_agreement_bf16"] = _common.greedy_first_token_agreement(engine, hf, vocab)
     engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()

@@ -83,6 +83,25 @@ def hf_generate_throughput(model, prompts: list[list[int]], output_len: int, bat
     return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
+def greedy_first_token_agreement(engine, hf_model, vocab: int) -> float:
+    """Share of 4 random 32-token prompts whose first greedy token keel and transformers agree on (the same
+    weights; in bf16 informative, not a pass/fail)."""
+    from keel import SamplingParams
+    from keel.bench import random_prompts
+
+    probe = random_prompts(4, 32, vocab, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(probe):
+        engine.add_request(f"probe-{i}", {"prompt_token_ids": p}, params)
+    ours = {}
+    while engine.has_unfinished_requests():
+        ours.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    with torch.inference_mode():
+        ref = hf_model.generate(input_ids=torch.tensor(probe, device="cuda"), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[:, 32:].tolist()
+    return sum(ours[f"probe-{i}"][0] == r[0] for i, r in enumerate(ref)) / len(probe)
+
+
 def decode_attention_alone(layer_cfg: dict, copy_bw: float, batch: int = 32, ctx: int = 4096, block: int = 16,
                            impl_cls=None) -> dict:
     from keel_attention_flash.backend import TritonFlashAttentionBackend
@@ -347,22 +366,9 @@ def main() -> None:
     result["throughput_output_tok_s"] = thr["output_tokens_per_s"]
     print("throughput:", thr, flush=True)
 
-    # Greedy agreement with transformers on the same weights (bf16: informative, not a pass/fail).
-    probe = random_prompts(4, 32, vocab, seed=7)
-    from keel import SamplingParams
+    result["greedy_first_token_agreement_bf16"] = greedy_first_token_agreement(engine, hf, vocab)
 
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for i, p in enumerate(probe):
-        engine.add_request(f"probe-{i}", {"prompt_token_ids": p}, params)
-    ours = {}
-    while engine.has_unfinished_requests():
-        ours.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-    with torch.inference_mode():
-        ref = hf.generate(input_ids=torch.tensor(probe, device="cuda"), max_new_tokens=8, do_sample=False,
-                          pad_token_id=0)[:, 32:].tolist()
-    result["greedy_first_token_agreement_bf16"] = sum(ours[f"probe-{i}"][0] == r[0] for i, r in enumerate(ref)) / 4
-
-    engine.shutdown() if hasattr(engine, "shutdown") else None
+    engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()
     hf_prompts = random_prompts(ns.hf_prompts, 128, vocab, seed=1)
