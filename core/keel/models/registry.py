@@ -1,7 +1,7 @@
 """Model registry: HF `config.json` architecture name -> lazily imported model class (`model_arch` kind).
 
-Called by the worker when it builds the model, and by the engine at startup to check what a model
-supports (`inspect_model_cls`) without building it or loading weights.
+Called by the worker when it builds the model (`resolve_hf_config`); `inspect_model_cls` answers what a
+model supports without building it or loading weights.
 """
 
 from __future__ import annotations
@@ -55,21 +55,25 @@ class ModelRegistry:
     def get_supported_archs(self) -> list[str]:
         return sorted(self._registry.keys())
 
-    def _pick(self, architectures: Sequence[str] | str) -> str:
+    def _pick(self, architectures: Sequence[str] | str, model: str = "") -> str:
         archs = [architectures] if isinstance(architectures, str) else list(architectures)
         for arch in archs:
             if arch in self._registry:
                 return arch
         supported = self.get_supported_archs()
         hint = suggest(archs[0], supported) if archs else ""
+        of_model = f" of {model!r}" if model else ""
         raise UnsupportedArchitectureError(
-            f"no loaded plugin serves architecture(s) {archs}{hint}; supported: "
+            f"no loaded plugin serves architecture(s) {archs}{of_model}{hint}; supported: "
             f"{', '.join(supported) or 'none'}. Install the model plugin and list it in `plugins:`"
         )
 
-    def resolve_model_cls(self, architectures: Sequence[str] | str) -> tuple[Any, str]:
-        """(model class, architecture) for the first of `architectures` that is registered."""
-        arch = self._pick(architectures)
+    def resolve_model_cls(self, architectures: Sequence[str] | str, model: str = "") -> tuple[Any, str]:
+        """(model class, architecture) for the first of `architectures` that is registered.
+
+        `model` (the checkpoint's name or path) only makes the error message name it.
+        """
+        arch = self._pick(architectures, model)
         return self._registry.get(arch), arch
 
     def inspect_model_cls(self, architectures: Sequence[str] | str) -> ModelInfo:
@@ -77,9 +81,10 @@ class ModelRegistry:
         model_cls, arch = self.resolve_model_cls(architectures)
         return ModelInfo(arch, str(self._registry.provider(arch)), model_capabilities(model_cls))
 
-    def resolve_hf_config(self, hf_config: Any) -> tuple[Any, str]:
-        """Like `resolve_model_cls` for a transformers config's `architectures`."""
+    def resolve_hf_config(self, hf_config: Any, model: str = "") -> tuple[Any, str]:
+        """Like `resolve_model_cls` for a transformers config's `architectures`; the worker's lookup."""
         archs = list(getattr(hf_config, "architectures", None) or [])
         if not archs:
-            raise UnsupportedArchitectureError("the model's config.json declares no `architectures`")
-        return self.resolve_model_cls(archs)
+            name = f"{model!r}" if model else "the model"
+            raise UnsupportedArchitectureError(f"the config.json of {name} declares no `architectures`")
+        return self.resolve_model_cls(archs, model)

@@ -17,6 +17,7 @@ from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.layers.custom_op import bind_custom_ops
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
+from keel.models.registry import ModelRegistry
 from keel.spec_decode.proposer import ProposerContext
 from keel.worker.model_runner import ModelRunner
 
@@ -45,15 +46,7 @@ class Worker:
         self.plugins.hooks.hook.keel_worker_init(config=self.config, rank=0)
         mc = self.config.model
         hf_config = mc.hf_config
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        registry = self.plugins.registry("model_arch")
-        arch = next((a for a in archs if a in registry), None)
-        if arch is None:
-            raise ValueError(
-                f"no loaded plugin serves the architecture(s) {archs} of {mc.model!r}; "
-                f"available: {sorted(registry.keys())}. Install or name the plugin that provides it."
-            )
-        model_cls = registry.get(arch)
+        model_cls, arch = ModelRegistry(self.plugins).resolve_hf_config(hf_config, mc.model)
         dtype = mc.torch_dtype
         block_size = self.config.cache.block_size
         build = ModelBuildContext(
