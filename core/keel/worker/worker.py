@@ -54,7 +54,7 @@ class Worker:
             attention_backend=None, attention_selector=self._select_backend,
         )
         path = resolve_model_path(mc.model, mc.revision)
-        model = load_model(model_cls, build, path, load_format=getattr(mc, "load_format", "auto"))
+        model = load_model(model_cls, build, path, load_format=mc.load_format)
         if self.platform.use_custom_ops():
             # Bound before the runner exists, so warm-up and graph capture already run the fused kernels.
             bind_custom_ops(model, self.plugins.registry("custom_op"), self.device.type, dtype)
@@ -72,7 +72,7 @@ class Worker:
                         if k not in ("method", "num_speculative_tokens"))
         ctx = ProposerContext(spec.method, spec.num_speculative_tokens, options, model, self.device,
                               build=build, model_path=path,
-                              load_format=getattr(self.config.model, "load_format", "auto"))
+                              load_format=self.config.model.load_format)
         return proposer_cls(ctx), spec.num_speculative_tokens
 
     def _select_backend(self, layer: AttentionLayerConfig, kv_cache_kind: str):
