@@ -75,11 +75,6 @@ class MLAAttentionImpl(Protocol):
         ...
 
 
-def mla_layer_extra(config: AttentionLayerConfig) -> dict[str, int]:
-    """The MLA dimensions an MLA backend reads from `config.extra` (kv_lora_rank, qk_*_head_dim, ...)."""
-    return dict(config.extra)
-
-
 class MLAAttention(nn.Module):
     """Paged latent attention for one layer. `layer_idx` indexes the ForwardContext.
 

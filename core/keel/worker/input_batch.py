@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from keel.engine.sampling_params import _SAMPLING_EPS, SamplingParams
+from keel.engine.sampling_params import SamplingParams
 
 _U64 = (1 << 64) - 1
 
@@ -208,6 +208,3 @@ class InputBatch:
         self.ensure_len(n + len(tokens))
         self.token_ids[row, n : n + len(tokens)] = tokens
         self.num_tokens[row] = n + len(tokens)
-
-    def greedy_rows(self, rows: np.ndarray) -> np.ndarray:  # [len(rows)] bool
-        return self.temperature[rows] < _SAMPLING_EPS
