@@ -77,13 +77,18 @@ class ModelRunner:
         """Bytes one block id costs across all layers."""
         return sum(layer.kv_cache_spec().page_size_bytes for layer in self.attn_layers)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per attention layer; num_blocks includes the null block 0."""
-        self.kv_caches = []
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """One zeroed cache tensor per attention layer, in the backend's layout for its spec."""
+        caches = []
         for layer in self.attn_layers:
             spec = layer.kv_cache_spec()
             shape = layer.backend.kv_cache_shape(num_blocks, spec)
-            self.kv_caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+            caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        return caches
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one cache tensor per attention layer; num_blocks includes the null block 0."""
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
 
     def capture_cuda_graphs(self, spec, max_num_seqs: int, max_model_len: int) -> bool:
         """Called by the worker after `initialize_kv_cache` unless enforce_eager; `spec` is the platform's
@@ -120,11 +125,7 @@ class ModelRunner:
             left -= lens[-1]
         bs = self.block_size
         blocks = [-(-n // bs) for n in lens]
-        caches = []
-        for layer in self.attn_layers:
-            spec = layer.kv_cache_spec()
-            shape = layer.backend.kv_cache_shape(sum(blocks) + 1, spec)
-            caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        caches = self._allocate_kv_caches(sum(blocks) + 1)
         table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
         first = 1
         for i, n in enumerate(blocks):
