@@ -35,6 +35,21 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _copy_rank_rows(dst: torch.Tensor, loaded_weight: torch.Tensor, full_rows: int, rank_index: int,
+                    what: str = "") -> None:
+    """Copy slice `rank_index` (of `dst.shape[0]` rows) of a full checkpoint tensor into `dst`.
+
+    The checkpoint must hold `full_rows` rows, so a wrong tensor is reported at its full shape rather
+    than as a confusing slice mismatch.
+    """
+    size = dst.shape[0]
+    if loaded_weight.shape[0] != full_rows:
+        check_shape(torch.empty(full_rows, *dst.shape[1:], device="meta"), loaded_weight, what)
+    src = loaded_weight.narrow(0, rank_index * size, size)
+    check_shape(dst, src, what)
+    dst.copy_(src)
+
+
 def _quant_method(quant_config: Any, spec: LinearLayerSpec) -> QuantizationMethod | None:
     if quant_config is None:
         return None
@@ -146,12 +161,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:
             raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
-        n = param.shape[0]
-        if loaded_weight.shape[0] != n * self.tp_size:
-            check_shape(torch.empty(n * self.tp_size, *param.shape[1:], device="meta"), loaded_weight)
-        loaded = loaded_weight.narrow(0, self.tp_rank * n, n)
-        check_shape(param, loaded)
-        param.data.copy_(loaded)
+        _copy_rank_rows(param.data, loaded_weight, param.shape[0] * self.tp_size, self.tp_rank)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -199,15 +209,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 f"{type(self).__name__} needs shard id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
             )
         offset, size = self.shard_offset_size(shard_id)
-        full = self.output_sizes[shard_id]
-        if loaded_weight.shape[0] != full:
-            check_shape(
-                torch.empty(full, *param.shape[1:], device="meta"), loaded_weight, f"shard {shard_id}"
-            )
-        dst = param.data.narrow(0, offset, size)
-        src = loaded_weight.narrow(0, self.tp_rank * size, size)
-        check_shape(dst, src, f"shard {shard_id}")
-        dst.copy_(src)
+        _copy_rank_rows(param.data.narrow(0, offset, size), loaded_weight, self.output_sizes[shard_id],
+                        self.tp_rank, f"shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -271,15 +274,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             rank_index = self.tp_rank // self.num_kv_head_replicas
         else:
             raise WeightLoadError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}")
-        full_rows = full * self.head_size
-        if loaded_weight.shape[0] != full_rows:
-            check_shape(
-                torch.empty(full_rows, *param.shape[1:], device="meta"), loaded_weight, f"shard {shard_id}"
-            )
-        dst = param.data.narrow(0, offset, size)
-        src = loaded_weight.narrow(0, rank_index * size, size)
-        check_shape(dst, src, f"shard {shard_id}")
-        dst.copy_(src)
+        _copy_rank_rows(param.data.narrow(0, offset, size), loaded_weight, full * self.head_size, rank_index,
+                        f"shard {shard_id}")
 
     def split_qkv(
         self,
