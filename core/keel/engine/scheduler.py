@@ -228,8 +228,8 @@ class Scheduler:
             if drafts:
                 num_accepted = max(0, len(generated) - 1)
                 request.num_computed_tokens -= len(drafts) - num_accepted
-                self.stats.spec_decode_num_draft_tokens_total += len(drafts)
-                self.stats.spec_decode_num_accepted_tokens_total += num_accepted
+                stats.spec_decode_num_draft_tokens_total += len(drafts)
+                stats.spec_decode_num_accepted_tokens_total += num_accepted
                 request.spec_token_ids = []
 
             new_tokens: list[int] = []
