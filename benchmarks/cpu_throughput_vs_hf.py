@@ -118,7 +118,7 @@ def main() -> None:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": __import__("transformers").__version__,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
                                  text=True).stdout.strip(),
         "model": ns.model,
         "model_shape": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size},

@@ -98,8 +98,9 @@ def moe_kernel_vs_loop(cfg: dict) -> dict:
         ref = fused_experts_torch(x, w13, w2, weights, ids)
         got = fused_experts_triton(x, w13, w2, weights, ids)
         err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        t_loop = events_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids), iters=20)
-        t_fused = events_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids), iters=20)
+        args = (x, w13, w2, weights, ids)
+        t_loop = events_ms(lambda args=args: fused_experts_torch(*args), iters=20)
+        t_fused = events_ms(lambda args=args: fused_experts_triton(*args), iters=20)
         touched = len(torch.unique(ids))
         bytes_read = touched * 3 * h * i * 2
         out[f"b{batch}"] = {"loop_ms": t_loop, "fused_ms": t_fused, "speedup": t_loop / t_fused,

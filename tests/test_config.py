@@ -2,6 +2,7 @@ import pickle
 
 import pytest
 import torch
+
 from keel.config import (
     CacheConfig,
     ConfigError,

@@ -110,13 +110,13 @@ def test_deepseek_sized_mixed_batch_matches_expanded_reference(dtype, bs):
 def _make_tiny_deepseek(path, version: int = 2):
     import transformers
 
-    common = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=192, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, qk_rope_head_dim=16,
-        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
+    common = {
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 192, "moe_intermediate_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32, "v_head_dim": 32, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    }
     if version == 2:
         config = transformers.DeepseekV2Config(**common, q_lora_rank=None)
     else:  # V3: q LoRA, sigmoid routing with correction bias, group-limited top-k

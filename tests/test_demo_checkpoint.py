@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from keel.demo import DemoCheckpointError, build_demo_checkpoint, default_demo_path, is_demo_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from keel.demo import DemoCheckpointError, build_demo_checkpoint, default_demo_path, is_demo_model
 
 
 @pytest.fixture(scope="module")

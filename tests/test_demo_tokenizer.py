@@ -3,8 +3,9 @@
 import json
 
 import pytest
-from keel.testing.tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer
 from transformers import AutoTokenizer
+
+from keel.testing.tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -3,10 +3,11 @@
 import random
 
 import pytest
+from transformers import AutoTokenizer
+
 from keel.engine.detokenizer import IncrementalDetokenizer, decode_token, decode_tokens
 from keel.engine.sampling_params import SamplingParams
 from keel.testing.tokenizer import build_tokenizer
-from transformers import AutoTokenizer
 
 REPLACEMENT = "\ufffd"
 MULTIBYTE = "Café 日本語 😀 🦀 こんにちは, naïve “quotes” and 🐍🤖✨ end"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from keel.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue
 from keel.kv_cache.blocks import KVCacheBlock, KVCacheBlocks
 from keel.kv_cache.utils import KVCacheConfigError

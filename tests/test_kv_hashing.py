@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+from kv_test_utils import Req
+
 from keel.kv_cache import hashing
 from keel.kv_cache.hashing import NONE_HASH, hash_block_tokens, update_block_hashes
-from kv_test_utils import Req
 
 
 def test_hash_chains_parent_and_tokens() -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from kv_test_utils import Req
+
 from keel.kv_cache.manager import KVCacheManager
 from keel.kv_cache.single_type import FullAttentionManager
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MLALatentSpec
 from keel.kv_cache.utils import KVCacheConfigError, KVCacheRequest
-from kv_test_utils import Req
 
 BS = 4
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from kv_test_utils import Req
+
 from keel.kv_cache.block_pool import BlockPool
 from keel.kv_cache.hashing import update_block_hashes
 from keel.kv_cache.manager import KVCacheManager
 from keel.kv_cache.single_type import FullAttentionManager, SlidingWindowManager
 from keel.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
-from kv_test_utils import Req
 
 BS = 4
 

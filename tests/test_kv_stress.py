@@ -12,9 +12,10 @@ from collections import Counter
 
 import pytest
 import torch
+from kv_test_utils import Req
+
 from keel.kv_cache.manager import KVCacheManager
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from kv_test_utils import Req
 
 BS = 4
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from keel import LLM, SamplingParams
 from keel.engine.processor import PromptTooLongError
 from keel.testing.checkpoints import make_checkpoint

@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+
 from keel.plugins.errors import DuplicateKeyError, PluginLoadError, UnknownKeyError
 from keel.plugins.loader import load_plugins
 from keel.plugins.manifest import KINDS

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+
 from keel.profile import DEFAULT_PROFILE, ProfileError, find_profile, load_profile, parse_profile
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from keel.connectors import (
     KVConnectorMetadata,
     KVConnectorRequest,

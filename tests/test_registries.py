@@ -2,6 +2,7 @@ import logging
 
 import pytest
 import torch
+
 from keel.attention.backend import AttentionLayerConfig, BackendCapabilities, BackendRequest, default_validate
 from keel.attention.selector import AttentionBackendError, candidate_order, select_attention_backend
 from keel.models.registry import ModelRegistry, UnsupportedArchitectureError

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+
 from keel.engine.sampling_params import SamplingParams
 from keel.layers.sampler import Sampler, apply_top_k_top_p
 from keel.layers.sampling_metadata import SamplingMetadata

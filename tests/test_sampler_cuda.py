@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from keel.engine.sampling_params import SamplingParams
 from keel.layers.sampler import Sampler, random_uniform
 from keel.layers.sampling_metadata import SamplingMetadata

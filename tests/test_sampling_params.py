@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from keel.engine.sampling_params import SamplingParams, SamplingType
 
 

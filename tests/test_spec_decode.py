@@ -5,6 +5,7 @@ prefix cache, and the draft/accept counters move."""
 from __future__ import annotations
 
 import pytest
+
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine

@@ -15,7 +15,16 @@ _LAZY = {
     "EngineArgs": "keel.config",
 }
 
-__all__ = ["CORE_API_VERSION", "__version__", *_LAZY]
+__all__ = [
+    "CORE_API_VERSION",
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

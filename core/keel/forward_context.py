@@ -6,8 +6,9 @@ No module-level mutable state: the runner builds one `ForwardContext` per step a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -19,6 +20,6 @@ class ForwardContext:
     num_actual_tokens: int = 0
 
     @classmethod
-    def empty(cls) -> "ForwardContext":
+    def empty(cls) -> ForwardContext:
         """For a dummy forward (memory profiling) before any cache exists."""
         return cls(attn_metadata=(), kv_caches=())

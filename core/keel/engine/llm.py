@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -115,7 +116,6 @@ class LLM:
             engine.shutdown()
 
     def __del__(self) -> None:
-        try:
+        # At interpreter teardown the engine's modules may be gone already: nothing left to tell then.
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:  # interpreter teardown: nothing left to tell
-            pass

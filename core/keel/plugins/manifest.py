@@ -7,9 +7,9 @@ discovery runs on every `keel` start, and a component is imported only when sele
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 # Registry kinds the core knows. Keys inside a kind are open strings.
 KINDS: tuple[str, ...] = (

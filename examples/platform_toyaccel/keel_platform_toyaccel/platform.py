@@ -8,6 +8,7 @@ import os
 from typing import Any, ClassVar
 
 import torch
+
 from keel.platform import CommunicatorSpec, GraphCaptureSpec, Platform, PlatformError
 
 

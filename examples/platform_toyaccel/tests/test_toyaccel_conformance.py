@@ -1,8 +1,9 @@
 """Runs keel's platform conformance suite against this plugin (plus plugin-specific tests)."""
 
+from keel_platform_toyaccel.platform import ToyAccelPlatform
+
 from keel.config import EngineConfig
 from keel.testing.platform import PlatformConformance
-from keel_platform_toyaccel.platform import ToyAccelPlatform
 
 
 class TestToyAccel(PlatformConformance):

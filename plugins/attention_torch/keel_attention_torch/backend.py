@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
 from keel.attention.backend import (
     AttentionLayerConfig,
     BackendCapabilities,
@@ -16,7 +17,6 @@ from keel.attention.backend import (
     default_validate,
 )
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec
-
 from keel_attention_torch.impl import TorchPagedAttentionImpl
 from keel_attention_torch.metadata import TorchPagedMetadataBuilder
 

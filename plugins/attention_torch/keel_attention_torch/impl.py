@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from keel.attention.backend import AttentionLayerConfig
 
+from keel.attention.backend import AttentionLayerConfig
 from keel_attention_torch.metadata import AttentionPlan, TorchPagedAttentionMetadata
 
 

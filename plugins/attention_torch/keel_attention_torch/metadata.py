@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from keel.attention.metadata import CommonAttentionMetadata
 
 

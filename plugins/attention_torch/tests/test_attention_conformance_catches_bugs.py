@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 import torch
-from keel.testing.attention import AttentionBackendConformance
 from keel_attention_torch.backend import TorchPagedAttentionBackend
 from keel_attention_torch.impl import TorchPagedAttentionImpl
 from keel_attention_torch.metadata import TorchPagedMetadataBuilder
+
+from keel.testing.attention import AttentionBackendConformance
 
 
 class _IgnoresWindow(TorchPagedAttentionBackend):

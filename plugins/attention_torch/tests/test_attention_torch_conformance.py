@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from keel.testing.attention import AttentionBackendConformance
 from keel_attention_torch.backend import TorchPagedAttentionBackend
+
+from keel.testing.attention import AttentionBackendConformance
 
 
 class TestTorchPagedFloat32(AttentionBackendConformance):

@@ -3,9 +3,10 @@
 import math
 
 import torch
+from keel_attention_torch.backend import TorchPagedAttentionBackend
+
 from keel.testing.attention import AttentionCase, make_step
 from keel.testing.reference import ref_varlen_attention
-from keel_attention_torch.backend import TorchPagedAttentionBackend
 
 B = TorchPagedAttentionBackend
 

@@ -5,11 +5,12 @@ import sys
 
 import pytest
 import torch
+from keel_attention_torch import manifest
+from keel_attention_torch.backend import TorchPagedAttentionBackend, UnsupportedLayerError
+
 from keel.attention.backend import AttentionLayerConfig, BackendRequest
 from keel.kv_cache.spec import MLALatentSpec
 from keel.plugins.loader import load_plugins
-from keel_attention_torch import manifest
-from keel_attention_torch.backend import TorchPagedAttentionBackend, UnsupportedLayerError
 
 
 def test_manifest_fields():

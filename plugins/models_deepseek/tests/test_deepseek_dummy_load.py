@@ -24,7 +24,7 @@ def _greedy(engine, prompt):
 
 def test_dummy_weights_run_and_reloaded_weights_match(tmp_path):
     path = make_deepseek_checkpoint(2, tmp_path / "v2")
-    args = dict(model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64)
+    args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 4, "max_model_len": 64}
     real = LLMEngine.from_engine_args(EngineArgs(**args))
     # no prefix caching: KV computed with the dummy weights must not serve the reloaded model
     dummy = LLMEngine.from_engine_args(EngineArgs(**args, load_format="dummy", enable_prefix_caching=False))

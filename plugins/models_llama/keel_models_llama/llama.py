@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
+
 from keel.forward_context import ForwardContext
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.attention import Attention
@@ -22,7 +24,6 @@ from keel.layers.rotary import get_rope, get_rope_parameters
 from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import load_mapped_weights
-from torch import nn
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig
+
 from keel.attention.backend import (
     AttentionLayerConfig,
     BackendCapabilities,
@@ -24,7 +26,6 @@ from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import KVCacheSpec
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model
-from transformers import AutoConfig
 
 
 class _PassThroughBuilder:

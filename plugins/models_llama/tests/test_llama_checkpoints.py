@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from keel.models.loader import iterate_safetensors
 from keel.testing.checkpoints import make_checkpoint, tiny_config
 

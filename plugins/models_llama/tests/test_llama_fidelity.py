@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from keel.testing.checkpoints import make_checkpoint
 from keel_models_llama.llama import LlamaForCausalLM
 from keel_models_llama.mistral import MistralForCausalLM
 from keel_models_llama.qwen2 import Qwen2ForCausalLM
 from keel_models_llama.qwen3 import Qwen3ForCausalLM
 from llama_test_utils import hf_logits, load_keel, prefill_logits, random_prompts
+
+from keel.testing.checkpoints import make_checkpoint
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -6,15 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from keel.layers.activation import GeluAndMul, SiluAndMul, UnsupportedActivationError, get_act_and_mul_fn
-from keel.layers.layernorm import RMSNorm
-from keel.layers.rotary import UnsupportedRopeError, compute_inv_freq, get_rope, get_rope_parameters
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
+
+from keel.layers.activation import GeluAndMul, SiluAndMul, UnsupportedActivationError, get_act_and_mul_fn
+from keel.layers.layernorm import RMSNorm
+from keel.layers.rotary import UnsupportedRopeError, compute_inv_freq, get_rope, get_rope_parameters
 
 g = torch.Generator().manual_seed(0)
 

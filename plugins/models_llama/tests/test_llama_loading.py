@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from keel.models.loader import ModelNotFoundError, WeightLoadError, iterate_safetensors, resolve_model_path
-from keel.testing.checkpoints import make_checkpoint
 from keel_models_llama.llama import LlamaForCausalLM
 from keel_models_llama.qwen3 import Qwen3ForCausalLM
 from llama_test_utils import hf_logits, load_keel, prefill_logits, random_prompts
 from safetensors.torch import save_file
+
+from keel.models.loader import ModelNotFoundError, WeightLoadError, iterate_safetensors, resolve_model_path
+from keel.testing.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from keel_models_llama import manifest
+from keel_models_llama.llama import LlamaForCausalLM, layer_sliding_window
+from keel_models_llama.qwen2 import Qwen2ForCausalLM
+from llama_test_utils import DenseSDPABackend, build_context
+
 from keel.attention.backend import BackendRequest
 from keel.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from keel.layers.attention import Attention
 from keel.models.interface import CausalLM
 from keel.testing.checkpoints import make_checkpoint
-from keel_models_llama import manifest
-from keel_models_llama.llama import LlamaForCausalLM, layer_sliding_window
-from keel_models_llama.qwen2 import Qwen2ForCausalLM
-from llama_test_utils import DenseSDPABackend, build_context
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from keel_models_llama.qwen3 import Qwen3ForCausalLM
+from llama_test_utils import build_context, hf_logits, prefill_logits, random_prompts
+from torch import nn
+
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model
 from keel.models.weights import set_weight_attrs
 from keel.quantization import LinearLayerSpec, QuantizationMethod
 from keel.testing.checkpoints import make_checkpoint
-from keel_models_llama.qwen3 import Qwen3ForCausalLM
-from llama_test_utils import build_context, hf_logits, prefill_logits, random_prompts
-from torch import nn
 
 
 class HalfPrecisionWeights:

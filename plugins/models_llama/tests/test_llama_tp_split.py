@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from keel.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

@@ -6,6 +6,7 @@ import os
 from typing import ClassVar
 
 import torch
+
 from keel.platform import CommunicatorSpec, GraphCaptureSpec, Platform
 
 

@@ -1,9 +1,10 @@
 import pytest
+from keel_platform_cpu.platform import CpuPlatform, _meminfo
+
 from keel.config import EngineArgs, EngineConfig
 from keel.platform import select_platform
 from keel.plugins.loader import load_plugins
 from keel.testing.platform import PlatformConformance
-from keel_platform_cpu.platform import CpuPlatform, _meminfo
 
 
 class TestCpuPlatformConformance(PlatformConformance):
