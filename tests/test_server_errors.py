@@ -46,6 +46,8 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stream_options": "yes"}, "stream_options"),
     ("completions", {"prompt": None}, "prompt"),
     ("completions", {"prompt": [10**7]}, None),  # token id out of vocabulary
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 1.0}}, None),  # would fail inside a step
+    ("completions", {"prompt": "x", "stop_token_ids": [10**7]}, None),
     ("completions", {"max_tokens": 3}, "prompt"),
     ("chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens"),
     ("chat/completions", {**CHAT, "messages": []}, "messages"),

@@ -45,9 +45,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
-        for p in prompts:  # validate all first
-            processed = engine.processor.process_prompt(p)
-            del processed
+        for p, sp in zip(prompts, params):  # validate all first: one bad prompt queues nothing
+            engine.processor.process_prompt(p)
+            engine.processor.check_token_ids(sp)
         ids = []
         for prompt, sp in zip(prompts, params):
             rid = engine.next_request_id()

@@ -65,6 +65,16 @@ class Processor:
             )
         return ProcessedPrompt(text, ids)
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids inside sampling params must exist in the vocabulary. Checked here, before anything is
+        queued: found later, inside an engine step, the error would fail the whole batch."""
+        for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = sorted(t for t in ids if not 0 <= int(t) < self.vocab_size)
+            if bad:
+                raise ValueError(
+                    f"{field}: token id(s) {bad[:5]} out of vocabulary range [0, {self.vocab_size})"
+                )
+
     def max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
         return room if params.max_tokens is None else min(params.max_tokens, room)
@@ -74,6 +84,7 @@ class Processor:
         """One engine request per sample (n); children of a seeded request get distinct derived seeds."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init")
+        self.check_token_ids(params)
         requests = []
         for i in range(params.n):
             if params.seed is not None:
