@@ -125,6 +125,8 @@ def test_bad_input_raises_and_loses_nothing(llm):
     # token ids inside sampling params are checked before queuing, not inside an engine step
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate("x", SamplingParams(prompt_logprobs=10**5), use_tqdm=False)
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["fine", "x"], [SamplingParams(), SamplingParams(stop_token_ids=[10**6])], use_tqdm=False)
     # one bad prompt in a batch: nothing was queued, the engine still works

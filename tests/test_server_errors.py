@@ -48,6 +48,7 @@ BAD_BODIES = [
     ("completions", {"prompt": [10**7]}, None),  # token id out of vocabulary
     ("completions", {"prompt": "x", "logit_bias": {"999999": 1.0}}, None),  # would fail inside a step
     ("completions", {"prompt": "x", "stop_token_ids": [10**7]}, None),
+    ("completions", {"prompt": "x", "prompt_logprobs": 10**6}, None),
     ("completions", {"max_tokens": 3}, "prompt"),
     ("chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens"),
     ("chat/completions", {**CHAT, "messages": []}, "messages"),

@@ -66,8 +66,13 @@ class Processor:
         return ProcessedPrompt(text, ids)
 
     def check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids inside sampling params must exist in the vocabulary. Checked here, before anything is
-        queued: found later, inside an engine step, the error would fail the whole batch."""
+        """Token ids inside sampling params must exist in the vocabulary, and no more logprobs than the
+        vocabulary holds can be asked for. Checked here, before anything is queued: found later, inside
+        an engine step, the error would fail the whole batch."""
+        for field in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, field)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{field} must be at most the vocabulary size {self.vocab_size}, got {k}")
         for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
             bad = sorted(t for t in ids if not 0 <= int(t) < self.vocab_size)
             if bad:
