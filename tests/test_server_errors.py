@@ -49,6 +49,12 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "logit_bias": {"999999": 1.0}}, None),  # would fail inside a step
     ("completions", {"prompt": "x", "stop_token_ids": [10**7]}, None),
     ("completions", {"prompt": "x", "prompt_logprobs": 10**6}, None),
+    # prompt fits, prompt + max_tokens does not: OpenAI's 400, not a silently shorter completion
+    ("completions", {"prompt": [5] * 60, "max_tokens": 10}, "max_tokens"),
+    ("completions", {"prompt": [5] * 55}, "max_tokens"),  # the default max_tokens (16) counts too
+    ("completions", {"prompt": "hello " * 10, "max_tokens": 60}, "max_tokens"),  # text: tokenized first
+    ("chat/completions", {**CHAT, "max_tokens": 64}, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 64}, "max_completion_tokens"),
     ("completions", {"max_tokens": 3}, "prompt"),
     ("chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens"),
     ("chat/completions", {**CHAT, "messages": []}, "messages"),

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from keel.engine.outputs import RequestOutput
-from keel_io_processors.protocol import SamplingFields
+from keel.io import EnginePrompt
+from keel_io_processors.protocol import InvalidRequestError, SamplingFields
 
 
 class OpenAIProcessorBase:
@@ -32,6 +33,19 @@ class OpenAIProcessorBase:
 
     def model_name(self, request: SamplingFields) -> str:
         return self.served_model_name or request.model or ""
+
+    def check_room(self, prompts: Sequence[EnginePrompt], max_tokens: int | None, param: str) -> None:
+        """OpenAI's (and vLLM's) rule: an explicit max_tokens that does not fit beside the prompt is a 400,
+        not a silently shorter completion. Prompts too long by themselves are refused by the engine."""
+        if max_tokens is None or self.max_model_len is None:
+            return
+        for p in prompts:
+            n = len(p.prompt_token_ids or ())
+            if n and n < self.max_model_len < n + max_tokens:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                    "Please reduce the length of the prompt or completion.", param)
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:

@@ -85,7 +85,10 @@ class ChatProcessor(OpenAIProcessorBase):
     def pre_process(self, request: ChatCompletionRequest) -> list[EnginePrompt]:
         text = self.render(request)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return [EnginePrompt(prompt=text, prompt_token_ids=tuple(ids))]
+        prompts = [EnginePrompt(prompt=text, prompt_token_ids=tuple(ids))]
+        self.check_room(prompts, request.max_completion_tokens or request.max_tokens,
+                        "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
+        return prompts
 
     def _logprobs(self, request: ChatCompletionRequest, c: Any) -> dict[str, Any] | None:
         if not request.logprobs or c.logprobs is None:

@@ -36,13 +36,20 @@ class CompletionProcessor(OpenAIProcessorBase):
                                      prompt_logprobs=prompt_lps)
 
     def pre_process(self, request: CompletionRequest) -> list[EnginePrompt]:
+        """Runs on the tokenizer thread: text prompts are tokenized here (the engine takes the ids as
+        they are), so the prompt + max_tokens room is checked before anything is queued."""
         prompt = request.prompt
-        if isinstance(prompt, str):
-            return [EnginePrompt(prompt=prompt)]
-        if all(isinstance(t, int) for t in prompt):
-            return [EnginePrompt(prompt_token_ids=tuple(prompt))]  # type: ignore[arg-type]
-        return [EnginePrompt(prompt=p) if isinstance(p, str) else EnginePrompt(prompt_token_ids=tuple(p))
-                for p in prompt]
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        prompts = [self._engine_prompt(p) for p in prompt]
+        self.check_room(prompts, request.max_tokens, "max_tokens")
+        return prompts
+
+    def _engine_prompt(self, p: str | list[int]) -> EnginePrompt:
+        if not isinstance(p, str):
+            return EnginePrompt(prompt_token_ids=tuple(p))
+        ids = tuple(self.tokenizer.encode(p)) if self.tokenizer is not None else None
+        return EnginePrompt(prompt=p, prompt_token_ids=ids)
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
