@@ -186,7 +186,8 @@ def test_a_dead_engine_fails_pending_and_new_requests(model_dir):
         engine.shutdown()
 
 
-def test_matches_the_synchronous_engine_and_frees_kv(model_dir):
+@pytest.mark.parametrize("engine_core_process", [False, True], ids=["core-thread", "core-process"])
+def test_matches_the_synchronous_engine_and_frees_kv(model_dir, engine_core_process):
     args = {"model": model_dir, "profile": "cpu", "max_model_len": 128, "num_kv_blocks": 64}
     prompts = ["Hello world", "The quick brown fox", "Once upon a time"]
     params = SamplingParams(max_tokens=8, temperature=0, stop=["zz"])
@@ -197,7 +198,11 @@ def test_matches_the_synchronous_engine_and_frees_kv(model_dir):
     while sync.has_unfinished_requests():
         for out in sync.step():
             expected[out.request_id] = out.outputs[0].text
-    engine = AsyncLLM.from_engine_args(EngineArgs(**args))
+    engine = AsyncLLM.from_engine_args(EngineArgs(**args, engine_core_process=engine_core_process))
+    if engine_core_process:
+        from keel.engine.process_client import ProcessEngineCoreClient
+
+        assert isinstance(engine.core_client, ProcessEngineCoreClient)
 
     async def one(i, p):
         text = ""
@@ -223,5 +228,30 @@ def test_matches_the_synchronous_engine_and_frees_kv(model_dir):
         m = engine.get_metrics()
         assert m["kv_cache_usage"] == 0 and m["num_requests_running"] == 0
         assert m["request_success_total"].get("abort") == 1
+    finally:
+        engine.shutdown()
+
+
+def test_engine_core_process_startup_failure_and_death_are_reported(model_dir, tmp_path):
+    from keel.engine.process_client import ProcessEngineCoreClient
+
+    bad = EngineArgs(model=model_dir, profile="cpu", max_model_len=128, num_kv_blocks=2).create_engine_config()
+    with pytest.raises(EngineDeadError, match="KVCacheSizeError"):  # the child's own error, named
+        ProcessEngineCoreClient(bad)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, profile="cpu", max_model_len=128,
+                                                  num_kv_blocks=64, engine_core_process=True))
+
+    async def run():
+        gen = engine.generate("Hello", SamplingParams(max_tokens=50, ignore_eos=True), "r")
+        await anext(gen)
+        engine.core_client._proc.kill()  # the core process dies mid-request
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+
+    try:
+        asyncio.run(run())
     finally:
         engine.shutdown()

@@ -40,7 +40,8 @@ def test_keel_serve_process_answers(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "keel.cli", "serve", "--model", str(path), "--profile", "cpu", "--port", str(port),
-           "--served-model-name", "tiny", "--max-model-len", "64", "--num-kv-blocks", "32", "--api-key", "k"]
+           "--served-model-name", "tiny", "--max-model-len", "64", "--num-kv-blocks", "32", "--api-key", "k",
+           "--engine-core-process"]  # the other server tests run the core on a thread
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
     try:
         deadline = time.monotonic() + 60

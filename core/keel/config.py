@@ -154,6 +154,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # AsyncLLM (the server) runs the engine core in its own process instead of on a thread, so HTTP and
+    # tokenizer work never share the GIL with scheduling and batch building.
+    engine_core_process: bool = False
 
     def __post_init__(self) -> None:
         _positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)

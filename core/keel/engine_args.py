@@ -34,7 +34,7 @@ _SECTION_OF = {
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"), "scheduler"),
-    "tensor_parallel_size": "parallel",
+    **dict.fromkeys(("tensor_parallel_size", "engine_core_process"), "parallel"),
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
@@ -78,6 +78,7 @@ class EngineArgs:
     plugins: list[str] | str | None = None  # entry-point names, or "auto"
     profile: str | None = None  # profile name or path
     tensor_parallel_size: int | None = None
+    engine_core_process: bool | None = None  # the server's engine core in its own process
     speculative_config: dict[str, Any] | None = None  # {"method": ..., "num_speculative_tokens": ...}
     trust_remote_code: bool | None = None
     revision: str | None = None

@@ -77,7 +77,12 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config)
         hf_config = config.model.hf_config
         self._max_model_len = config.model.derived_max_model_len
-        if core_client is None:
+        if core_client is None and config.parallel.engine_core_process:
+            from keel.engine.process_client import ProcessEngineCoreClient
+
+            core_client = ProcessEngineCoreClient(config)
+            self._max_model_len = core_client.max_model_len
+        elif core_client is None:
             from keel.engine.core import EngineCore
 
             core = EngineCore(config)

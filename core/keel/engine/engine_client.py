@@ -127,37 +127,14 @@ def _snapshot(stats: SchedulerStats) -> SchedulerStats:
     return dataclasses.replace(stats, num_finished_total=dict(stats.num_finished_total))
 
 
-class ThreadedEngineCoreClient:
-    """Runs an `EngineCore` busy loop in a daemon thread of this process.
+class OutputQueue:
+    """The front-end half both clients share: outputs posted from another thread (the core loop, or a
+    pipe reader), awaited by the event loop without blocking it."""
 
-    The thread is the only one that touches the core: it drains the input queue (adds, aborts) before
-    every step, so an abort frees its blocks before the next forward pass, and sleeps on the queue when
-    no request is unfinished. After each step or batch of messages it posts an `EngineCoreOutputs`.
-    """
-
-    def __init__(self, core: Any) -> None:
-        self.core = core
-        self._input: queue.Queue[tuple[str, Any]] = queue.Queue()
+    def __init__(self) -> None:
         self._output: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="keel-engine-core", daemon=True)
-        self._thread.start()
-
-    # -- front-end side (event loop) -------------------------------------------------------------------
-
-    def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
-        self._send((_ADD, (request, max_tokens)))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._send((_ABORT, list(request_ids)))
-
-    def _send(self, msg: tuple[str, Any]) -> None:
-        if self._closed:
-            raise EngineDeadError("the engine core client is shut down")
-        self._input.put(msg)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         loop = asyncio.get_running_loop()
@@ -176,6 +153,78 @@ class ThreadedEngineCoreClient:
             except queue.Empty:
                 await self._ready.wait()
 
+    def _post(self, msg: EngineCoreOutputs) -> None:
+        """Called from the producing thread."""
+        self._output.put(msg)
+        loop, ready = self._loop, self._ready
+        if loop is not None and ready is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+
+def run_core_loop(core: Any, receive: Callable[[bool], tuple[str, Any] | None],
+                  post: Callable[[EngineCoreOutputs], None]) -> None:
+    """The engine core's busy loop, whatever carries its messages.
+
+    `receive(block)` returns the next message (None when not blocking and none is waiting). Messages are
+    drained before every step, so an abort frees its blocks before the next forward pass; with nothing
+    unfinished the loop sleeps in `receive(True)`. After each step it posts one `EngineCoreOutputs`; if
+    the core raises, it posts the error and returns.
+    """
+
+    def handle(msg: tuple[str, Any]) -> bool:
+        kind, payload = msg
+        if kind == _ADD:
+            request, max_tokens = payload
+            core.add_request(request, max_tokens)
+        elif kind == _ABORT:
+            core.abort_requests(payload)
+        elif kind == _SHUTDOWN:
+            return False
+        return True
+
+    try:
+        while True:
+            if not core.has_unfinished_requests() and not handle(receive(True)):
+                return
+            while (msg := receive(False)) is not None:
+                if not handle(msg):
+                    return
+            outputs = core.step() if core.has_unfinished_requests() else []
+            post(EngineCoreOutputs(outputs, _snapshot(core.get_stats())))
+    except Exception as exc:
+        logger.exception("engine core loop died")
+        post(EngineCoreOutputs(error=f"{type(exc).__name__}: {exc}"))
+
+
+class ThreadedEngineCoreClient(OutputQueue):
+    """Runs an `EngineCore` busy loop (`run_core_loop`) in a daemon thread of this process; the thread
+    is the only one that touches the core."""
+
+    def __init__(self, core: Any) -> None:
+        super().__init__()
+        self.core = core
+        self._input: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="keel-engine-core", daemon=True)
+        self._thread.start()
+
+    # -- front-end side (event loop) -------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
+        self._send((_ADD, (request, max_tokens)))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send((_ABORT, list(request_ids)))
+
+    def _send(self, msg: tuple[str, Any]) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine core client is shut down")
+        self._input.put(msg)
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -186,41 +235,11 @@ class ThreadedEngineCoreClient:
 
     # -- core side (engine thread) ---------------------------------------------------------------------
 
-    def _post(self, msg: EngineCoreOutputs) -> None:
-        self._output.put(msg)
-        loop, ready = self._loop, self._ready
-        if loop is not None and ready is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the loop closed between the check and the call
-                pass
-
-    def _handle(self, msg: tuple[str, Any]) -> bool:
-        kind, payload = msg
-        if kind == _ADD:
-            request, max_tokens = payload
-            self.core.add_request(request, max_tokens)
-        elif kind == _ABORT:
-            self.core.abort_requests(payload)
-        elif kind == _SHUTDOWN:
-            return False
-        return True
+    def _receive(self, block: bool) -> tuple[str, Any] | None:
+        try:
+            return self._input.get(block=block)
+        except queue.Empty:
+            return None
 
     def _run(self) -> None:
-        try:
-            while True:
-                # Idle: sleep on the queue instead of spinning.
-                if not self.core.has_unfinished_requests() and not self._handle(self._input.get()):
-                    return
-                while True:
-                    try:
-                        msg = self._input.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not self._handle(msg):
-                        return
-                outputs = self.core.step() if self.core.has_unfinished_requests() else []
-                self._post(EngineCoreOutputs(outputs, _snapshot(self.core.get_stats())))
-        except Exception as exc:
-            logger.exception("engine core loop died")
-            self._post(EngineCoreOutputs(error=f"{type(exc).__name__}: {exc}"))
+        run_core_loop(self.core, self._receive, self._post)
