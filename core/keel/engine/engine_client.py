@@ -127,14 +127,31 @@ def _snapshot(stats: SchedulerStats) -> SchedulerStats:
     return dataclasses.replace(stats, num_finished_total=dict(stats.num_finished_total))
 
 
-class OutputQueue:
-    """The front-end half both clients share: outputs posted from another thread (the core loop, or a
-    pipe reader), awaited by the event loop without blocking it."""
+class CoreClientBase:
+    """The front-end half both engine-core clients share: requests and aborts become messages handed
+    to `_transmit` (a subclass's transport); outputs posted from another thread (the core loop, or a
+    pipe reader) are awaited by the event loop without blocking it."""
 
     def __init__(self) -> None:
         self._output: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
+        self._closed = False
+
+    def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
+        self._send((_ADD, (request, max_tokens)))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send((_ABORT, list(request_ids)))
+
+    def _send(self, msg: tuple[str, Any]) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine core client is shut down")
+        self._transmit(msg)
+
+    def _transmit(self, msg: tuple[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     async def get_output_async(self) -> EngineCoreOutputs:
         loop = asyncio.get_running_loop()
@@ -199,7 +216,7 @@ def run_core_loop(core: Any, receive: Callable[[bool], tuple[str, Any] | None],
         post(EngineCoreOutputs(error=f"{type(exc).__name__}: {exc}"))
 
 
-class ThreadedEngineCoreClient(OutputQueue):
+class ThreadedEngineCoreClient(CoreClientBase):
     """Runs an `EngineCore` busy loop (`run_core_loop`) in a daemon thread of this process; the thread
     is the only one that touches the core."""
 
@@ -207,22 +224,12 @@ class ThreadedEngineCoreClient(OutputQueue):
         super().__init__()
         self.core = core
         self._input: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._closed = False
         self._thread = threading.Thread(target=self._run, name="keel-engine-core", daemon=True)
         self._thread.start()
 
     # -- front-end side (event loop) -------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
-        self._send((_ADD, (request, max_tokens)))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._send((_ABORT, list(request_ids)))
-
-    def _send(self, msg: tuple[str, Any]) -> None:
-        if self._closed:
-            raise EngineDeadError("the engine core client is shut down")
+    def _transmit(self, msg: tuple[str, Any]) -> None:
         self._input.put(msg)
 
     def shutdown(self) -> None:

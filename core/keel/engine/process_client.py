@@ -18,15 +18,12 @@ import threading
 from typing import Any
 
 from keel.engine.engine_client import (
-    _ABORT,
-    _ADD,
     _SHUTDOWN,
+    CoreClientBase,
     EngineCoreOutputs,
     EngineDeadError,
-    OutputQueue,
     run_core_loop,
 )
-from keel.engine.request import EngineCoreRequest
 
 _READY = "ready"
 
@@ -56,7 +53,7 @@ def _core_main(config: Any, inbox: Any, outbox: Any) -> None:
         core.shutdown()
 
 
-class ProcessEngineCoreClient(OutputQueue):
+class ProcessEngineCoreClient(CoreClientBase):
     """Starts the engine core in a child process; called by `AsyncLLM` when
     `parallel.engine_core_process` is set. Blocks in the constructor until the core is ready."""
 
@@ -84,20 +81,10 @@ class ProcessEngineCoreClient(OutputQueue):
             raise EngineDeadError(f"the engine core process failed to start: {payload}")
         self.max_model_len: int = payload
         self._send_lock = threading.Lock()
-        self._closed = False
         self._reader = threading.Thread(target=self._read, name="keel-engine-core-reader", daemon=True)
         self._reader.start()
 
-    def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
-        self._send((_ADD, (request, max_tokens)))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._send((_ABORT, list(request_ids)))
-
-    def _send(self, msg: tuple[str, Any]) -> None:
-        if self._closed:
-            raise EngineDeadError("the engine core client is shut down")
+    def _transmit(self, msg: tuple[str, Any]) -> None:
         with self._send_lock:
             try:
                 self._to_core.send(msg)
