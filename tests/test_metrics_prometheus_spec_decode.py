@@ -6,7 +6,7 @@ import pytest
 
 from keel.engine.core_output import SchedulerStats
 
-prometheus = pytest.importorskip("keel.metrics.prometheus")
+prometheus = pytest.importorskip("keel_endpoints.prometheus")
 
 
 def test_spec_decode_counters_exported():

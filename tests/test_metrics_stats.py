@@ -7,7 +7,7 @@ import pytest
 from keel.engine.core_output import EngineCoreOutput, SchedulerStats
 from keel.metrics.stats import IterationStats, RequestStatsTracker, StatLogger
 
-prometheus = pytest.importorskip("keel.metrics.prometheus")
+prometheus = pytest.importorskip("keel_endpoints.prometheus")
 
 
 def test_tracker_ttft_itl_e2e_and_aborts():
@@ -50,3 +50,14 @@ def test_prometheus_logger_names_values_and_isolation():
     assert 'finished_reason="abort"' not in text  # aborts are not successes
     assert "# TYPE keel:time_to_first_token_seconds histogram" in text
     assert 'keel:num_requests_running{model_name="model-b"} 0.0' in b.render().decode()
+
+
+def test_prometheus_logger_is_a_stat_logger_plugin():
+    from keel.metrics.stats import StatLogger
+    from keel.plugins.loader import load_plugins
+
+    registry = load_plugins(["endpoints"]).registry("stat_logger")
+    assert registry.provider("prometheus").plugin == "endpoints"
+    logger_cls = registry.get("prometheus")
+    assert logger_cls is prometheus.PrometheusStatLogger
+    assert isinstance(logger_cls("m"), StatLogger)

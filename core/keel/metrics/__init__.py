@@ -1,7 +1,7 @@
 """Serving metrics: per-iteration latency stats computed in the front end, and stat loggers.
 
-`keel.metrics.stats` is plain Python (no dependencies); `keel.metrics.prometheus` needs
-prometheus-client (a dependency of the endpoints plugin) and is imported only by the API server.
+`keel.metrics.stats` is plain Python (no dependencies): the `StatLogger` protocol and the stats it
+receives. Concrete loggers are plugins (`stat_logger` kind), e.g. the endpoints plugin's "prometheus".
 """
 
 from keel.metrics.stats import IterationStats, RequestStatsTracker, StatLogger

@@ -47,7 +47,7 @@ def _check_model(ctx: EndpointContext, model: str | None) -> None:
 
 def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
     """Called by the api_server endpoint. /metrics attaches a Prometheus stat logger to the engine."""
-    from keel.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+    from keel_endpoints.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
     engine = ctx.engine_client
     procs = dict(ctx.io_processors)
