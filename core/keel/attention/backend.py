@@ -98,6 +98,28 @@ def default_validate(caps: BackendCapabilities, request: BackendRequest) -> list
     return reasons
 
 
+# What an MLA layer config carries in `extra` (the contract is documented in keel.layers.mla_attention).
+MLA_EXTRA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_layer_reasons(layer: AttentionLayerConfig) -> list[str]:
+    """Why `layer` (use_mla=True) breaks the MLA layer-config contract; empty if it keeps it. Every MLA
+    backend's `validate` calls it, so the contract is checked in one place."""
+    extra = dict(layer.extra)
+    missing = [k for k in MLA_EXTRA_KEYS if k not in extra]
+    if missing:
+        return [f"MLA layer config lacks {missing} in `extra`"]
+    reasons = []
+    if layer.num_kv_heads != 1:
+        reasons.append(f"MLA layers have one shared latent head, got num_kv_heads={layer.num_kv_heads}")
+    if layer.head_size != extra["kv_lora_rank"] + extra["qk_rope_head_dim"]:
+        reasons.append(
+            f"MLA head_size {layer.head_size} != kv_lora_rank + qk_rope_head_dim "
+            f"({extra['kv_lora_rank']} + {extra['qk_rope_head_dim']})"
+        )
+    return reasons
+
+
 @runtime_checkable
 class AttentionMetadataBuilder(Protocol):
     def build(self, common: CommonAttentionMetadata) -> Any:

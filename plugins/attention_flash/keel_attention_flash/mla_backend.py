@@ -14,17 +14,17 @@ from typing import ClassVar
 import torch
 
 from keel.attention.backend import (
+    MLA_EXTRA_KEYS,
     AttentionLayerConfig,
     BackendCapabilities,
     BackendRequest,
     default_validate,
+    mla_layer_reasons,
 )
 from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
 from keel_attention_flash.backend import UnsupportedLayerError, device_reasons
 from keel_attention_flash.mla_impl import TritonMLAImpl
 from keel_attention_flash.mla_metadata import TritonMLAMetadataBuilder
-
-_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 class TritonMLABackend:
@@ -54,20 +54,10 @@ class TritonMLABackend:
         if not layer.use_mla:
             reasons.append("triton_mla serves only MLA layers (use_mla=True)")
             return reasons
+        reasons += mla_layer_reasons(layer)
         extra = dict(layer.extra)
-        missing = [k for k in _MLA_KEYS if k not in extra]
-        if missing:
-            reasons.append(f"MLA layer config lacks {missing} in `extra`")
-            return reasons
-        if layer.num_kv_heads != 1:
-            reasons.append(f"MLA layers have one shared latent head, got num_kv_heads={layer.num_kv_heads}")
-        if layer.head_size != extra["kv_lora_rank"] + extra["qk_rope_head_dim"]:
-            reasons.append(
-                f"MLA head_size {layer.head_size} != kv_lora_rank + qk_rope_head_dim "
-                f"({extra['kv_lora_rank']} + {extra['qk_rope_head_dim']})"
-            )
-        if any(extra[k] <= 0 for k in _MLA_KEYS):
-            reasons.append(f"MLA dimensions must be positive, got { {k: extra[k] for k in _MLA_KEYS} }")
+        if all(k in extra for k in MLA_EXTRA_KEYS) and any(extra[k] <= 0 for k in MLA_EXTRA_KEYS):
+            reasons.append(f"MLA dimensions must be positive, got { {k: extra[k] for k in MLA_EXTRA_KEYS} }")
         return reasons
 
     @classmethod

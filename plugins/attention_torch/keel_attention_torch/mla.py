@@ -19,12 +19,11 @@ from keel.attention.backend import (
     BackendCapabilities,
     BackendRequest,
     default_validate,
+    mla_layer_reasons,
 )
 from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
 from keel_attention_torch.backend import UnsupportedLayerError
 from keel_attention_torch.metadata import TorchPagedAttentionMetadata, TorchPagedMetadataBuilder
-
-_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 class TorchMLABackend:
@@ -45,18 +44,7 @@ class TorchMLABackend:
         if not layer.use_mla:
             reasons.append("torch_mla serves only MLA layers (use_mla=True)")
             return reasons
-        extra = dict(layer.extra)
-        missing = [k for k in _MLA_KEYS if k not in extra]
-        if missing:
-            reasons.append(f"MLA layer config lacks {missing} in `extra`")
-            return reasons
-        if layer.num_kv_heads != 1:
-            reasons.append(f"MLA layers have one shared latent head, got num_kv_heads={layer.num_kv_heads}")
-        if layer.head_size != extra["kv_lora_rank"] + extra["qk_rope_head_dim"]:
-            reasons.append(
-                f"MLA head_size {layer.head_size} != kv_lora_rank + qk_rope_head_dim "
-                f"({extra['kv_lora_rank']} + {extra['qk_rope_head_dim']})"
-            )
+        reasons += mla_layer_reasons(layer)
         return reasons
 
     @classmethod
