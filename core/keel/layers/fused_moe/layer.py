@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from keel.layers.fused_moe.router import RoutingConfig, select_experts
+from keel.layers.fused_moe.routing_triton import routing_triton_supported, select_experts_triton
 from keel.layers.fused_moe.torch_ref import fused_experts_torch
 from keel.layers.fused_moe.triton_moe import fused_experts_triton, triton_available
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs
@@ -55,6 +56,7 @@ class FusedMoE(nn.Module):
         self.backend = backend
         self.prefix = prefix
         self.last_backend: str | None = None  # which path the latest forward took (tests, logging)
+        self.last_routing: str | None = None  # likewise for the routing ("triton" | "torch")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for p, ids in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
@@ -108,8 +110,15 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
         e_score_correction_bias: torch.Tensor | None = None,  # [num_experts]
     ) -> torch.Tensor:  # [num_tokens, hidden_size]; weighted sum of the chosen experts' outputs
-        topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
         use_triton = self.backend == "triton" or (self.backend == "auto" and triton_available(hidden.device))
+        # Routing follows the expert path: one kernel where the fused experts run (and it handles the
+        # configuration), the torch reference otherwise.
+        if use_triton and routing_triton_supported(self.routing):
+            self.last_routing = "triton"
+            topk_weights, topk_ids = select_experts_triton(router_logits, self.routing, e_score_correction_bias)
+        else:
+            self.last_routing = "torch"
+            topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
         if use_triton:
             self.last_backend = "triton"
             fn = fused_experts_triton

@@ -6,7 +6,7 @@ or anywhere under `TRITON_INTERPRET=1` (the interpreter runs kernels on CPU tens
 1. `moe_align_block_size` sorts the (token, slot) pairs by expert and pads each expert's run to a
    multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to exactly one expert. Experts
    that received no tokens get no block at all. Sizes are upper bounds known without a host sync;
-   blocks past the real end exit immediately.
+   blocks past the real end exit immediately. Small steps do this in one kernel (align_triton.py).
 2. `_fused_moe_kernel` on w13: rows gathered from `hidden` by sorted id // top_k, times the block's
    expert weight -> [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
 3. the gated activation in torch, then `_fused_moe_kernel` on w2, multiplying each row by its routing
@@ -125,10 +125,26 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_token_ids [max_padded] int32, expert_ids [max_padded // block_m] int32, total [1] int32).
 
-    sorted_token_ids lists flat (token * top_k + slot) indices grouped by expert, each expert's run padded
-    with the sentinel num_tokens * top_k to a multiple of block_m; expert_ids[b] is the expert of block b.
-    Entries past `total` are sentinels (rows) and 0 (experts); their blocks do no work.
+    sorted_token_ids lists flat (token * top_k + slot) indices grouped by expert (ascending within an
+    expert), each expert's run padded with the sentinel num_tokens * top_k to a multiple of block_m;
+    expert_ids[b] is the expert of block b. Entries past `total` are sentinels (rows) and 0 (experts);
+    their blocks do no work. One Triton launch where Triton runs and the step is small
+    (`align_triton_supported`), else the torch version; both give identical outputs.
     """
+    # imported here: align_triton imports this module
+    from keel.layers.fused_moe.align_triton import align_triton_supported, moe_align_block_size_triton
+
+    if triton_available(topk_ids.device) and align_triton_supported(topk_ids.numel(), num_experts):
+        return moe_align_block_size_triton(topk_ids, num_experts, block_m)
+    return moe_align_block_size_torch(topk_ids, num_experts, block_m)
+
+
+def moe_align_block_size_torch(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    num_experts: int,
+    block_m: int = BLOCK_M,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference `moe_align_block_size` in torch ops (any size, any device)."""
     flat = topk_ids.reshape(-1).long()
     num_valid = flat.numel()
     device = flat.device

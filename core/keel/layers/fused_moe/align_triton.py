@@ -1,0 +1,160 @@
+"""`moe_align_block_size` in one Triton kernel launch, for the small (decode) batches where the torch
+version's ~20 tiny kernels cost more than the grouped GEMMs they prepare.
+
+Called by `moe_align_block_size` (triton_moe.py) when Triton runs on the ids' device and the step has
+at most ALIGN_TRITON_MAX_PAIRS (token, slot) pairs; larger steps keep the torch version, which stays the
+reference. The output contract is the torch version's, entry for entry: sorted_token_ids lists the flat
+(token * top_k + slot) indices grouped by expert in ascending flat order (a stable sort), each expert's
+run padded with the sentinel num_pairs to a multiple of block_m; expert_ids[b] is the expert of block b
+(0 past the end); total is the padded length. Buffers are sized from shapes alone (no host sync).
+
+A single program does everything, so its phases need no grid-wide synchronization, and every output
+entry is written exactly once (no zero-fill followed by a racing scatter): counts per expert by one-hot
+sums over chunks of pairs; padded offsets by a cumulative sum over experts; then each pair's slot
+(= its expert's padded start + pairs of that expert before it), each expert's padding tail, the tail past
+`total`, and each expert's block ids.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from keel.layers.fused_moe.triton_moe import _interpreting, triton
+
+try:  # optional: the torch alignment needs no Triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    tl = None
+
+# The kernel is one program looping over the pairs; past this many pairs the torch version (parallel
+# over pairs) is expected to win. A tuning knob: decode steps captured in CUDA graphs sit well below it.
+ALIGN_TRITON_MAX_PAIRS = 1024
+# Expert vectors one program holds; more experts keep the torch version.
+ALIGN_TRITON_MAX_EXPERTS = 1024
+_CHUNK = 32  # pairs per loop iteration: a [_CHUNK, experts] one-hot tile
+_TAIL = 256  # sentinel / block-id stores per loop iteration past `total`
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _align_kernel(
+    ids_ptr,  # [num_pairs] int, flat (token, slot) -> expert
+    sorted_ptr,  # [max_padded] int32, written
+    expert_ids_ptr,  # [max_padded // BLOCK_M] int32, written
+    total_ptr,  # [1] int32, written
+    num_pairs,
+    max_padded,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    # tl.reduce / tl.associative_scan with triton.language.standard's combines rather than tl.sum /
+    # tl.cumsum: see routing_triton.py (the jitted helpers are bound to the mode triton was imported in).
+    e_idx = tl.arange(0, BLOCK_E)
+    c_idx = tl.arange(0, CHUNK)
+    real_expert = e_idx[None, :] < NUM_EXPERTS  # [1, BLOCK_E]; out-of-range ids are dropped
+    counts = tl.full((BLOCK_E,), 0, dtype=tl.int32)
+    for c in range(0, num_pairs, CHUNK):
+        pair = c + c_idx
+        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+        onehot = ((ids[:, None] == e_idx[None, :]) & real_expert).to(tl.int32)  # [CHUNK, BLOCK_E]
+        counts += tl.reduce(onehot, 0, tl.standard._sum_combine)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_start = tl.associative_scan(padded, 0, tl.standard._sum_combine) - padded
+    total = tl.reduce(padded, 0, tl.standard._sum_combine)
+    tl.store(total_ptr, total)
+
+    # Each pair's slot: its expert's start + pairs of that expert in earlier chunks + earlier in this chunk.
+    seen = padded_start
+    for c in range(0, num_pairs, CHUNK):
+        pair = c + c_idx
+        live = pair < num_pairs
+        ids = tl.load(ids_ptr + pair, mask=live, other=-1).to(tl.int32)
+        onehot = ((ids[:, None] == e_idx[None, :]) & real_expert).to(tl.int32)  # [CHUNK, BLOCK_E]
+        base = tl.reduce(onehot * seen[None, :], 1, tl.standard._sum_combine)  # [CHUNK]
+        before = (ids[:, None] == ids[None, :]) & (c_idx[None, :] < c_idx[:, None])  # [CHUNK, CHUNK]
+        rank = tl.reduce(before.to(tl.int32), 1, tl.standard._sum_combine)
+        tl.store(sorted_ptr + base + rank, pair, mask=live & (ids >= 0) & (ids < NUM_EXPERTS))
+        seen += tl.reduce(onehot, 0, tl.standard._sum_combine)
+
+    # Each expert's padding tail: [start + count, start + padded).
+    m_idx = tl.arange(0, BLOCK_M)
+    pad_pos = (padded_start + counts)[:, None] + m_idx[None, :]  # [BLOCK_E, BLOCK_M]
+    tl.store(sorted_ptr + pad_pos, tl.full((BLOCK_E, BLOCK_M), 0, tl.int32) + num_pairs,
+             mask=m_idx[None, :] < (padded - counts)[:, None])
+    # Each expert's blocks; an expert holds at most ceil(num_pairs / BLOCK_M) of them.
+    first_block = padded_start // BLOCK_M
+    num_blocks = padded // BLOCK_M
+    for b in range(0, num_pairs, BLOCK_M):
+        nth = b // BLOCK_M
+        tl.store(expert_ids_ptr + first_block + nth, e_idx, mask=nth < num_blocks)
+    # Past the real end: sentinel rows and expert 0 (those blocks exit before reading it).
+    t_idx = tl.arange(0, TAIL)
+    for p in range(0, max_padded, TAIL):
+        pos = p + t_idx
+        tail = (pos >= total) & (pos < max_padded)
+        tl.store(sorted_ptr + pos, tl.full((TAIL,), 0, tl.int32) + num_pairs, mask=tail)
+        tl.store(expert_ids_ptr + pos // BLOCK_M, tl.full((TAIL,), 0, tl.int32),
+                 mask=tail & (pos % BLOCK_M == 0))
+
+
+@functools.cache
+def _jitted(interpret: bool) -> Any:
+    del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
+    return triton.jit(_align_kernel)
+
+
+def align_triton_supported(num_pairs: int, num_experts: int) -> bool:
+    """Whether `moe_align_block_size` should use the kernel for this many pairs and experts."""
+    return triton is not None and num_pairs <= ALIGN_TRITON_MAX_PAIRS and num_experts <= ALIGN_TRITON_MAX_EXPERTS
+
+
+def moe_align_block_size_triton(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    num_experts: int,
+    block_m: int,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # buffers to write (tests poison them)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids [max_padded] int32, expert_ids [max_padded // block_m] int32, total [1] int32),
+    identical to the torch `moe_align_block_size`; the caller checks `align_triton_supported`."""
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    num_pairs = flat.numel()
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    device = flat.device
+    if out is None:
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+        total = torch.empty(1, dtype=torch.int32, device=device)
+    else:
+        sorted_ids, expert_ids, total = out
+        if sorted_ids.numel() != max_padded or expert_ids.numel() != max_padded // block_m or total.numel() != 1:
+            raise ValueError(
+                f"align buffers must hold {max_padded}, {max_padded // block_m} and 1 entries; got "
+                f"{sorted_ids.numel()}, {expert_ids.numel()}, {total.numel()}"
+            )
+    block_e = _next_pow2(num_experts)
+    _jitted(_interpreting())[(1,)](
+        flat,
+        sorted_ids,
+        expert_ids,
+        total,
+        num_pairs,
+        max_padded,
+        NUM_EXPERTS=num_experts,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        CHUNK=_CHUNK,
+        TAIL=_TAIL,
+        num_warps=4 if block_e <= 256 else 8,
+    )
+    return sorted_ids, expert_ids, total
