@@ -1,18 +1,32 @@
-"""CPU-checkable parts of the CUDA work: load_format="dummy", the profiling forward, graph buckets."""
+"""CPU-checkable parts of the CUDA work: load_format="dummy", the profiling forward, graph buckets, and
+uniform (speculative verify) steps through the graph runner's static buffers with the Triton kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
 
 import pytest
 import torch
 
 from keel import SamplingParams
+from keel.attention.backend import AttentionLayerConfig
+from keel.attention.metadata import CommonAttentionMetadata
 from keel.config import ConfigError, EngineArgs, ModelConfig
 from keel.engine.llm_engine import LLMEngine
+from keel.forward_context import ForwardContext
 from keel.platform import Platform
+from keel.testing.attention import AttentionCase, make_step
 from keel.testing.checkpoints import tiny_config
-from keel.worker.cuda_graph import DecodeGraphRunner
+from keel.testing.reference import ref_varlen_attention
+from keel.worker.cuda_graph import DecodeGraphRunner, graph_query_lens
+
+# The Triton kernels below run through the interpreter on the CPU; it must be on before the plugin's
+# kernel modules are first imported (they are imported inside the tests).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _config_only(path):
@@ -70,3 +84,231 @@ def test_graph_runner_buckets_and_declines_non_decode_steps():
         block_table = torch.zeros(2, 3)
 
     assert g.run(torch.zeros(6), torch.zeros(6), Step()) is None  # a prefill never replays
+
+
+# ---------------------------------------------------------------- uniform (speculative verify) graphs
+# The capture itself needs CUDA; everything around it runs here: the runner stages a step into its
+# static buffers and "replays" by running the forward eagerly with the context built once at capture
+# time, so metadata that depended on one step's lengths would be caught on the next step.
+
+DEV = torch.device("cpu")
+
+
+class EagerReplay(DecodeGraphRunner):
+    """A DecodeGraphRunner whose "graphs" are the capture-time forward contexts, run eagerly on the
+    static buffers (what a CUDA graph replays, minus the capture)."""
+
+    def capture(self) -> None:
+        for q, b in self.keys:
+            self.graphs[(q, b)] = (None, self._context(b, q))
+
+    def _replay(self, key):
+        q, b = key
+        self.last_out = self.model(self.input_ids[: b * q], self.positions[: b * q], self.graphs[key][1])
+        return self.last_out
+
+
+class TableModel(torch.nn.Module):
+    """One attention layer whose q/k/v rows are looked up by token id (the last row is NaN: poison)."""
+
+    def __init__(self, impl, q, k, v) -> None:
+        super().__init__()
+        self.impl, self.q, self.k, self.v = impl, q, k, v
+
+    def forward(self, input_ids, positions, ctx: ForwardContext):
+        return self.impl.forward(self.q[input_ids], self.k[input_ids], self.v[input_ids], ctx.kv_caches[0],
+                                 ctx.attn_metadata[0])
+
+
+def test_graph_query_lens_follows_every_backend():
+    class Wide:
+        name, cuda_graph_max_query_len = "wide", 8
+
+    class Narrow:
+        name = "narrow"  # no attribute: decode only
+
+    assert graph_query_lens([Wide], 0) == (1,)
+    assert graph_query_lens([Wide], 3) == (1, 4)
+    assert graph_query_lens([Wide], 8) == (1,)  # 9 tokens per request is past its limit
+    assert graph_query_lens([Wide, Narrow], 3) == (1,)
+    with pytest.raises(ValueError, match="query_lens"):
+        DecodeGraphRunner(torch.nn.Identity(), [], [], [], DEV, 16, [1], 64, query_lens=(0, 2))
+
+
+def test_graph_runner_sizes_buffers_for_the_longest_query():
+    g = DecodeGraphRunner(torch.nn.Identity(), [], [], [], DEV, 16, [2, 8], 100, query_lens=(4, 1))
+    assert g.query_lens == [1, 4] and g.input_ids.shape == (32,) and g.slot_mapping.shape == (32,)
+    assert g.seq_lens.shape == (8,) and g.query_start_locs[4].tolist() == [0, 4, 8, 12, 16, 20, 24, 28, 32]
+    assert g.keys[0] == (4, 8) and len(g.keys) == 4  # most tokens first: its pool serves the rest
+
+
+CACHE_BLOCKS = 40  # every step of a test shares one cache tensor, like the runner's
+
+
+def _flash_step(case: AttentionCase, seed: int):
+    """A random step, a NaN-poisoned cache of CACHE_BLOCKS blocks holding its earlier context, and the
+    step's q/k/v as lookup tables (one extra NaN row: the poison padding rows read)."""
+    gen = torch.Generator().manual_seed(seed)
+    step, num_blocks, (slots, k, v) = make_step(case, gen, torch.float32, "cpu")
+    assert num_blocks <= CACHE_BLOCKS
+    cache = torch.full((2, CACHE_BLOCKS, case.block_size, case.num_kv_heads, case.head_size), float("nan"))
+    flat = cache.view(2, -1, case.num_kv_heads, case.head_size)
+    flat[0, slots], flat[1, slots] = k, v
+    tables = [torch.cat([x, torch.full((1, *x.shape[1:]), float("nan"))]) for x in (step.q, step.k, step.v)]
+    return step, cache, tables
+
+
+def _flash_impl(case: AttentionCase, splits: int | None):
+    from keel_attention_flash.impl import TritonFlashAttentionImpl
+
+    layer = AttentionLayerConfig(case.num_heads, case.num_kv_heads, case.head_size, 1 / math.sqrt(case.head_size),
+                                 torch.float32, case.block_size, sliding_window=case.sliding_window)
+    return TritonFlashAttentionImpl(layer, decode_splits=splits)
+
+
+@pytest.mark.parametrize("case,splits", [
+    (AttentionCase(context_lens=(37, 0, 70), query_lens=(3, 3, 3), num_heads=6, num_kv_heads=2, head_size=64,
+                   block_size=16), None),
+    (AttentionCase(context_lens=(90, 5, 33), query_lens=(4, 4, 4), num_heads=4, num_kv_heads=1, head_size=64,
+                   block_size=32, sliding_window=40), 3),
+])
+def test_flash_uniform_verify_step_through_the_runner(case, splits):
+    """A uniform q-token step staged into the runner's buffers (one padding request: seq_len 0, slots -1,
+    NaN q/k/v rows) gives the eager varlen kernel's output and the dense reference, and writes the cache
+    exactly as the eager step does; a second step through the same graph context gets its own answer."""
+    from keel_attention_flash.backend import TritonFlashAttentionBackend
+
+    q = case.query_lens[0]
+    scale = 1 / math.sqrt(case.head_size)
+    impl = _flash_impl(case, splits)
+    builder = TritonFlashAttentionBackend.get_metadata_builder(DEV)
+    step, cache, tables = _flash_step(case, seed=q)
+    t = step.num_actual_tokens
+    eager_cache = cache.clone()
+    md = builder.build(step.common)
+    assert md.is_decode and md.query_len == q  # the eager step takes the same split-K path
+    varlen = impl.forward(step.q, step.k, step.v, eager_cache, dataclasses.replace(md, is_decode=False))
+
+    model = TableModel(impl, *tables)
+    g = EagerReplay(model, [builder], [0], [cache], DEV, case.block_size, [2, 4], 256, query_lens=(1, q))
+    g.input_ids.fill_(t)  # padding rows read the NaN row
+    g.capture()
+    ids = torch.arange(t)
+    hidden = g.run(ids, ids, step.common)
+    assert hidden is not None and hidden.shape[0] == t and g.replays_by_query_len == {1: 0, q: 1}
+    ref = ref_varlen_attention(step.q[:t], step.keys, step.values, list(case.query_lens), scale=scale,
+                               sliding_window=case.sliding_window)
+    torch.testing.assert_close(hidden.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, varlen[:t], atol=1e-5, rtol=1e-5)
+    assert g.seq_lens[3:4].tolist() == [0] and g.slot_mapping[t : 4 * q].eq(-1).all()
+    assert g.last_out.shape[0] == 4 * q and torch.isfinite(g.last_out).all()  # NaN padding rows stay inside
+    torch.testing.assert_close(cache, eager_cache, equal_nan=True, atol=0, rtol=0)
+
+    # Same graph, another step with other lengths (and 2 padding requests).
+    case2 = dataclasses.replace(case, context_lens=(61, 2), query_lens=(q, q))
+    step2, cache2, tables2 = _flash_step(case2, seed=q + 10)
+    cache.copy_(cache2)
+    model.q, model.k, model.v = tables2
+    g.input_ids[2 * q :].fill_(2 * q)
+    hidden2 = g.run(torch.arange(2 * q), torch.arange(2 * q), step2.common)
+    ref2 = ref_varlen_attention(step2.q[: 2 * q], step2.keys, step2.values, [q, q], scale=scale,
+                                sliding_window=case.sliding_window)
+    torch.testing.assert_close(hidden2.double(), ref2, atol=1e-5, rtol=1e-5)
+    assert g.replays_by_query_len[q] == 2 and g.num_replays == 2
+
+
+def test_non_uniform_or_uncaptured_steps_run_eagerly():
+    g = EagerReplay(torch.nn.Identity(), [], [], [], DEV, 16, [2, 4], 64, query_lens=(1, 3))
+    g.capture = lambda: g.graphs.update({k: (None, None) for k in g.keys})  # no builders: keys only
+    g.capture()
+
+    def common(query_lens, width=2):
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        n = len(query_lens)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.full((n,), 9, dtype=torch.int32),
+            seq_lens_cpu=torch.full((n,), 9, dtype=torch.int32), block_table=torch.zeros(n, width, dtype=torch.int32),
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), num_reqs=n, num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens), max_seq_len=9, block_size=16)
+
+    assert g.graph_key(9, common([3, 3, 3])) == (3, 4)
+    assert g.graph_key(2, common([1, 1])) == (1, 2)
+    assert g.graph_key(8, common([3, 2, 3])) is None  # one request drafted fewer tokens
+    assert g.graph_key(7, common([3, 1, 3])) is None
+    assert g.graph_key(4, common([2, 2])) is None  # q = 2 was not captured
+    assert g.graph_key(15, common([3] * 5)) is None  # more requests than the largest bucket
+    assert g.graph_key(6, common([3, 3], width=5)) is None  # a block table wider than max_model_len
+    assert g.run(torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64), common([3, 2, 3])) is None
+    assert g.num_replays == 0
+
+
+# MLA dimensions: heads, nope, rope, v, latent.
+MH, MN, MR, MV, ML = 4, 16, 8, 16, 32
+
+
+def _mla_step(context_lens, q, bs, gen):
+    """Uniform MLA step: (common, cache of CACHE_BLOCKS blocks, NaN outside the context, q/kv_c/k_pe tables
+    with a trailing NaN row)."""
+    totals = [c + q for c in context_lens]
+    blocks = [-(-t // bs) for t in totals]
+    perm = (torch.randperm(CACHE_BLOCKS - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(totals), max(blocks) + 1, dtype=torch.int32)
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+    cache = torch.full((CACHE_BLOCKS, bs, ML + MR), float("nan"))
+    new, slots = [], []
+    for i, (c, total) in enumerate(zip(context_lens, totals)):
+        lat = torch.randn(total, ML + MR, generator=gen)
+        for p in range(total):
+            slot = int(table[i, p // bs]) * bs + p % bs
+            if p < c:
+                cache.view(-1, ML + MR)[slot] = lat[p]
+            else:
+                new.append(lat[p])
+                slots.append(slot)
+    n = len(context_lens)
+    qsl = torch.arange(n + 1, dtype=torch.int32) * q
+    seq = torch.tensor(totals, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq, block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), num_reqs=n, num_actual_tokens=n * q,
+        max_query_len=q, max_seq_len=max(totals), block_size=bs)
+    lat = torch.stack(new + [torch.full((ML + MR,), float("nan"))])
+    qt = torch.cat([torch.randn(n * q, MH, MN + MR, generator=gen), torch.full((1, MH, MN + MR), float("nan"))])
+    return common, cache, (qt, lat[:, :ML], lat[:, ML:])
+
+
+@pytest.mark.parametrize("q,splits", [(2, None), (4, 3)])
+def test_mla_uniform_verify_step_through_the_runner(q, splits):
+    """triton_mla: a uniform verify step runs the absorbed split-K kernel with q rows per request (no
+    prefill tiles); staged through the runner with a padding request it equals the eager query-tile
+    path, and writes the cache exactly as it does."""
+    from keel_attention_flash.mla_backend import TritonMLABackend
+    from keel_attention_flash.mla_impl import TritonMLAImpl
+
+    bs = 8
+    gen = torch.Generator().manual_seed(q)
+    layer = AttentionLayerConfig(MH, 1, ML + MR, (MN + MR) ** -0.5, torch.float32, bs, use_mla=True, extra=(
+        ("kv_lora_rank", ML), ("qk_nope_head_dim", MN), ("qk_rope_head_dim", MR), ("v_head_dim", MV)))
+    impl = TritonMLAImpl(layer, decode_splits=splits)
+    impl.process_weights_after_loading(torch.randn(MH, MN, ML, generator=gen) / ML**0.5,
+                                       torch.randn(MH, MV, ML, generator=gen) / ML**0.5)
+    builder = TritonMLABackend.get_metadata_builder(DEV)
+    common, cache, tables = _mla_step((21, 0, 40), q, bs, gen)
+    t = common.num_actual_tokens
+    md = builder.build(common)
+    assert md.is_decode and md.query_len == q and not md.prefill_reqs
+    tiles = dataclasses.replace(md, decode_reqs=torch.empty(0, dtype=torch.int32), num_decodes=0,
+                                prefill_reqs=[0, 1, 2], query_len=1)
+    eager_cache = cache.clone()
+    eager = impl.forward(*(x[:t] for x in tables), eager_cache, tiles)
+
+    g = EagerReplay(TableModel(impl, *tables), [builder], [0], [cache], DEV, bs, [4], 128, query_lens=(1, q))
+    g.input_ids.fill_(t)  # padding rows read the NaN row
+    g.capture()
+    hidden = g.run(torch.arange(t), torch.arange(t), common)
+    assert hidden is not None and hidden.shape == (t, MH, MV) and g.replays_by_query_len[q] == 1
+    assert g.last_out.shape[0] == 4 * q and torch.isfinite(g.last_out).all()  # NaN padding rows stay inside
+    torch.testing.assert_close(hidden, eager, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(cache, eager_cache, equal_nan=True, atol=0, rtol=0)

@@ -151,7 +151,16 @@ class AttentionImpl(Protocol):
 
 
 class AttentionBackend(Protocol):
-    """A class (not an instance) registered under the `attention_backend` kind."""
+    """A class (not an instance) registered under the `attention_backend` kind.
+
+    Optional class attributes read by the model runner (absent means False / 1):
+    `supports_cuda_graph: bool` -- a step where every request has one new token may be captured as a
+    CUDA graph: the builder's metadata references only the common metadata's device tensors (the runner
+    refills them in place before each replay), and launch shapes depend only on num_reqs and
+    max_seq_len, never on actual lengths; no host syncs in `forward`.
+    `cuda_graph_max_query_len: int` -- the same holds for uniform steps where every request has exactly
+    q <= this many new tokens (speculative verify steps, q = 1 + drafts); launch shapes may depend on q.
+    """
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]

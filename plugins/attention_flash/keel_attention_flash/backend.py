@@ -21,7 +21,7 @@ from keel.attention.backend import (
 )
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec
 from keel_attention_flash.impl import TritonFlashAttentionImpl
-from keel_attention_flash.metadata import FlashMetadataBuilder
+from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN, FlashMetadataBuilder
 
 
 class UnsupportedLayerError(ValueError):
@@ -47,10 +47,13 @@ class TritonFlashAttentionBackend:
 
     `supports_cuda_graph`: a pure-decode step's metadata only references the common metadata's device
     tensors and its launch grid depends only on the batch size, so the model runner may capture it.
+    `cuda_graph_max_query_len`: the same holds for uniform steps of up to that many new tokens per
+    request (speculative verification), which run the split-K kernels with q query rows per request.
     """
 
     name: ClassVar[str] = "triton_flash"
     supports_cuda_graph: ClassVar[bool] = True
+    cuda_graph_max_query_len: ClassVar[int] = MAX_UNIFORM_QUERY_LEN
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         head_sizes=(64, 128, 256),

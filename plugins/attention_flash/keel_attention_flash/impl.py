@@ -38,7 +38,8 @@ class TritonFlashAttentionImpl:
     """Created by `TritonFlashAttentionBackend.get_impl(layer)` once per attention layer.
 
     `forward` is called by the layer every step. It writes the new tokens' K/V into the paged cache,
-    then runs split-K flash-decoding when every request has one new token, else the varlen kernel over
+    then runs split-K flash-decoding when every request has the same few new tokens (decode, or a
+uniform speculative verify step), else the varlen kernel over
     query tiles of the whole (mixed prefill + decode) batch. `decode_splits` fixes the split count
     (tests); by default it follows `choose_num_splits`.
     """
@@ -87,7 +88,7 @@ class TritonFlashAttentionImpl:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if metadata.is_decode:
             self._decode(q, kv_cache, metadata, out, page)
-            rows = metadata.num_reqs
+            rows = metadata.num_reqs * metadata.query_len
         else:
             self._varlen(q, kv_cache, metadata, out, page)
             rows = metadata.num_query_rows
@@ -113,26 +114,35 @@ class TritonFlashAttentionImpl:
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
                 out: torch.Tensor, page: int) -> None:
+        """Split-K over each request's context for its `md.query_len` new tokens, then the reduce.
+        Launch shapes depend only on (num_reqs, query_len, max_seq_len), never on the actual lengths."""
         b = md.num_reqs
         if b == 0:
             return
         common = md.common
-        span = md.max_seq_len if not self.window else min(md.max_seq_len, self.window)
+        ql = md.query_len
+        q_pad = _pow2(ql)
+        # Rows = query tokens x padded group; keep at least 16 rows for tl.dot.
+        g_pad = max(self.varlen_g_pad, -(-16 // q_pad)) if ql > 1 else self.decode_g_pad
+        span = md.max_seq_len if not self.window else min(md.max_seq_len, self.window + ql - 1)
         splits = self.decode_splits or choose_num_splits(b, self.num_kv_heads, span, _sm_count(q.device))
-        part_out = torch.empty((b, splits, self.num_heads, self.head_size), dtype=torch.float32,
+        part_out = torch.empty((b * ql, splits, self.num_heads, self.head_size), dtype=torch.float32,
                                device=q.device)
-        part_lse = torch.empty((b, splits, self.num_heads), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q.device)
         block_n, warps, stages = self.decode_launch
+        if ql > 1 and q_pad * g_pad >= 64:
+            warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse,
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
             q.stride(0), q.stride(1), self.sm_scale_log2,
-            NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.decode_g_pad, NUM_SPLITS=splits,
+            NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
-            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", num_warps=warps, num_stages=stages,
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad,
+            num_warps=warps, num_stages=stages,
         )
-        kernels.split_reduce_kernel[(b, self.num_heads)](
+        kernels.split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, out, common.query_start_loc, out.stride(0), out.stride(1),
             NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD=self.head_size,
-            BLOCK_D=self.block_d,
+            BLOCK_D=self.block_d, QUERY_LEN=ql,
         )

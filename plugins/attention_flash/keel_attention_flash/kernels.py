@@ -7,6 +7,10 @@ table, so a tile may span several pages and the tile width does not depend on th
 Query heads of one KV head are packed into the rows of one tile (row = query token * G_PAD + head in
 group), so GQA/MQA read every K/V tile once per KV head and `tl.dot` always sees >= 16 rows.
 
+Split-K decode also serves uniform steps where every request has the same few new tokens (speculative
+verification: 1 + drafts), causal among themselves: its launch grid depends only on the batch size, the
+query length and the split count, so such steps can be captured as CUDA graphs.
+
 Softmax runs in float32 in the log2 domain. The running max starts at a large finite negative value
 (not -inf) so that fully masked rows never compute inf - inf; masked K/V loads read 0 because cache
 slots outside a request's context may hold anything (NaN in the conformance suite).
@@ -139,42 +143,52 @@ def varlen_paged_attention_kernel(
 @triton.jit
 def split_decode_kernel(
     q_ptr, cache_ptr, cache_kv_stride,
-    part_out_ptr,  # [num_reqs, NUM_SPLITS, num_heads, HEAD] float32, normalized per split
-    part_lse_ptr,  # [num_reqs, NUM_SPLITS, num_heads] float32, log2-sum-exp2 (-inf: empty split)
+    part_out_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads, HEAD] float32, normalized per split
+    part_lse_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads] float32, log2-sum-exp2 (-inf: empty split)
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qt, stride_qh,
     sm_scale_log2,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr,
 ):
-    """Flash-decoding: one program = one request x one KV head x one slice of the context."""
+    """Flash-decoding: one program = one request x one KV head x one slice of the context.
+
+    Every request has exactly QUERY_LEN new tokens (1: decode; more: a uniform speculative verify step),
+    causal among themselves; rows = query token * G_PAD + head in group, Q_PAD = next power of two.
+    """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    tok = tl.load(query_start_ptr + req).to(tl.int64)
-    q_pos = seq_len - 1
+    q_start = tl.load(query_start_ptr + req).to(tl.int64)
+    ctx_len = seq_len - QUERY_LEN
 
-    g = tl.arange(0, G_PAD)
+    r = tl.arange(0, Q_PAD * G_PAD)
+    j = r // G_PAD
+    g = r % G_PAD
     head = kv_head * GROUP + g
+    row_ok = (j < QUERY_LEN) & (g < GROUP)
     d = tl.arange(0, BLOCK_D)
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD)
-    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q_mask = row_ok[:, None] & (d[None, :] < HEAD)
+    tok = q_start + j
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask,
+                other=0.0)
 
     key_lo = 0
-    if WINDOW > 0:
-        key_lo = tl.maximum(seq_len - WINDOW, 0)
+    if WINDOW > 0:  # the first query token's window; later rows mask their own in _attend_tile
+        key_lo = tl.maximum(ctx_len - WINDOW + 1, 0)
     span = seq_len - key_lo
     # Whole tiles per split, so splits never share a tile.
     per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = key_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
-    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([G_PAD], _NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    q_pos_rows = tl.zeros([G_PAD], dtype=tl.int32) + q_pos
+    acc = tl.zeros([Q_PAD * G_PAD, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([Q_PAD * G_PAD], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([Q_PAD * G_PAD], dtype=tl.float32)
+    q_pos_rows = ctx_len + j
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for n_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -185,23 +199,25 @@ def split_decode_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     num_heads = NUM_KV_HEADS * GROUP
-    base = (req.to(tl.int64) * NUM_SPLITS + split) * num_heads + head
+    base = ((req.to(tl.int64) * QUERY_LEN + j) * NUM_SPLITS + split) * num_heads + head
     tl.store(part_out_ptr + base[:, None] * HEAD + d[None, :], out, mask=q_mask)
-    tl.store(part_lse_ptr + base, lse, mask=g < GROUP)
+    tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
 
 @triton.jit
 def split_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_D: tl.constexpr, QUERY_LEN: tl.constexpr,
 ):
-    """Combine the splits of one request x one query head (log-sum-exp weights); 0 for an empty context."""
-    req = tl.program_id(0)
+    """Combine the splits of one query token x one query head (log-sum-exp weights); 0 for an empty
+    context. Program 0 runs over requests x QUERY_LEN tokens each."""
+    row = tl.program_id(0)
     head = tl.program_id(1)
+    req = row // QUERY_LEN
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
-    base = (req.to(tl.int64) * NUM_SPLITS + s) * NUM_HEADS + head
+    base = (row.to(tl.int64) * NUM_SPLITS + s) * NUM_HEADS + head
     lse = tl.load(part_lse_ptr + base, mask=s < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -210,5 +226,5 @@ def split_reduce_kernel(
                 mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD), other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tok = tl.load(query_start_ptr + req).to(tl.int64)
+    tok = tl.load(query_start_ptr + req).to(tl.int64) + row % QUERY_LEN
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)

@@ -23,6 +23,7 @@ from keel.attention.backend import (
 )
 from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
 from keel_attention_flash.backend import UnsupportedLayerError, device_reasons
+from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN
 from keel_attention_flash.mla_impl import TritonMLAImpl
 from keel_attention_flash.mla_metadata import TritonMLAMetadataBuilder
 
@@ -33,10 +34,13 @@ class TritonMLABackend:
     `supports_cuda_graph`: a pure-decode step's metadata only references the common metadata's device
     tensors, its launch grid depends only on the batch size, and the kernels read each request's
     context length from `seq_lens` at run time, so the model runner may capture decode steps.
+    `cuda_graph_max_query_len`: the same holds for uniform steps of up to that many new tokens per
+    request (speculative verification), which run the split-K kernels with q query rows per request.
     """
 
     name: ClassVar[str] = "triton_mla"
     supports_cuda_graph: ClassVar[bool] = True
+    cuda_graph_max_query_len: ClassVar[int] = MAX_UNIFORM_QUERY_LEN
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         block_sizes=(4, 8, 16, 32, 64, 128),

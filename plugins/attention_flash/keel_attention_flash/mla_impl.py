@@ -1,8 +1,9 @@
 """The per-layer forward of triton_mla: latent cache write, absorbed attention, W_UV.
 
 Every row runs in the absorbed form (see `mla_kernels`): the query is folded through W_UK once per
-step with one batched matmul, decode requests run the split-K latent kernel plus its reduce, other
-requests (prefill, chunked prefill) run causal query tiles of the same kernel over their paged
+step with one batched matmul, decode requests (and every request of a uniform speculative verify
+step, q rows each) run the split-K latent kernel plus its reduce, other requests (prefill, chunked
+prefill, uneven verification) run causal query tiles of the same kernel over their paged
 latents, and W_UV maps the latent outputs to per-head values with a second batched matmul. The cache
 is never expanded, for decode or prefill.
 """
@@ -112,7 +113,8 @@ class TritonMLAImpl:
     def _launch(self, grid: tuple[int, int, int], q_c: torch.Tensor, q_pe: torch.Tensor,
                 kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                 tile_req: torch.Tensor | None, tile_q0: torch.Tensor | None, md: TritonMLAMetadata,
-                block_h: int, block_q: int, block_n: int, splits: int, warps: int, stages: int) -> None:
+                block_h: int, block_q: int, block_n: int, splits: int, warps: int, stages: int,
+                query_len: int = 1) -> None:
         """One launch of the latent kernel: decode tiles into split partials (`lse` given) or prefill
         tiles straight into the latent output."""
         common = md.common
@@ -129,28 +131,35 @@ class TritonMLAImpl:
             BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim, BLOCK_R=self.block_r, BLOCK_N=block_n,
             PAGE=kv_cache.shape[1], NUM_SPLITS=splits, TILED=tile_req is not None,
             TILE_Q0=tile_q0 is not None, SPLIT_OUT=split_out,
-            PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", num_warps=warps, num_stages=stages,
+            PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", QUERY_LEN=query_len,
+            num_warps=warps, num_stages=stages,
         )
 
     def _decode(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
                 o_latent: torch.Tensor) -> None:
-        """Split-K (flash-decoding) over the cached latents of every decode request, then the reduce."""
+        """Split-K (flash-decoding) over the cached latents of every split-K request for its
+        `md.query_len` new tokens, then the reduce. Launch shapes depend only on (num_decodes,
+        query_len, max_seq_len), never on the actual lengths."""
         b = md.num_decodes
+        ql = md.query_len
         block_h, block_n, warps, stages = self.decode_launch
+        block_q = _pow2(ql)
+        # Same rows per program as decode (block_h >= 16 >= block_q): fewer heads, q tokens each.
+        block_h = max(1, block_h // block_q)
         head_blocks = -(-self.num_heads // block_h)
         splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len,
                                                          _sm_count(q_c.device))
-        part_out = torch.empty((b, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
+        part_out = torch.empty((b * ql, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
                                device=q_c.device)
-        part_lse = torch.empty((b, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
+        part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
         self._launch((b, head_blocks, splits), q_c, q_pe, kv_cache, part_out, part_lse, md.decode_reqs, None,
-                     md, block_h, 1, block_n, splits, warps, stages)
+                     md, block_h, block_q, block_n, splits, warps, stages, query_len=ql)
         tiled = md.decode_reqs is not None
-        mla_kernels.mla_split_reduce_kernel[(b, self.num_heads)](
+        mla_kernels.mla_split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,
             md.common.query_start_loc, o_latent.stride(0), o_latent.stride(1),
             NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), LORA=self.kv_lora_rank,
-            BLOCK_L=self.block_l, TILED=tiled,
+            BLOCK_L=self.block_l, TILED=tiled, QUERY_LEN=ql,
         )
 
     def _prefill(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,

@@ -13,6 +13,11 @@ Rows of a tile are (query token, head) pairs, row = token * BLOCK_H + head in bl
 (one token) pack BLOCK_H heads and `tl.dot` always sees >= 16 rows. The latent is split in its kv_c
 and k_pe parts (BLOCK_L, BLOCK_R) so neither is padded to the next power of two of L + R.
 
+Split-K decode tiles also serve uniform steps where every request has the same few new tokens
+(speculative verification, 1 + drafts): BLOCK_Q rows per request, causal among themselves, as
+FlashMLA does for speculative decoding. Their grid depends only on the batch size, the query length and
+the split count, so such steps can be captured as CUDA graphs.
+
 Softmax runs in float32 in the log2 domain, the running max starting at a large finite negative
 value so fully masked rows never compute inf - inf; masked latent loads read 0 because slots outside
 a request's context (and the null block) may hold anything, NaN included.
@@ -55,8 +60,8 @@ def mla_attention_kernel(
     q_c_ptr,  # [T, H, L] query folded through W_UK, last dim contiguous
     q_pe_ptr,  # [T, H, R] rotated rope query, last dim contiguous
     cache_ptr,  # [num_blocks, block_size, L + R]
-    out_ptr,  # SPLIT_OUT: [num_tiles, NUM_SPLITS, H, L] float32; else [T, H, L] (latent output)
-    lse_ptr,  # SPLIT_OUT: [num_tiles, NUM_SPLITS, H] float32 log2-sum-exp2 (-inf: empty split)
+    out_ptr,  # SPLIT_OUT: [num_tiles * QUERY_LEN, NUM_SPLITS, H, L] float32; else [T, H, L] (latent output)
+    lse_ptr,  # SPLIT_OUT: [num_tiles * QUERY_LEN, NUM_SPLITS, H] float32 log2-sum-exp2 (-inf: empty split)
     tile_req_ptr,  # TILED: [num_tiles] int32 request of each tile
     tile_q0_ptr,  # TILE_Q0: [num_tiles] int32 first query row of each tile
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
@@ -66,9 +71,12 @@ def mla_attention_kernel(
     LORA: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILED: tl.constexpr, TILE_Q0: tl.constexpr, SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, QUERY_LEN: tl.constexpr,
 ):
-    """One program: BLOCK_Q query tokens of one request x BLOCK_H heads x one slice of the keys."""
+    """One program: BLOCK_Q query tokens of one request x BLOCK_H heads x one slice of the keys.
+
+    SPLIT_OUT tiles cover a request's QUERY_LEN new tokens (1: decode; more: a uniform speculative
+    verify step, BLOCK_Q >= QUERY_LEN) and write one partial per token, head and split."""
     tile = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,7 +152,7 @@ def mla_attention_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if SPLIT_OUT:
-        part = (tile.to(tl.int64) * NUM_SPLITS + split) * NUM_HEADS + head
+        part = ((tile.to(tl.int64) * QUERY_LEN + q_tok) * NUM_SPLITS + split) * NUM_HEADS + head
         tl.store(out_ptr + part[:, None] * LORA + dl[None, :], out, mask=ql_mask)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(lse_ptr + part, lse, mask=row_ok)
@@ -155,24 +163,27 @@ def mla_attention_kernel(
 
 @triton.jit
 def mla_split_reduce_kernel(
-    part_out_ptr,  # [num_tiles, NUM_SPLITS, H, L] float32, normalized per split
-    part_lse_ptr,  # [num_tiles, NUM_SPLITS, H] float32
+    part_out_ptr,  # [num_tiles * QUERY_LEN, NUM_SPLITS, H, L] float32, normalized per split
+    part_lse_ptr,  # [num_tiles * QUERY_LEN, NUM_SPLITS, H] float32
     out_ptr,  # [T, H, L]
     tile_req_ptr,  # TILED: [num_tiles] int32 request of each decode tile
     query_start_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_L: tl.constexpr, TILED: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_L: tl.constexpr, TILED: tl.constexpr, QUERY_LEN: tl.constexpr,
 ):
-    """Combine the splits of one decode request x one head (log-sum-exp weights); 0 for no context."""
-    tile = tl.program_id(0)
+    """Combine the splits of one query token x one head (log-sum-exp weights); 0 for no context.
+    Program 0 runs over decode tiles x QUERY_LEN tokens each."""
+    row = tl.program_id(0)
     head = tl.program_id(1)
+    tile = row // QUERY_LEN
+    j = row % QUERY_LEN
     if TILED:
         req = tl.load(tile_req_ptr + tile)
     else:
         req = tile
     s = tl.arange(0, SPLITS_PAD)
     dl = tl.arange(0, BLOCK_L)
-    part = (tile.to(tl.int64) * NUM_SPLITS + s) * NUM_HEADS + head
+    part = (row.to(tl.int64) * NUM_SPLITS + s) * NUM_HEADS + head
     lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -182,7 +193,7 @@ def mla_split_reduce_kernel(
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     q_start = tl.load(query_start_ptr + req)
-    q_len = tl.load(query_start_ptr + req + 1) - q_start  # a request without new tokens owns no row
-    tok = q_start.to(tl.int64)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start  # a request without this token owns no row
+    tok = q_start.to(tl.int64) + j
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + dl, out.to(out_ptr.dtype.element_ty),
-             mask=(dl < LORA) & ((tl.zeros([BLOCK_L], dtype=tl.int32) + q_len) > 0))
+             mask=(dl < LORA) & ((tl.zeros([BLOCK_L], dtype=tl.int32) + q_len) > j))

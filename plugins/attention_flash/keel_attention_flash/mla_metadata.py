@@ -1,10 +1,13 @@
 """Per-step metadata of triton_mla, built once per step and shared by every MLA layer.
 
-A step's requests split in two by their number of new tokens: decode requests (exactly one) run the
-split-K latent kernel; the others (prefill, chunked prefill, speculative verification) run query tiles
-of the same latent kernel without splits. A pure-decode step needs nothing beyond the common
-metadata's device tensors (request i is tile i), so the model runner may capture it as a CUDA graph;
-mixed steps get request/tile tables built on the CPU from `query_start_loc_cpu`.
+A uniform step -- every request has the same number q <= MAX_UNIFORM_QUERY_LEN of new tokens: pure
+decode (q = 1) or speculative verification with equal drafts (q = 1 + drafts) -- runs the split-K
+latent kernel with q query rows per request. It needs nothing beyond the common metadata's device
+tensors (request i is tile i) and its launch grids depend only on (num_reqs, q, max_seq_len), so the
+model runner may capture it as a CUDA graph. Other steps split their requests in two by their number
+of new tokens: decode requests (exactly one) run the split-K kernel through a request table; the others
+(prefill, chunked prefill, uneven verification) run query tiles of the same latent kernel without
+splits, from request/tile tables built on the CPU from `query_start_loc_cpu`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keel.attention.metadata import CommonAttentionMetadata
+from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN, uniform_query_len
 
 
 @dataclass
@@ -25,9 +29,10 @@ class TritonMLAMetadata:
     num_actual_tokens: int  # tokens whose latents are written (padding rows carry slot -1)
     num_query_rows: int  # rows with an output of a real request (query_start_loc[num_reqs])
     max_seq_len: int  # an upper bound of seq_lens: picks the decode split count
-    num_decodes: int  # requests with exactly one new token
+    num_decodes: int  # requests on the split-K path: one new token each, or all of a uniform step
     decode_reqs: torch.Tensor | None  # [num_decodes] int32 device; None: request i is decode i (pure decode)
     prefill_reqs: list[int]  # requests with more than one new token (CPU indices)
+    query_len: int = 1  # new tokens per split-K request (> 1 only on a uniform verify step)
     _tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -70,7 +75,8 @@ class TritonMLAMetadataBuilder:
     def build(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
         n = common.num_reqs
         num_rows = int(common.query_start_loc_cpu[n]) if n else 0
-        if common.max_query_len <= 1:
+        q = uniform_query_len(common, MAX_UNIFORM_QUERY_LEN)
+        if common.max_query_len <= 1 or q > 1:
             decode_reqs, prefill_reqs, num_decodes = None, [], n
         else:
             query_lens = common.query_start_loc_cpu[1 : n + 1] - common.query_start_loc_cpu[:n]
@@ -87,4 +93,5 @@ class TritonMLAMetadataBuilder:
             num_decodes=num_decodes,
             decode_reqs=decode_reqs,
             prefill_reqs=prefill_reqs,
+            query_len=max(q, 1),
         )
