@@ -1,0 +1,97 @@
+"""The one-kernel `moe_align_block_size` (keel.layers.fused_moe.align_triton) against the torch version.
+
+Interpreted on the CPU (TRITON_INTERPRET=1). The kernel promises the torch version's outputs entry for
+entry (a stable sort by expert), which is stronger than what the grouped GEMM needs (the same set of rows
+per expert, the same padded counts); both are checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.layers.fused_moe import align_triton as align_mod
+from keel.layers.fused_moe import moe_align_block_size
+from keel.layers.fused_moe.align_triton import align_triton_supported, moe_align_block_size_triton
+from keel.layers.fused_moe.triton_moe import moe_align_block_size_torch
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _random_ids(tokens: int, top_k: int, experts: int, seed: int, used: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    pool = used or experts  # only experts [0, used) receive tokens
+    rows = [torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)]
+    return torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)
+
+
+def _check_against_torch(ids: torch.Tensor, experts: int, block_m: int, out=None) -> None:
+    got = moe_align_block_size_triton(ids, experts, block_m, out=out)
+    ref = moe_align_block_size_torch(ids, experts, block_m)
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype == torch.int32 and g.shape == r.shape
+    sorted_ids, expert_ids, total = got
+    assert torch.equal(total, ref[2])
+    # What the GEMM needs: per expert, the same rows and the same padded block run.
+    flat, n = ids.reshape(-1), int(total)
+    for e in range(experts):
+        blocks = (expert_ids[: n // block_m] == e).nonzero().flatten().tolist()
+        ref_blocks = (ref[1][: n // block_m] == e).nonzero().flatten().tolist()
+        assert blocks == ref_blocks
+        rows = torch.cat([sorted_ids[b * block_m : (b + 1) * block_m] for b in blocks]) if blocks else sorted_ids[:0]
+        real = rows[rows < flat.numel()]
+        assert set(real.tolist()) == set((flat == e).nonzero().flatten().tolist())
+    # What the kernel promises beyond that: identical tensors.
+    assert torch.equal(sorted_ids, ref[0]) and torch.equal(expert_ids, ref[1])
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 33, 70])
+@pytest.mark.parametrize("top_k,experts,block_m", [(6, 60, 16), (2, 8, 4), (8, 64, 16)])
+def test_matches_torch(interpret, tokens, top_k, experts, block_m):
+    ids = _random_ids(tokens, top_k, experts, seed=tokens * 100 + experts)
+    _check_against_torch(ids, experts, block_m)
+    _check_against_torch(ids.to(torch.int32), experts, block_m)  # the routing kernel's id dtype
+
+
+def test_idle_experts_and_one_hot_expert(interpret):
+    _check_against_torch(_random_ids(9, 3, 60, seed=1, used=5), 60, 16)  # 55 experts receive nothing
+    _check_against_torch(torch.tensor([[6, 2]] * 40), 8, 16)  # 40 rows on each of two experts: 3 blocks each
+    _check_against_torch(torch.tensor([[3]]), 256, 16)  # one pair, many experts
+    _check_against_torch(torch.zeros(0, 2, dtype=torch.int64), 8, 16)  # empty step: all padding
+
+
+def test_every_output_entry_is_written(interpret):
+    ids = _random_ids(5, 6, 60, seed=2)
+    max_padded = -(-(ids.numel() + 60 * 15) // 16) * 16
+    poisoned = (
+        torch.full((max_padded,), -123, dtype=torch.int32),
+        torch.full((max_padded // 16,), 999, dtype=torch.int32),
+        torch.full((1,), -1, dtype=torch.int32),
+    )
+    _check_against_torch(ids, 60, 16, out=poisoned)
+    with pytest.raises(ValueError, match="align buffers"):
+        moe_align_block_size_triton(ids, 60, 16, out=(poisoned[0][:-16], poisoned[1], poisoned[2]))
+
+
+def test_dispatch_by_device_and_size(interpret, monkeypatch):
+    calls = []
+    real = align_mod.moe_align_block_size_triton
+    monkeypatch.setattr(align_mod, "moe_align_block_size_triton", lambda *a: calls.append(a) or real(*a))
+    ids = _random_ids(4, 2, 8, seed=3)
+    ref = moe_align_block_size_torch(ids, 8)
+    for g, r in zip(moe_align_block_size(ids, 8), ref, strict=True):
+        assert torch.equal(g, r)
+    assert len(calls) == 1
+    assert align_triton_supported(align_mod.ALIGN_TRITON_MAX_PAIRS, 256)
+    assert not align_triton_supported(align_mod.ALIGN_TRITON_MAX_PAIRS + 1, 256)
+    big = torch.zeros(align_mod.ALIGN_TRITON_MAX_PAIRS + 1, 1, dtype=torch.int64)
+    moe_align_block_size(big, 8)  # past the limit: torch, no kernel launch
+    assert len(calls) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU without the interpreter: torch
+    moe_align_block_size(ids, 8)
+    assert len(calls) == 1
