@@ -2,6 +2,7 @@
 
     python benchmarks/h200_dsv2lite.py [--out benchmarks/results/h200-dsv2lite.json] [--layers 27]
         [--num-prompts 256] [--hf-prompts 64] [--eager]
+    python benchmarks/h200_dsv2lite.py --profile-only   # only item 7 (dummy weights), merged into --out
 
 One run measures on the same device:
   1. the ceilings (copy bandwidth, bf16 matmul), as in h200_llama8b.py;
@@ -12,7 +13,9 @@ One run measures on the same device:
      norms + lm_head (not all 64 experts);
   4. keel offline throughput (num_prompts of 128 in / 128 out) and transformers generate() at batch 64;
   5. the fused MoE kernel against the per-expert loop (torch reference) at batch 1 and 64, one layer;
-  6. if the `mtp` spec decoder is installed: the cost of a one-draft MTP step against a plain decode step.
+  6. if the `mtp` spec decoder is installed: the cost of a one-draft MTP step against a plain decode step;
+  7. `step_profile`: where one batch-1 decode step's GPU time goes, per kernel and per kernel category,
+     run eagerly and replayed from its CUDA graph, plus compute_logits + sampler (see `step_profile`).
 Results: a JSON file (device, versions, commit) and a PNG plot beside it.
 """
 
@@ -109,6 +112,144 @@ def moe_kernel_vs_loop(cfg: dict) -> dict:
     return out
 
 
+# Kernel category by substring of the lower-cased kernel name; the first match wins, so torch's scatter /
+# index / sort kernels of the MoE alignment land in moe_routing before their "elementwise" template names
+# are looked at, and the embedding's index_select is kept out of routing.
+KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fused_moe", ("fused_moe",)),
+    ("embedding", ("indexselect", "embedding")),
+    ("moe_routing", ("routing", "topk", "softmax", "sort", "align", "scatter", "index", "searchsorted", "scan")),
+    ("attention", ("mla", "attention", "decode_kernel", "reshape_and_cache")),
+    ("gemm", ("nvjet", "cutlass", "cublas", "gemm", "gemv", "xmma", "splitk")),
+    ("norm", ("norm",)),
+    ("rope", ("rotary", "rope")),
+    ("elementwise", ("elementwise", "silu", "act_and_mul", "copy", "fill", "cat", "reduce", "memcpy", "memset")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def summarize_kernels(rows: list[tuple[str, int, float]], steps: int = 1, top: int = 15) -> dict:
+    """Per-step totals of (kernel name, launches, GPU microseconds) rows covering `steps` steps."""
+    cats: dict[str, dict] = {}
+    for name, count, us in rows:
+        c = cats.setdefault(kernel_category(name), {"count": 0, "ms": 0.0})
+        c["count"] += count / steps
+        c["ms"] += us / 1e3 / steps
+    ranked = sorted(rows, key=lambda r: -r[2])[:top]
+    return {
+        "total_gpu_ms": sum(r[2] for r in rows) / 1e3 / steps,
+        "num_kernels": sum(r[1] for r in rows) / steps,
+        "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1]["ms"])),
+        "top_kernels": [{"name": n[:140], "category": kernel_category(n), "count": c / steps, "ms": us / 1e3 / steps}
+                        for n, c, us in ranked],
+    }
+
+
+def profile_kernels(fn, steps: int = 3) -> dict:
+    """CUPTI kernel records of `steps` calls of `fn` (graph replays included), summarized per call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.device_time_total) for e in prof.key_averages()
+            if e.device_type != DeviceType.CPU and e.device_time_total > 0]
+    out = summarize_kernels(rows, steps)
+    if not rows:
+        out["note"] = "the profiler recorded no kernels (CUPTI unavailable, or it misses graph kernels here)"
+    return out
+
+
+def _guarded(fn) -> dict:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 -- a failed profile must not cost the rest of the benchmark
+        return {"error": repr(exc)[:400]}
+
+
+def _decode_b1_common(runner, context_len: int):
+    """One request decoding its `context_len`-th token from blocks 1..n. The worker always allocates more
+    than max_model_len / block_size blocks beside the null block 0, so these exist; their content is
+    whatever is there (timing only)."""
+    from keel.attention.metadata import CommonAttentionMetadata
+
+    bs, dev = runner.block_size, runner.device
+    nblocks = -(-context_len // bs)
+    table = torch.arange(1, nblocks + 1, dtype=torch.int32).view(1, nblocks)
+    slot = int(table[0, (context_len - 1) // bs]) * bs + (context_len - 1) % bs
+    qsl, seq = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context_len], dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), seq_lens_cpu=seq,
+        block_table=table.to(dev), slot_mapping=torch.tensor([slot], device=dev), num_reqs=1, num_actual_tokens=1,
+        max_query_len=1, max_seq_len=context_len, block_size=bs)
+
+
+@torch.inference_mode()
+def step_profile(engine, context_len: int = 192, iters: int = 20) -> dict:
+    """Where a batch-1 decode step's GPU time goes, on an idle engine (no unfinished requests): the model
+    forward run eagerly and replayed from its captured CUDA graph (per kernel, per category, CUDA-event
+    medians of `iters`), and compute_logits + greedy sampling with the step's host sync. Writes one token's
+    latent into KV blocks 1..n and then drops the prefix cache. Each part records its error instead of
+    raising."""
+    from keel.engine.sampling_params import SamplingParams
+    from keel.forward_context import ForwardContext
+    from keel.layers.sampling_metadata import SamplingMetadata
+
+    if engine.has_unfinished_requests():
+        return {"error": "step_profile needs an idle engine (it writes into KV blocks 1..n)"}
+    runner = engine.core.worker.runner
+    model, dev = runner.model, runner.device
+    context_len = min(context_len, runner.max_model_len or context_len)
+    common = _decode_b1_common(runner, context_len)
+    ids = torch.tensor([5], dtype=torch.int64, device=dev)
+    pos = torch.tensor([context_len - 1], dtype=torch.int64, device=dev)
+    metas = [b.build(common) for b in runner._builders]  # as ModelRunner.execute_model's eager path does
+    ctx = ForwardContext(attn_metadata=[metas[i] for i in runner._layer_builder], kv_caches=runner.kv_caches,
+                         num_actual_tokens=1)
+    result: dict = {"batch_size": 1, "context_len": context_len}
+
+    def eager() -> dict:
+        return {"forward_ms": events_ms(lambda: model(ids, pos, ctx), iters=iters),
+                **profile_kernels(lambda: model(ids, pos, ctx))}
+
+    def graph() -> dict:
+        graphs = runner.cuda_graphs
+        if graphs is None:
+            return {"skipped": "no decode CUDA graphs (enforce_eager, or a backend refused capture)"}
+        if graphs.run(ids, pos, common) is None:  # loads the static inputs; None: this step cannot replay
+            return {"error": f"a batch-1 decode step does not replay (captured sizes {graphs.sizes})"}
+        b = graphs.bucket(1)
+        # Graphs are keyed by (query length, batch) since verify steps are captured too; by batch before.
+        g, _ = graphs.graphs[(1, b)] if (1, b) in graphs.graphs else graphs.graphs[b]
+        return {"captured_batch": b, "replay_ms": events_ms(g.replay, iters=iters), **profile_kernels(g.replay)}
+
+    def logits_sampler() -> dict:
+        hidden = model(ids, pos, ctx)  # [1, hidden_size]
+        vocab = model.compute_logits(hidden).shape[-1]
+        meta = SamplingMetadata.build([SamplingParams(temperature=0)], [[]], [[5]], [0], vocab, dev, [set()])
+
+        def both() -> torch.Tensor:  # with the step's one host sync, as ModelRunner._sample_one_each
+            return runner.sampler(model.compute_logits(hidden), meta).sampled_token_ids.cpu()
+
+        return {"compute_logits_ms": events_ms(lambda: model.compute_logits(hidden), iters=iters),
+                "compute_logits_sampler_ms": events_ms(both, iters=iters),
+                "kernels": profile_kernels(both)}
+
+    result["eager"] = _guarded(eager)
+    result["graph"] = _guarded(graph)
+    result["logits_sampler"] = _guarded(logits_sampler)
+    engine.core.scheduler.kv.reset_prefix_cache()
+    return result
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -146,22 +287,25 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--mtp-only", action="store_true", help="only the MTP step cost, merged into --out")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="only the batch-1 decode step profile (dummy weights), merged into --out")
     ns = ap.parse_args()
-    if ns.mtp_only:
+    if ns.mtp_only or ns.profile_only:
+        shape = {**DSV2_LITE, "num_hidden_layers": ns.layers}
+        key = "mtp" if ns.mtp_only else "step_profile"
         out = Path(ns.out)
         result = json.loads(out.read_text()) if out.exists() else {}
-        result["mtp"] = mtp_step_cost({**DSV2_LITE, "num_hidden_layers": ns.layers}, 0.0)
+        result[key] = mtp_step_cost(shape, 0.0) if ns.mtp_only else profile_only(shape, ns.eager)
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2, default=str))
-        print("mtp:", result["mtp"])
+        print(f"{key}:", json.dumps(result[key], indent=1, default=str))
         return
 
     import transformers
     import triton
-    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    from transformers import AutoModelForCausalLM
 
     from keel.bench import random_prompts, run_latency, run_throughput
-    from keel.config import EngineArgs
-    from keel.engine.llm_engine import LLMEngine
 
     shape = {**DSV2_LITE, "num_hidden_layers": ns.layers}
     result: dict = {
@@ -176,18 +320,12 @@ def main() -> None:
     result["moe"] = moe_kernel_vs_loop(shape)
     print("moe:", result["moe"], flush=True)
 
-    cfg = DeepseekV2Config(**shape)
-    cfg.architectures = ["DeepseekV2ForCausalLM"]
-    model_dir = Path(tempfile.mkdtemp()) / "dsv2lite"
-    cfg.save_pretrained(model_dir)
+    cfg, model_dir = write_config(shape)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(model_dir), profile="cuda", load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-        max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6,
-        enforce_eager=ns.eager))
+    engine = make_engine(model_dir, ns.eager)
     result["engine_init_s"] = time.perf_counter() - t0
     runner = engine.core.worker.runner
     runner.model.load_weights(per_expert(hf.state_dict(), shape))  # the very same weights as transformers
@@ -215,6 +353,9 @@ def main() -> None:
     print("throughput:", thr, flush=True)
 
     result["greedy_first_token_agreement_bf16"] = _common.greedy_first_token_agreement(engine, hf, vocab)
+    result["step_profile"] = with_unexplained(_guarded(lambda e=engine: step_profile(e)),
+                                              result["decode_b1_ms_per_token"])
+    print("step profile:", json.dumps(result["step_profile"], default=str), flush=True)
     engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()
@@ -238,6 +379,58 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in ("decode_b1_ms_per_token", "memory_floor_b1_ms",
                                              "throughput_output_tok_s", "hf_throughput_b64_tok_s",
                                              "speedup_vs_hf_b64")}, indent=2))
+
+
+def write_config(shape: dict):
+    """A DeepSeek-V2 config of `shape` in a fresh temp dir: (config, its directory)."""
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(**shape)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    model_dir = Path(tempfile.mkdtemp()) / "dsv2lite"
+    cfg.save_pretrained(model_dir)
+    return cfg, model_dir
+
+
+def make_engine(model_dir: Path, eager: bool):
+    """The benchmarked engine: profile `cuda`, dummy weights (main() then loads transformers' tensors)."""
+    from keel.config import EngineArgs
+    from keel.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), profile="cuda", load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+        max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6,
+        enforce_eager=eager))
+
+
+def with_unexplained(profile: dict, decode_ms_per_token: float) -> dict:
+    """Adds what a measured decode token costs beyond the forward (graph replay; the eager forward when no
+    graphs were captured) + logits + sampler: host work and gaps between launches."""
+    graph = profile.get("graph", {})
+    forward = profile.get("eager", {}).get("forward_ms") if "skipped" in graph else graph.get("replay_ms")
+    sampling = profile.get("logits_sampler", {}).get("compute_logits_sampler_ms")
+    if forward is not None and sampling is not None:
+        profile["decode_b1_ms_per_token"] = decode_ms_per_token
+        profile["outside_forward_and_sampling_ms"] = decode_ms_per_token - forward - sampling
+    return profile
+
+
+def profile_only(shape: dict, eager: bool) -> dict:
+    """--profile-only: the step profile of a dummy-weight engine, plus one measured decode token for context."""
+    from keel.bench import run_latency
+
+    cfg, model_dir = write_config(shape)
+    engine = make_engine(model_dir, eager)
+    try:
+        lat = _guarded(lambda: run_latency(engine, 1, 128, 64, 2, cfg.vocab_size))
+        prof = _guarded(lambda: step_profile(engine))
+        if "time_per_output_token_ms" in lat:
+            prof = with_unexplained(prof, lat["time_per_output_token_ms"])
+        prof["weights"] = "dummy"
+        prof["enforce_eager"] = eager
+        return prof
+    finally:
+        engine.shutdown()
 
 
 def mtp_step_cost(shape: dict, copy_bw: float) -> dict:
