@@ -312,3 +312,72 @@ def test_mla_uniform_verify_step_through_the_runner(q, splits):
     assert g.last_out.shape[0] == 4 * q and torch.isfinite(g.last_out).all()  # NaN padding rows stay inside
     torch.testing.assert_close(hidden, eager, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(cache, eager_cache, equal_nan=True, atol=0, rtol=0)
+
+
+def make_cycle_checkpoint(path, arch: str = "llama", **kw):
+    """A tiny random checkpoint whose greedy continuation walks cycles of 6 tokens (x -> x + 1 within
+    each block of 6): blocks' outputs are damped to a tenth and lm_head row sigma(x) is x's embedding.
+    So n-gram drafts become full and accepted after one cycle -- every request then verifies the same
+    number of drafts (uniform steps) -- while attention still moves the logits (compare logprobs)."""
+    from safetensors.torch import load_file, save_file
+
+    from keel.testing.checkpoints import make_checkpoint
+
+    make_checkpoint(arch, path, **kw)
+    file = next(path.glob("*.safetensors"))
+    w = load_file(str(file))
+    for name in list(w):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * 0.1
+    w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
+    emb = w["model.embed_tokens.weight"]
+    x = torch.arange(emb.shape[0])
+    # A tenth: logits of a few units, so logprobs are far from 0 and show attention's contribution.
+    w["lm_head.weight"] = torch.empty_like(emb).index_copy_(0, (x // 6) * 6 + (x + 1) % 6, emb * 0.1)
+    save_file(w, str(file), metadata={"format": "pt"})
+    return path
+
+
+def _spec_engine(path, spec: bool) -> LLMEngine:
+    args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 16,
+            "max_model_len": 64, "plugins": ["platform-cpu", "attention-flash", "models-llama"],
+            "attention_backend": "triton_flash"}
+    if spec:
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def _greedy(engine: LLMEngine, prompts, n: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their logprobs per prompt."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    outs = [done[str(i)] for i in range(len(prompts))]
+    return ([list(o.token_ids) for o in outs],
+            [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in outs])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_spec_graphs.py covers this captured")
+def test_ngram_engine_through_the_graph_runner_equals_non_speculative(tmp_path):
+    """What ModelRunner.capture_cuda_graphs sets up with query_lens=graph_query_lens(...), minus the
+    capture: ngram verify steps (4 tokens per request) replay through the runner's static buffers and
+    the greedy tokens equal non-speculative decoding."""
+    path = make_cycle_checkpoint(tmp_path / "m", head_dim=64, num_hidden_layers=1, vocab_size=24)
+    # Prompts holding a whole cycle: full drafts from the first decode step on.
+    prompts = [[0, 1, 2, 3, 4, 5, 0, 1], [6, 7, 8, 9, 10, 11, 6], [15, 16, 17, 12, 13, 14, 15, 16, 17]]
+    base, base_lp = _greedy(_spec_engine(path, spec=False), prompts, 14)
+    engine = _spec_engine(path, spec=True)
+    runner = engine.core.worker.runner
+    query_lens = graph_query_lens({layer.backend for layer in runner.attn_layers}, runner.num_speculative_tokens)
+    assert query_lens == (1, 4)
+    runner.cuda_graphs = EagerReplay(runner.model, runner._builders, runner._layer_builder, runner.kv_caches,
+                                     runner.device, runner.block_size, [1, 2, 4], 64, query_lens=query_lens)
+    runner.cuda_graphs.capture()
+    tokens, lp = _greedy(engine, prompts, 14)
+    assert tokens == base
+    torch.testing.assert_close(torch.tensor(lp), torch.tensor(base_lp), atol=1e-4, rtol=0)
+    assert runner.cuda_graphs.replays_by_query_len[4] > 0
