@@ -111,6 +111,8 @@ def test_every_output_entry_is_written_and_strided_logits(interpret):
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(select_experts_triton(logits.t().contiguous().t(), cfg)[0], ref_w)
+    with pytest.raises(ValueError, match="routing buffers"):
+        select_experts_triton(logits, cfg, out=(poisoned[0][:4], poisoned[1]))
 
 
 def test_empty_batch_and_bf16_logits(interpret):
@@ -133,6 +135,18 @@ def test_user_errors_and_unsupported_configs():
     assert not routing_triton_supported(one_per_group)  # torch's top-2 group score raises there
     assert not routing_triton_supported(RoutingConfig(num_experts=4096, top_k=8))
     assert routing_triton_supported(RoutingConfig(num_experts=256, top_k=8))
+
+
+def test_fused_moe_layer_keeps_torch_routing_for_unsupported_configs(interpret):
+    cfg = RoutingConfig(num_experts=4, top_k=2, scoring_func="sigmoid", use_grouped_topk=True,
+                        num_expert_group=4, topk_group=2)
+    layer = FusedMoE(4, 16, 8, cfg, backend="triton")
+    with torch.no_grad():
+        layer.w13_weight.normal_()
+        layer.w2_weight.normal_()
+    with pytest.raises(RuntimeError):  # torch's top-2 of one-expert groups: the reference's own error
+        layer(torch.randn(2, 16), torch.randn(2, 4), torch.zeros(4))
+    assert layer.last_routing == "torch"
 
 
 def test_fused_moe_layer_routes_with_the_kernel_only_on_the_triton_path(monkeypatch):

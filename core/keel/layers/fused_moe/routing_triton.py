@@ -168,12 +168,16 @@ def select_experts_triton(
         ids = torch.empty(num_tokens, cfg.top_k, dtype=torch.int32, device=device)
     else:
         weights, ids = out
+        shape = (num_tokens, cfg.top_k)
+        if weights.shape != shape or ids.shape != shape or not (weights.is_contiguous() and ids.is_contiguous()):
+            raise ValueError(f"routing buffers must be contiguous {list(shape)}; got {list(weights.shape)}, "
+                             f"{list(ids.shape)}")
     if num_tokens == 0:
         return weights, ids
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     groups = cfg.num_expert_group if cfg.use_grouped_topk else 1
-    assert groups is not None and weights.is_contiguous() and ids.is_contiguous()
+    assert groups is not None  # checked by RoutingConfig
     group_size = num_experts // groups
     has_bias = e_score_correction_bias is not None
     _jitted(_interpreting())[(num_tokens,)](
