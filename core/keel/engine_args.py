@@ -33,7 +33,8 @@ _SECTION_OF = {
                      "trust_remote_code", "revision", "served_model_name", "load_format"), "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization"), "cache"),
-    **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"), "scheduler"),
+    **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
+                    "scheduler"),
     **dict.fromkeys(("tensor_parallel_size", "engine_core_process"), "parallel"),
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
 }
@@ -68,6 +69,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    async_scheduling: bool | None = None  # None: on where the device runs asynchronously (not the CPU)
     skip_tokenizer_init: bool | None = None
     attention_backend: str | None = None
     kv_cache_memory_bytes: int | None = None
@@ -189,6 +191,8 @@ class EngineArgs:
                 from keel.plugins.errors import suggest
 
                 raise ConfigError(f"speculative_config: unknown key {key!r}{suggest(key, names)}")
+        if values["async_scheduling"] and spec is not None:
+            raise ConfigError("async_scheduling does not support speculative_config yet: turn one of them off")
         plugins = values["plugins"]
         config = EngineConfig(
             model=model,

@@ -7,6 +7,7 @@ That keeps it movable to its own process behind an engine client.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from keel.config import EngineConfig
 from keel.engine.core_output import EngineCoreOutput, SchedulerStats
@@ -37,6 +38,9 @@ class EngineCore:
             spec, num_blocks, enable_caching=config.cache.enable_prefix_caching,
             manager_classes={spec.kind: managers.get(spec.kind)},
         )
+        self.async_scheduling = sched.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.worker.device.type != "cpu" and config.speculative is None
         self.scheduler = Scheduler(
             kv_manager,
             max_num_seqs=sched.max_num_seqs,
@@ -44,13 +48,17 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
+            async_scheduling=self.async_scheduling,
         )
+        # Async scheduling: launched steps not yet applied, oldest first (at most two).
+        self._in_flight: deque = deque()
         self._hooks = self.plugins.hooks.hook
         self._shut_down = False
         self._hooks.keel_engine_start(config=config)
         logger.info(
-            "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d",
+            "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d, async scheduling %s",
             self.platform.name, num_blocks - 1, spec.block_size, self.max_model_len,
+            "on" if self.async_scheduling else "off",
         )
 
     @property
@@ -77,15 +85,32 @@ class EngineCore:
             self._hooks.keel_shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute, apply. One forward pass."""
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        """Schedule, execute, apply. One forward pass.
+
+        With async scheduling, the step launched by this call is applied by the next one: this call
+        schedules and launches step N+1 first, then waits for step N and applies it, so the host's
+        scheduling and input preparation overlap the device's work on step N.
+        """
+        if not self.async_scheduling:
+            if not self.scheduler.has_unfinished_requests():
+                return []
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.worker.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._report_finished(outputs)
+            return outputs
+        launched = False
+        if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            self._in_flight.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+            launched = not scheduler_output.is_empty
+        if not self._in_flight or (launched and len(self._in_flight) < 2):
+            return []  # the first step of a burst: launch the next one before waiting for it
+        scheduler_output, pending = self._in_flight.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, pending.get_output())
         self._report_finished(outputs)
         return outputs
 

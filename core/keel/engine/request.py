@@ -66,6 +66,8 @@ class Request:
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens being sampled by steps still in flight (scheduled, values unknown).
+        self.num_output_placeholders = 0
         self.num_computed_tokens = 0
         self.block_hashes: list = []
         self.status = RequestStatus.WAITING
@@ -85,6 +87,10 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -4,6 +4,12 @@
 runner produced (new tokens, stops, frees). There are no prefill/decode phases: every request has
 `num_computed_tokens` catching up to its token count, so chunked prefill, prefix-cache hits, resumption
 after preemption and speculative tokens are the same arithmetic.
+
+With `async_scheduling` the engine core schedules step N+1 before it has applied step N's output: a
+request whose step N samples a token carries an output placeholder until `update_from_output` sees the
+token, and step N+1 already computes the placeholder position (the runner feeds it the sampled token
+on the device). A request whose placeholders will finish it (max_tokens, max_model_len) is not
+scheduled again; one that stops on a token wastes at most one step's slot, never a wrong token.
 """
 
 from __future__ import annotations
@@ -31,13 +37,17 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         num_spec_tokens: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
+        if async_scheduling and num_spec_tokens:
+            raise ValueError("async scheduling does not support speculative decoding yet")
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_spec_tokens = num_spec_tokens
+        self.async_scheduling = async_scheduling
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -88,13 +98,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._placeholders_finish(request):
+                i += 1
+                continue
+            num_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+            num_new = min(num_new, budget)
             # Never compute past the model's length (drafts beyond it are pointless).
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
-            num_lookahead = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            num_lookahead = max(0, request.num_computed_tokens + num_new - request.num_tokens_with_placeholders)
             reserve = num_lookahead + self._draft_slots(request.num_computed_tokens + num_new)
             while True:
                 blocks = self.kv.allocate_slots(request, num_new - num_lookahead, num_lookahead_tokens=reserve)
@@ -117,6 +131,8 @@ class Scheduler:
         # Waiting requests, only if nothing was preempted this step (no thrashing).
         while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token still in flight: resume once it has arrived
             if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             else:  # every prompt position must be computed to report its logprobs
@@ -152,8 +168,16 @@ class Scheduler:
         # The scheduler assumes scheduled tokens will be computed; rejected drafts are rolled back in
         # update_from_output.
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if self.async_scheduling and request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples the next token
         return output
+
+    def _placeholders_finish(self, request: Request) -> bool:
+        """The tokens in flight already reach max_tokens or max_model_len: nothing more to compute."""
+        return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+                or request.num_tokens_with_placeholders >= self.max_model_len)
 
     def _draft_slots(self, num_tokens_after_step: int) -> int:
         """Slots reserved past this step's tokens while spec decoding is on (as vLLM's lookahead).
@@ -223,7 +247,9 @@ class Scheduler:
         for rid, generated in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(rid)
             if request is None or request.is_finished:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or stopped by an earlier step (async scheduling)
+            if generated and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             drafts = spec_tokens.get(rid) if spec_tokens else None
             if drafts:
                 num_accepted = max(0, len(generated) - 1)

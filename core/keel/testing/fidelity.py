@@ -48,14 +48,16 @@ def hf_greedy(
 def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Any, *, stagger: int = 0,
                  prefix: str = "") -> dict[str, Any]:
     """Submit token-id prompts to an `LLMEngine` (all at once, or one every `stagger` steps) and step it
-    until everything finished. Returns request id (`prefix` + index) -> final RequestOutput."""
+    until everything finished. `params`: one SamplingParams for all, or a list (cycled over prompts).
+    Returns request id (`prefix` + index) -> final RequestOutput."""
     results: dict[str, Any] = {}
     pending = list(enumerate(prompts))
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and (stagger == 0 or step % stagger == 0):
             i, p = pending.pop(0)
-            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": list(p)}, params)
+            per = params[i % len(params)] if isinstance(params, list | tuple) else params
+            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": list(p)}, per)
             if stagger:
                 break
         for out in engine.step():

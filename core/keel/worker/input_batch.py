@@ -202,6 +202,22 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
 
+    def advance(self, rows: np.ndarray) -> np.ndarray:
+        """Count one sampled token per row before its value is known; returns the positions it takes.
+
+        The value stays -1 (an invalid id, so a missed fill fails loudly) until `fill_tokens`; the model
+        runner feeds the token to the next step from the device meanwhile.
+        """
+        self.ensure_len(int(self.num_tokens[rows].max()) + 1)
+        positions = self.num_tokens[rows].copy()
+        self.token_ids[rows, positions] = -1
+        self.num_tokens[rows] += 1
+        return positions
+
+    def fill_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """The values of tokens counted by `advance` (rows still held by the same requests)."""
+        self.token_ids[rows, positions] = tokens
+
     def append_tokens(self, row: int, tokens: list[int]) -> None:
         """Several committed tokens of one row (accepted drafts plus one)."""
         n = int(self.num_tokens[row])

@@ -20,9 +20,11 @@ from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
 from keel.spec_decode.proposer import DraftInput, DraftProposer
+from keel.worker.async_output import AsyncModelRunnerOutput, SampledLaunch
 from keel.worker.input_batch import InputBatch
 from keel.worker.request_state import CachedRequestState
 from keel.worker.sampling_batch import BatchSamplingState
+from keel.worker.staging import StagingBuffer
 
 logger = logging.getLogger("keel.worker")
 
@@ -41,6 +43,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(block_size, max_model_len=max_model_len or 256)
         self.sampling_state = BatchSamplingState(device)
+        self.staging = StagingBuffer(device)
+        self.vocab_size: int | None = None  # the logits' width, known after the first sampling step
+        # The last launched step whose sampled tokens the host has not committed yet.
+        self._last_output: AsyncModelRunnerOutput | None = None
+        self.num_device_fed_tokens = 0  # input tokens taken from the previous step's device output
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
         # A draft model's layers (MTP) get caches like the target's; their layer_idx continues after them.
@@ -186,11 +193,23 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             computed[state.row] = cached.num_computed_tokens
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, waiting for its sampled tokens (the synchronous engine core, tests)."""
+        return self.execute_model_async(so).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Called by the worker once per scheduled step; returns once the step is enqueued on the device.
+
+        Tokens sampled by the previous step that the host has not seen yet (async scheduling) are fed
+        to this step on the device. Steps with drafts or a draft proposer read host token ids, so they
+        first wait for the previous step's tokens.
+        """
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), None)
+        if (so.scheduled_spec_decode_tokens or self.proposer is not None) and self._last_output is not None:
+            self._last_output.get_output()
 
         req_ids = list(so.num_scheduled_tokens)
         requests = self.requests
@@ -217,26 +236,40 @@ class ModelRunner:
         sampling_reqs = list(zip(sampling_idx.tolist(), sample_counts.tolist()))
         num_tokens = int(step.input_ids.shape[0])
 
-        dev = self.device
-        input_ids = torch.from_numpy(step.input_ids)
-        pos = torch.from_numpy(step.positions)
-        qsl_cpu = torch.from_numpy(step.query_start_loc)
-        seq_lens_cpu = torch.from_numpy(step.seq_lens)
-        block_table_cpu = torch.from_numpy(step.block_table)
+        # Everything the step needs on the device, in one copy.
+        arrays = {
+            "input_ids": step.input_ids, "positions": step.positions, "query_start_loc": step.query_start_loc,
+            "seq_lens": step.seq_lens, "block_table": step.block_table, "slot_mapping": step.slot_mapping,
+            "sample_rows": sample_rows,
+        }
+        fixups = self._placeholder_fixups(rows, num_scheduled, step.query_start_loc)
+        if fixups is not None:
+            arrays["fixup_dst"], arrays["fixup_src"] = fixups
+            self.num_device_fed_tokens += len(fixups[0])
+        sample_batch_rows = rows[sampling_idx]
+        one_each = bool(sampling_reqs) and not so.scheduled_spec_decode_tokens and self.vocab_size is not None
+        if one_each:
+            for name, arr in self.sampling_state.host_arrays(batch, sample_batch_rows, self.vocab_size).items():
+                arrays["sampling." + name] = arr
+        t = self.staging.stage(arrays)
+        input_ids = t["input_ids"]
+        if fixups is not None:
+            # The previous step's tokens, straight from the device (the host has not seen them yet).
+            input_ids.index_copy_(0, t["fixup_dst"], self._last_output.launch.sampled.index_select(0, t["fixup_src"]))
         common = CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            seq_lens_cpu=seq_lens_cpu,
-            block_table=block_table_cpu.to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=t["query_start_loc"],
+            query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
+            seq_lens=t["seq_lens"],
+            seq_lens_cpu=torch.from_numpy(step.seq_lens),
+            block_table=t["block_table"],
+            slot_mapping=t["slot_mapping"],
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
             block_size=self.block_size,
         )
-        hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, pos, common)
+        hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, t["positions"], common)
         if hidden is None:
             metas = [builder.build(common) for builder in self._builders]
             ctx = ForwardContext(
@@ -244,20 +277,64 @@ class ModelRunner:
                 kv_caches=self.kv_caches,
                 num_actual_tokens=num_tokens,
             )
-            hidden = self.model(input_ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), ctx)
+            hidden = self.model(input_ids, t["positions"], ctx)
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        query_start = step.query_start_loc.tolist()
-        if self._any_prompt_logprobs(states):
-            self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
+        launch = None
         if sampling_reqs:
             if so.scheduled_spec_decode_tokens:
                 self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out)
             else:
-                self._sample_one_each(states, rows[sampling_idx], sampling_idx, sample_rows, hidden, out)
+                staged = {k[9:]: v for k, v in t.items() if k.startswith("sampling.")} if one_each else None
+                launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
+                                               out, staged=staged)
+        query_start = step.query_start_loc.tolist()
+        if self._any_prompt_logprobs(states):
+            self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
+        result = AsyncModelRunnerOutput(out, launch, self._commit_sampled)
+        if launch is not None:
+            self._last_output = result
         if self.proposer is not None:
+            result.get_output()  # the proposer reads committed token ids on the host
             self._propose(so, states, query_start, sampling_reqs, hidden, out)
-        return out
+        return result
+
+    def _placeholder_fixups(self, rows: np.ndarray, num_scheduled: np.ndarray,
+                            query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(flat input indices, indices into the previous step's sampled tensor) for this step's input
+        tokens that the previous step sampled and the host has not received yet; None if there are none."""
+        last = self._last_output
+        if last is None or last.is_done:
+            return None
+        launch, batch = last.launch, self.input_batch
+        valid = batch.generation[launch.rows] == launch.generations
+        lookup = np.full(batch.capacity, -1, dtype=np.int64)
+        lookup[launch.rows[valid]] = np.flatnonzero(valid)
+        src = lookup[rows]  # [num_reqs]
+        has = src >= 0
+        if not has.any():
+            return None
+        src = src[has]
+        offset = launch.positions[src] - batch.num_computed_tokens[rows[has]]
+        inside = (offset >= 0) & (offset < num_scheduled[has])
+        if not inside.any():
+            return None
+        dst = query_start_loc[:-1][has][inside].astype(np.int64) + offset[inside]
+        return dst, src[inside]
+
+    def _commit_sampled(self, launch: SampledLaunch, tokens: list[int]) -> None:
+        """The host learns a launched step's tokens: into the input batch rows and request mirrors that
+        still belong to the same requests (a row freed and reused meanwhile is left alone)."""
+        batch = self.input_batch
+        same = batch.generation[launch.rows] == launch.generations
+        values = np.asarray(tokens, dtype=np.int64)
+        batch.fill_tokens(launch.rows[same], launch.positions[same], values[same])
+        for i, row, tok, keep in zip(launch.sampling_idx, launch.rows.tolist(), tokens, same.tolist()):
+            state = self.requests.get(launch.req_ids[i]) if keep else None
+            if state is not None and state.row == row:
+                state.token_ids.append(tok)
+        if self._last_output is not None and self._last_output.launch is launch:
+            self._last_output = None
 
     @staticmethod
     def _any_prompt_logprobs(states: list[CachedRequestState]) -> bool:
@@ -265,32 +342,50 @@ class ModelRunner:
         return any(s.sampling_params.prompt_logprobs is not None for s in states)
 
     def _sample_one_each(self, states, sample_batch_rows: np.ndarray, sampling_idx: np.ndarray,
-                         sample_rows: np.ndarray, hidden, out: ModelRunnerOutput) -> None:
+                         sample_rows: torch.Tensor, hidden, out: ModelRunnerOutput,
+                         staged: dict[str, torch.Tensor] | None = None) -> SampledLaunch | None:
         """A step without drafts: one sampled token per sampling request, metadata from the input batch.
 
         sample_batch_rows: [S] InputBatch rows; sampling_idx: [S] batch indices; sample_rows: [S] rows
-        of `hidden`.
+        of `hidden` (device). Enqueues sampling and the copy of the tokens to the host; the tokens'
+        values reach the input batch and `out` when the returned launch is committed.
         """
-        dev = self.device
-        logits = self.model.compute_logits(hidden[torch.from_numpy(sample_rows).to(dev)])  # [S, vocab]
-        meta = self.sampling_state.build(self.input_batch, sample_batch_rows, logits.shape[-1])
+        logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
+        vocab = logits.shape[-1]
+        if self.vocab_size is None:
+            self.vocab_size = vocab
+        elif vocab != self.vocab_size:
+            raise RuntimeError(f"the model's logits have {vocab} columns, expected {self.vocab_size}")
+        batch = self.input_batch
+        meta = self.sampling_state.build(batch, sample_batch_rows, vocab, staged=staged)
         result = self.sampler(logits, meta)
-        sampled_t = result.sampled_token_ids.cpu()  # the one host sync of the step
-        sampled_np = sampled_t.numpy()
-        self.input_batch.append_sampled(sample_batch_rows, sampled_np)
-        self.sampling_state.record_sampled(self.input_batch, sample_batch_rows, sampled_t)
-        sampled = sampled_np.tolist()
-        out_lists = out.sampled_token_ids
-        for i, tok in zip(sampling_idx.tolist(), sampled):
-            states[i].token_ids.append(tok)
-            out_lists[i] = [tok]
-        if result.logprobs is None:
-            return
-        lp_lists = (result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist())
-        for j, i in enumerate(sampling_idx.tolist()):
-            k = states[i].sampling_params.logprobs
-            if k is not None:
-                out.logprobs[states[i].req_id] = tuple([col[j][: k + 1]] for col in lp_lists)
+        sampled = result.sampled_token_ids  # [S] int64, device
+        positions = batch.advance(sample_batch_rows)
+        self.sampling_state.record_sampled(batch, sample_batch_rows, sampled)
+        lps = None if result.logprobs is None else (result.logprob_token_ids, result.logprobs, result.ranks)
+        event = None
+        if self.device.type == "cpu":
+            sampled_host = sampled
+        else:
+            sampled_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            sampled_host.copy_(sampled, non_blocking=True)
+            if lps is not None:
+                lps = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+                            for x in lps)
+            event = torch.Event(device=self.device)
+            event.record()
+        return SampledLaunch(
+            req_ids=out.req_ids,
+            sampling_idx=sampling_idx.tolist(),
+            rows=sample_batch_rows,
+            generations=batch.generation[sample_batch_rows],
+            positions=positions,
+            sampled=sampled,
+            sampled_host=sampled_host,
+            logprobs_host=lps,
+            num_logprobs=[states[i].sampling_params.logprobs for i in sampling_idx.tolist()],
+            event=event,
+        )
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:
         """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.

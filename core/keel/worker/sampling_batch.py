@@ -65,38 +65,55 @@ class BatchSamplingState:
         self.prompt_mask[idx] = token_counts(prompts, vocab, self.device) > 0
         self._ready_gen[stale] = batch.generation[stale]
 
-    def build(self, batch: InputBatch, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
-        """Metadata for `rows` (one logits row each, in this order). Raises ValueError for a
-        logit_bias token outside the vocabulary, as `SamplingMetadata.build`."""
+    @staticmethod
+    def host_arrays(batch: InputBatch, rows: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
+        """The per-row tensors of the metadata as host arrays in their final dtypes (the runner stages
+        them with the step's other inputs, one copy)."""
+        raw_k = batch.top_k[rows]
+        return {
+            "temperature": batch.temperature[rows].astype(np.float32),
+            "top_p": batch.top_p[rows].astype(np.float32),
+            "top_k": np.where(raw_k == 0, vocab_size, np.minimum(raw_k, vocab_size)),
+            "min_p": batch.min_p[rows].astype(np.float32),
+            "presence_penalties": batch.presence_penalty[rows].astype(np.float32),
+            "frequency_penalties": batch.frequency_penalty[rows].astype(np.float32),
+            "repetition_penalties": batch.repetition_penalty[rows].astype(np.float32),
+            "seeds": batch.seed[rows],
+            "step": batch.num_tokens[rows] - batch.num_prompt_tokens[rows],
+        }
+
+    def build(self, batch: InputBatch, rows: np.ndarray, vocab_size: int,
+              staged: dict[str, torch.Tensor] | None = None) -> SamplingMetadata:
+        """Metadata for `rows` (one logits row each, in this order). `staged`: the device tensors of
+        `host_arrays(batch, rows, vocab_size)` when the caller already moved them. Raises ValueError
+        for a logit_bias token outside the vocabulary, as `SamplingMetadata.build`."""
         dev = self.device
-
-        def _t(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(arr).to(device=dev, dtype=dtype)
-
+        # Flags read the user's exact (float64) values, as SamplingMetadata.build does.
         temperature = batch.temperature[rows]
         top_p = batch.top_p[rows]
         min_p = batch.min_p[rows]
         raw_k = batch.top_k[rows]
-        top_k = np.where(raw_k == 0, vocab_size, np.minimum(raw_k, vocab_size))
+        if staged is None:
+            staged = {k: torch.from_numpy(v).to(dev) for k, v in self.host_arrays(batch, rows, vocab_size).items()}
         greedy = temperature < _SAMPLING_EPS
         num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
         penalized = batch.uses_penalties[rows]
         num_logprobs = batch.num_logprobs[rows]
         max_lp = int(num_logprobs.max()) if rows.shape[0] else -1
         meta = SamplingMetadata(
-            temperature=_t(temperature, torch.float32),
-            top_p=_t(top_p, torch.float32),
-            top_k=_t(top_k, torch.int64),
-            min_p=_t(min_p, torch.float32),
-            presence_penalties=_t(batch.presence_penalty[rows], torch.float32),
-            frequency_penalties=_t(batch.frequency_penalty[rows], torch.float32),
-            repetition_penalties=_t(batch.repetition_penalty[rows], torch.float32),
-            seeds=_t(batch.seed[rows], torch.int64),
-            step=_t(num_outputs, torch.int64),
+            temperature=staged["temperature"],
+            top_p=staged["top_p"],
+            top_k=staged["top_k"],
+            min_p=staged["min_p"],
+            presence_penalties=staged["presence_penalties"],
+            frequency_penalties=staged["frequency_penalties"],
+            repetition_penalties=staged["repetition_penalties"],
+            seeds=staged["seeds"],
+            step=staged["step"],
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
             no_penalties=not bool(penalized.any()),
-            no_top_k=bool((top_k == vocab_size).all()),
+            no_top_k=bool(((raw_k == 0) | (raw_k >= vocab_size)).all()),
             no_top_p=bool((top_p >= 1.0).all()),
             no_min_p=bool((min_p <= 0.0).all()),
             max_num_logprobs=max_lp if max_lp >= 0 else None,

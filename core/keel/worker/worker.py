@@ -19,6 +19,7 @@ from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
 from keel.models.registry import ModelRegistry
 from keel.spec_decode.proposer import ProposerContext
+from keel.worker.async_output import AsyncModelRunnerOutput
 from keel.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("keel.worker")
@@ -152,3 +153,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Enqueue the step; its output comes from `get_output()` (async scheduling)."""
+        return self.runner.execute_model_async(scheduler_output)

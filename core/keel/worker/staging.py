@@ -1,0 +1,86 @@
+"""StagingBuffer: a step's host inputs reach the device in one copy from pinned memory.
+
+A step needs a dozen small host arrays on the device (token ids, positions, query starts, sequence
+lengths, block table, slot mapping, sampling rows and parameters). One `cudaMemcpyAsync` each costs
+host time per call, and a copy from pageable memory may wait for the stream to drain -- which would
+undo async scheduling, where the host prepares step N+1 while the device still runs step N. So the
+model runner packs all of them into one pinned byte buffer (8-byte aligned slices), issues one
+non-blocking copy into a device byte buffer, and hands out typed views of it.
+
+Hazards, and why they are safe: the device buffer is rewritten by the next step's copy, which is
+ordered on the same stream after every kernel of this step that reads it. The pinned buffers are
+rotated (two slots) and a slot is only rewritten after the event recorded behind its last copy
+fired. On a CPU device there is nothing to copy: the arrays are wrapped as tensors in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_ALIGN = 8
+
+
+class StagingBuffer:
+    """Owned by the model runner; `stage` once per step (and only from the runner's thread)."""
+
+    def __init__(self, device: torch.device, num_slots: int = 2) -> None:
+        self.device = torch.device(device)
+        self.is_host = self.device.type == "cpu"
+        self._hosts: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(num_slots)]
+        self._events: list[torch.Event | None] = [None] * num_slots
+        self._device_buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._slot = 0
+        self.num_copies = 0  # host-to-device copies issued (one per non-empty `stage` call)
+
+    def stage(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Device tensors with the arrays' dtypes, shapes and values, moved in one copy.
+
+        The returned tensors are views valid until the next `stage` call's copy runs on the stream
+        (every kernel enqueued before that call may read them).
+        """
+        arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+        if self.is_host:
+            return {name: torch.from_numpy(a) for name, a in arrays.items()}
+        offsets, total = {}, 0
+        for name, a in arrays.items():
+            offsets[name] = total
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        if total == 0:
+            return {name: torch.from_numpy(a).to(self.device) for name, a in arrays.items()}
+        slot = self._slot
+        self._slot = (slot + 1) % len(self._hosts)
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()  # the copy that last read this pinned slot is done
+        if self._hosts[slot].numel() < total:
+            self._hosts[slot] = torch.empty(max(total, 2 * self._hosts[slot].numel()), dtype=torch.uint8,
+                                            pin_memory=True)
+        if self._device_buf.numel() < total:
+            self._device_buf = torch.empty(max(total, 2 * self._device_buf.numel()), dtype=torch.uint8,
+                                           device=self.device)
+        host = self._hosts[slot]
+        host_np = host.numpy()
+        for name, a in arrays.items():
+            off = offsets[name]
+            host_np[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        dev = self._device_buf
+        dev[:total].copy_(host[:total], non_blocking=True)
+        event = torch.Event(device=self.device)
+        event.record()
+        self._events[slot] = event
+        self.num_copies += 1
+        out = {}
+        for name, a in arrays.items():
+            off = offsets[name]
+            dtype = _TORCH_DTYPES[a.dtype]
+            out[name] = dev[off : off + a.nbytes].view(dtype).view(a.shape)
+        return out
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.bool_): torch.bool,
+}
