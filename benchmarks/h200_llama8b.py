@@ -16,6 +16,8 @@ One run measures, in this order, on the same device:
      read over time, as a fraction of the copy bandwidth, for the default and forced split counts;
   7. where a batch-1 decode step's time goes (graph replay alone vs the whole engine step; eager
      per-kernel profile).
+Latency and throughput are measured with async scheduling (the default on the GPU) and, on the same
+engine, with synchronous scheduling, for the ratio.
 Results go to a JSON file (with device, versions and commit) and a PNG plot beside it.
 """
 
@@ -167,15 +169,29 @@ def sweep_decode(out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"copy_bw_GBps": copy_bw, "sweep": rows}, indent=1))
 
 
+def set_async_scheduling(engine, on: bool) -> None:
+    """Switch an idle engine between async and synchronous scheduling (benchmark comparisons only)."""
+    assert not engine.has_unfinished_requests()
+    engine.core.async_scheduling = on
+    engine.core.scheduler.async_scheduling = on
+
+
 def step_profile(engine) -> dict:
     """GPU time of one batch-1 decode forward replayed from its graph, and the eager kernel mix."""
     runner = engine.core.worker.runner
     graphs = runner.cuda_graphs
     result = {}
-    if graphs is not None and 1 in graphs.graphs:
-        graph, _ = graphs.graphs[1]
+    # Graphs are keyed by batch size, or by (query length, batch size) where verify steps are captured.
+    entry = None if graphs is None else graphs.graphs.get(1, graphs.graphs.get((1, 1)))
+    if entry is not None:
+        graph = entry[0]
         result["graph_replay_b1_ms"] = _events_ms(graph.replay, iters=50)
-    ctx = graphs._context(1) if graphs is not None else None
+    ctx = None
+    if graphs is not None:
+        try:
+            ctx = graphs._context(1)
+        except TypeError:
+            ctx = graphs._context(1, 1)
     if ctx is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -351,6 +367,11 @@ def main() -> None:
           f"{result['memory_floor_ms']:.2f} ms", flush=True)
 
     vocab = cfg.vocab_size
+    # The same engine with async scheduling off, for the ratio (the step loop reads these flags per step).
+    set_async_scheduling(engine, False)
+    result["latency_b1_sync"] = run_latency(engine, 1, 128, 256, ns.latency_iters, vocab)
+    print("latency (sync scheduling):", result["latency_b1_sync"], flush=True)
+    set_async_scheduling(engine, True)
     lat = run_latency(engine, 1, 128, 256, ns.latency_iters, vocab)
     result["latency_b1"] = lat
     result["decode_b1_ms_per_token"] = lat["time_per_output_token_ms"]
@@ -361,6 +382,10 @@ def main() -> None:
 
     prompts = random_prompts(ns.num_prompts, 128, vocab, seed=0)
     run_throughput(engine, prompts[:16], 8)  # warm-up
+    set_async_scheduling(engine, False)
+    result["throughput_sync"] = run_throughput(engine, prompts, 128)
+    print("throughput (sync scheduling):", result["throughput_sync"], flush=True)
+    set_async_scheduling(engine, True)
     thr = run_throughput(engine, prompts, 128)
     result["throughput"] = thr
     result["throughput_output_tok_s"] = thr["output_tokens_per_s"]
