@@ -112,8 +112,13 @@ class ModelRunner:
         sizes = [b for b in spec.batch_sizes if b <= max_num_seqs] or [min(spec.batch_sizes)]
         module, _, attr = spec.capturer.partition(":")
         capturer = getattr(importlib.import_module(module), attr)
+        from keel.worker.cuda_graph import graph_query_lens
+
+        # Verify steps (1 + k tokens per request) are captured too where every backend allows it.
+        query_lens = graph_query_lens([layer.backend for layer in self.attn_layers], self.num_speculative_tokens)
         self.cuda_graphs = capturer(self.model, self._builders, self._layer_builder, self.kv_caches, self.device,
-                                    self.block_size, sizes, max_model_len)
+                                    self.block_size, sizes, max_model_len,
+                                    **({"query_lens": query_lens} if query_lens != (1,) else {}))
         self.cuda_graphs.capture()
         return True
 
