@@ -17,12 +17,12 @@ CUDA_TESTS="tests/test_cuda_platform.py tests/test_cuda_engine.py tests/test_cud
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider $CUDA_TESTS >"$OUT/tests.log" 2>&1
+    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider $CUDA_TESTS >"$OUT/tests.log" 2>&1
            tail -4 "$OUT/tests.log";;
-    llama) timeout 420 python3 benchmarks/h200_llama8b.py --out "$OUT/h200-llama8b.json" >"$OUT/llama.log" 2>&1
+    llama) timeout 480 python3 benchmarks/h200_llama8b.py --out "$OUT/h200-llama8b.json" >"$OUT/llama.log" 2>&1
            tail -12 "$OUT/llama.log";;
     dsv2-profile) cp benchmarks/results/h200-dsv2lite.json "$OUT/" 2>/dev/null
-           timeout 240 python3 benchmarks/h200_dsv2lite.py --profile-only --out "$OUT/h200-dsv2lite.json" \
+           timeout 150 python3 benchmarks/h200_dsv2lite.py --profile-only --out "$OUT/h200-dsv2lite.json" \
              >"$OUT/dsv2.log" 2>&1; tail -5 "$OUT/dsv2.log";;
     dsv2) timeout 480 python3 benchmarks/h200_dsv2lite.py --out "$OUT/h200-dsv2lite.json" >"$OUT/dsv2.log" 2>&1
           tail -12 "$OUT/dsv2.log";;
