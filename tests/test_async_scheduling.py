@@ -146,5 +146,5 @@ def test_async_with_speculative_decoding_is_refused(model_path):
 
 def test_cpu_default_is_synchronous(model_path):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_path), skip_tokenizer_init=True,
-                                                   max_model_len=32))
+                                                   max_model_len=32, platform="cpu"))
     assert engine.core.async_scheduling is False

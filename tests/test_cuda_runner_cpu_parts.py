@@ -27,6 +27,10 @@ from keel.worker.cuda_graph import DecodeGraphRunner, graph_query_lens
 # kernel modules are first imported (they are imported inside the tests).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Kernel tests on CPU tensors need the interpreter; on a GPU machine tests/test_cuda_spec_graphs.py runs the
+# same steps captured on the device.
+interpreted_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton "
+                                      "interpreter; tests/test_cuda_spec_graphs.py covers the GPU")
 
 
 def _config_only(path):
@@ -172,6 +176,7 @@ def _flash_impl(case: AttentionCase, splits: int | None):
     (AttentionCase(context_lens=(90, 5, 33), query_lens=(4, 4, 4), num_heads=4, num_kv_heads=1, head_size=64,
                    block_size=32, sliding_window=40), 3),
 ])
+@interpreted_only
 def test_flash_uniform_verify_step_through_the_runner(case, splits):
     """A uniform q-token step staged into the runner's buffers (one padding request: seq_len 0, slots -1,
     NaN q/k/v rows) gives the eager varlen kernel's output and the dense reference, and writes the cache
@@ -280,6 +285,7 @@ def _mla_step(context_lens, q, bs, gen):
 
 
 @pytest.mark.parametrize("q,splits", [(2, None), (4, 3)])
+@interpreted_only
 def test_mla_uniform_verify_step_through_the_runner(q, splits):
     """triton_mla: a uniform verify step runs the absorbed split-K kernel with q rows per request (no
     prefill tiles); staged through the runner with a padding request it equals the eager query-tile
