@@ -114,7 +114,6 @@ class DeepseekV2MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden] -> [num_tokens, hidden]
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # The shared experts' output rides into the routed experts' combine (one kernel on the Triton path).
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, self.gate(x), self.gate.e_score_correction_bias, residual=shared)

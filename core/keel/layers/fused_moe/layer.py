@@ -109,7 +109,10 @@ class FusedMoE(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
         e_score_correction_bias: torch.Tensor | None = None,  # [num_experts]
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]; weighted sum of the chosen experts' outputs
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size], added to the output
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]; weighted sum of the chosen experts' outputs (+ residual)
+        """`residual` (e.g. shared experts' output) is added in the Triton path's combine kernel, saving a
+        launch; the result equals `forward(hidden, router_logits, bias) + residual` in either path."""
         use_triton = self.backend == "triton" or (self.backend == "auto" and triton_available(hidden.device))
         # Routing follows the expert path: one kernel where the fused experts run (and it handles the
         # configuration), the torch reference otherwise.
@@ -121,11 +124,11 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
         if use_triton:
             self.last_backend = "triton"
-            fn = fused_experts_triton
-        else:
-            self.last_backend = "torch"
-            fn = fused_experts_torch
-        return fn(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+            return fused_experts_triton(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                        self.activation, residual)
+        self.last_backend = "torch"
+        out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        return out if residual is None else out + residual
 
     def extra_repr(self) -> str:
         return (

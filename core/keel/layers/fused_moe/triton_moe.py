@@ -8,9 +8,15 @@ or anywhere under `TRITON_INTERPRET=1` (the interpreter runs kernels on CPU tens
    that received no tokens get no block at all. Sizes are upper bounds known without a host sync;
    blocks past the real end exit immediately. Small steps do this in one kernel (align_triton.py).
 2. `_fused_moe_kernel` on w13: rows gathered from `hidden` by sorted id // top_k, times the block's
-   expert weight -> [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
-3. the gated activation in torch, then `_fused_moe_kernel` on w2, multiplying each row by its routing
-   weight -> [num_tokens * top_k, hidden]; the combine is a sum over the top_k slots.
+   expert weight -> gate_up [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
+3. `_fused_moe_kernel` on w2, multiplying each row by its routing weight -> [num_tokens * top_k, hidden].
+   For silu the gated activation happens in this GEMM's A load (silu(gate) * up, rounded as the torch
+   path rounds), so no intermediate tensor exists; other activations run in torch in between.
+4. `moe_sum` adds the top_k slots of each token (and optionally a residual such as the shared experts'
+   output) in one small kernel.
+
+Tile sizes come from `tile_config.get_moe_tile_configs` (tuned JSON files per device and shape, else a
+heuristic); both GEMMs of a call use one block_m, the padding unit of step 1.
 
 The kernels are jitted on first use and cached per interpreter mode, because Triton decides at
 decoration time whether a function is compiled or interpreted.
@@ -25,6 +31,7 @@ from typing import Any
 import torch
 
 from keel.layers.activation import get_act_and_mul_fn
+from keel.layers.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
 
 try:  # optional: the torch reference path needs no Triton
     import triton
@@ -33,7 +40,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-BLOCK_M = 16
+BLOCK_M = 16  # the default padding unit of moe_align_block_size (callers of the GEMMs pass their own)
+# Activations the w2 GEMM computes in its A load; the rest run in torch between the GEMMs.
+FUSED_ACTIVATIONS = ("silu", "swish")
 
 
 def _interpreting() -> bool:
@@ -69,6 +78,7 @@ def _fused_moe_kernel(
     stride_cm,
     stride_cn,
     A_ROW_DIV: tl.constexpr,
+    ACT_SILU: tl.constexpr,  # A is gate_up [rows, 2 * K]; the GEMM reads silu(A[:, :K]) * A[:, K:]
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -96,7 +106,15 @@ def _fused_moe_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k in range((K + BLOCK_K - 1) // BLOCK_K):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        a_mask = token_mask[:, None] & (offs_k[None, :] < k_left)
+        if ACT_SILU:
+            # Rounded twice to A's dtype, as torch's F.silu(gate) * up rounds each op's result.
+            gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            up = tl.load(a_ptrs + K * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(a_ptr.dtype.element_ty).to(tl.float32)
+            a = (act * up).to(a_ptr.dtype.element_ty)
+        else:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
             a = a.to(tl.float32)
@@ -112,10 +130,72 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_n[None, :] < N))
 
 
+def _moe_sum_kernel(
+    down_ptr,  # [num_tokens, TOP_K, H]
+    out_ptr,  # [num_tokens, H], written
+    residual_ptr,  # [num_tokens, H] (read when HAS_RESIDUAL)
+    H,
+    stride_dt,
+    stride_dk,
+    stride_ot,
+    stride_rt,
+    TOP_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # out[t] = sum_j down[t, j] (+ residual[t]); the sum is accumulated in float32 and rounded once, then
+    # the residual is added and rounded again: the roundings of torch's `.sum(1)` followed by `+`.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.full((BLOCK_H,), 0.0, dtype=tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(down_ptr + t * stride_dt + j * stride_dk + offs, mask=mask, other=0.0).to(tl.float32)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + t * stride_rt + offs, mask=mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + res).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + offs, out, mask=mask)
+
+
 @functools.cache
 def _jitted(interpret: bool) -> Any:
     del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
     return triton.jit(_fused_moe_kernel)
+
+
+@functools.cache
+def _jitted_sum(interpret: bool) -> Any:
+    del interpret
+    return triton.jit(_moe_sum_kernel)
+
+
+def moe_sum(
+    down: torch.Tensor,  # [num_tokens, top_k, hidden]
+    out: torch.Tensor | None = None,  # [num_tokens, hidden], written; allocated when None
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]: down.sum(1) (+ residual), dtype of down
+    """The top_k combine of `fused_experts_triton` in one launch, optionally adding `residual` (the
+    DeepSeek MoE block passes its shared experts' output). Rounds like `down.sum(1) + residual`."""
+    if down.dim() != 3 or down.stride(2) != 1:
+        raise ValueError(f"moe_sum needs down [tokens, top_k, hidden] with unit last stride, got {down.shape}")
+    num_tokens, top_k, hidden = down.shape
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=down.dtype, device=down.device)
+    for name, t in (("out", out), ("residual", residual)):
+        if t is not None and (t.shape != (num_tokens, hidden) or t.stride(1) != 1):
+            raise ValueError(f"moe_sum {name} must be [{num_tokens}, {hidden}] with unit last stride, "
+                             f"got {tuple(t.shape)}")
+    if num_tokens == 0:
+        return out
+    interpret = _interpreting()
+    block_h = min(512 if not interpret else 64, triton.next_power_of_2(hidden))
+    res = residual if residual is not None else out
+    _jitted_sum(interpret)[(num_tokens, -(-hidden // block_h))](
+        down, out, res, hidden, down.stride(0), down.stride(1), out.stride(0), res.stride(0),
+        TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
+    )
+    return out
 
 
 def moe_align_block_size(
@@ -172,33 +252,38 @@ def moe_align_block_size_torch(
 
 
 def _invoke(
-    a: torch.Tensor,  # [rows_a, K]
+    a: torch.Tensor,  # [rows_a, K], or [rows_a, 2 * K] gate_up with act_silu
     b: torch.Tensor,  # [E, N, K]
     c: torch.Tensor,  # [num_tokens * top_k, N], written
     topk_weights: torch.Tensor | None,  # [num_tokens * top_k] float32
-    sorted_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    total: torch.Tensor,
+    sorted_ids: torch.Tensor,  # [max_padded] int32, padded to config.block_m
+    expert_ids: torch.Tensor,  # [max_padded // config.block_m] int32
+    total: torch.Tensor,  # [1] int32
     a_row_div: int,
+    config: MoETileConfig,
+    act_silu: bool = False,
 ) -> None:
     interpret = _interpreting()
     kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
-    block_n = 64 if n >= 64 else 32
-    block_k = 32
-    grid = (expert_ids.numel(), -(-n // block_n))
+    if expert_ids.numel() * config.block_m != sorted_ids.numel():
+        raise ValueError(f"sorted ids were padded for another block_m than the tile config's {config.block_m}")
+    grid = (expert_ids.numel(), -(-n // config.block_n))
     kernel[grid](
         a, b, c, topk_weights if topk_weights is not None else c, sorted_ids, expert_ids, total,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div,
+        ACT_SILU=act_silu,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         # float32 must not silently drop to TF32 on GPUs: fidelity tests compare at 1e-4.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST_DOT=interpret and a.dtype != torch.float32,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
@@ -209,18 +294,28 @@ def fused_experts_triton(
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     activation: str = "silu",
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden_size], added to the result
+    *,
+    tile_configs: tuple[MoETileConfig, MoETileConfig] | None = None,  # (w13, w2); default: get_moe_tile_configs
 ) -> torch.Tensor:  # [num_tokens, hidden_size], dtype of hidden
-    """Same contract as `fused_experts_torch`, computed by the grouped-GEMM kernel."""
+    """Same contract as `fused_experts_torch` (plus `residual`), computed by the grouped-GEMM kernel."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros_like(hidden) if residual is None else residual.clone()
     hidden = hidden.contiguous()
-    sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0])
+    if tile_configs is None:
+        tile_configs = get_moe_tile_configs(num_tokens, tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype,
+                                            hidden.device, _interpreting())
+    c13, c2 = tile_configs
+    if c13.block_m != c2.block_m:
+        raise ValueError(f"both GEMMs of one MoE call need one block_m, got {c13.block_m} and {c2.block_m}")
+    sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
     gate_up = torch.empty(rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _invoke(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, a_row_div=top_k)
-    inter = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
+    _invoke(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
+    fuse = activation.lower() in FUSED_ACTIVATIONS
+    inter = gate_up if fuse else get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
     down = torch.empty(rows, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _invoke(inter, w2, down, weights, sorted_ids, expert_ids, total, a_row_div=1)
-    return down.view(num_tokens, top_k, -1).sum(dim=1)
+    _invoke(inter, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
+    return moe_sum(down.view(num_tokens, top_k, -1), residual=residual)

@@ -1,0 +1,192 @@
+"""Tile sizes of the fused MoE grouped GEMM: tuned per device and GEMM shape, or a heuristic.
+
+`fused_experts_triton` asks `get_moe_tile_configs` once per call (the answer is cached, so a decode step
+pays a dict lookup per layer). Tuned tiles live in JSON files named like vLLM's,
+
+    configs/E={num_experts},N={n},K={k},device_name={torch.cuda.get_device_name() with spaces as _}.json
+
+one file per GEMM shape (the w13 GEMM has N = 2 * intermediate, K = hidden; the w2 GEMM N = hidden,
+K = intermediate), mapping a token count to a config:
+
+    {"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "num_warps": 4, "num_stages": 4}, ...}
+
+A step of M tokens uses the entry with the smallest key >= M, else the largest key. The folder named by
+KEEL_MOE_TILE_CONFIG_DIR is searched before the package's own `configs/` (which
+`benchmarks/h200_moe_tiles.py` writes). Files describe 16-bit activations; float32 and interpreted runs
+always use the built-in tiles. The choice depends on the token count only, never on the routing, so a
+step captured in a CUDA graph replays with the launch shapes it was captured with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_DIR_ENV = "KEEL_MOE_TILE_CONFIG_DIR"
+_JSON_KEYS = {"block_m": "BLOCK_SIZE_M", "block_n": "BLOCK_SIZE_N", "block_k": "BLOCK_SIZE_K",
+              "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+class MoETileConfigError(ValueError):
+    """A tile config file or value is malformed (names the file and the offending entry)."""
+
+
+@dataclass(frozen=True)
+class MoETileConfig:
+    """Launch parameters of one `_fused_moe_kernel` launch. `block_m` is also the padding unit of
+    `moe_align_block_size`, so both GEMMs of one MoE call share it."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise MoETileConfigError(f"{name} must be a positive power of two, got {v!r}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
+            raise MoETileConfigError(f"tl.dot needs tiles of at least 16, got {self}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise MoETileConfigError(f"num_stages must be a positive int, got {self.num_stages!r}")
+
+    def to_json(self) -> dict[str, int]:
+        return {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> MoETileConfig:
+        missing = [k for k in _JSON_KEYS.values() if k not in entry]
+        if missing:
+            raise MoETileConfigError(f"tile config {entry} lacks {missing}")
+        return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()})
+
+
+def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
+    """The file name tuned tiles for this GEMM shape on `device_name` are stored under."""
+    return f"E={num_experts},N={n},K={k},device_name={device_name.replace(' ', '_')}.json"
+
+
+def read_tile_config_file(path: Path) -> dict[int, MoETileConfig]:
+    """token count -> config, from one JSON file (raises MoETileConfigError naming the file)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        if not isinstance(raw, dict) or not raw:
+            raise MoETileConfigError("expected a non-empty object of token count -> config")
+        return {int(m): MoETileConfig.from_json(entry) for m, entry in raw.items()}
+    except (OSError, ValueError, TypeError) as e:
+        raise MoETileConfigError(f"bad MoE tile config file {path}: {e}") from e
+
+
+def write_tile_config_file(path: Path, configs: dict[int, MoETileConfig]) -> None:
+    """Store `configs` (token count -> config) in the format `read_tile_config_file` reads."""
+    body = {str(m): configs[m].to_json() for m in sorted(configs)}
+    Path(path).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def _search_dirs() -> list[Path]:
+    extra = os.environ.get(CONFIG_DIR_ENV)
+    return ([Path(extra)] if extra else []) + [CONFIG_DIR]
+
+
+@functools.cache
+def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path, ...]) -> dict[int, MoETileConfig]:
+    name = config_file_name(num_experts, n, k, device_name)
+    for d in dirs:
+        if (d / name).is_file():
+            return read_tile_config_file(d / name)
+    return {}
+
+
+def pick_for_tokens(configs: dict[int, MoETileConfig], num_tokens: int) -> MoETileConfig:
+    """The entry with the smallest key >= num_tokens, else the one with the largest key."""
+    above = [m for m in configs if m >= num_tokens]
+    return configs[min(above) if above else max(configs)]
+
+
+def default_moe_tile_config(
+    num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, interpret: bool = False
+) -> MoETileConfig:
+    """Built-in tiles. Interpreted: small tiles (every program runs in Python). Compiled: at decode sizes
+    (few rows per expert) the GEMM streams expert weights, so short M tiles, deep K tiles and several
+    stages keep many loads in flight; larger steps grow M and N tiles to reuse each weight tile."""
+    del k  # part of the signature so tuned and default lookups take the same arguments
+    if interpret:
+        return MoETileConfig(16, 64 if n >= 64 else 32, 32, 4, 1)
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    wide = dtype.itemsize <= 2  # float32 tiles take twice the shared memory
+    if rows_per_expert <= 16:
+        return MoETileConfig(16, 64, 128 if wide else 64, 4, 4 if wide else 3)
+    if rows_per_expert <= 64:
+        return MoETileConfig(32, 64, 128 if wide else 64, 4, 3)
+    return MoETileConfig(64, 128 if wide else 64, 64, 8, 3 if wide else 2)
+
+
+def _device_name(device: torch.device) -> str | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+def get_moe_tile_config(
+    num_tokens: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    interpret: bool | None = None,
+) -> MoETileConfig:
+    """Tiles for one grouped GEMM with weights [num_experts, n, k] over num_tokens * top_k rows: the tuned
+    file's entry for this device and shape if there is one (16-bit dtypes, compiled), else the default.
+    `interpret` defaults to whether TRITON_INTERPRET is set."""
+    if interpret is None:
+        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _lookup(num_tokens, num_experts, n, k, top_k, dtype, torch.device(device), interpret)
+
+
+@functools.cache
+def _lookup(
+    num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, device: torch.device,
+    interpret: bool,
+) -> MoETileConfig:
+    name = None if interpret or dtype.itemsize > 2 else _device_name(device)
+    if name is not None:
+        tuned = _tuned(num_experts, n, k, name, tuple(_search_dirs()))
+        if tuned:
+            return pick_for_tokens(tuned, num_tokens)
+    return default_moe_tile_config(num_tokens, num_experts, n, k, top_k, dtype, interpret)
+
+
+def get_moe_tile_configs(
+    num_tokens: int,
+    w13_shape: tuple[int, int, int],  # [E, 2 * intermediate, hidden]
+    w2_shape: tuple[int, int, int],  # [E, hidden, intermediate]
+    top_k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    interpret: bool | None = None,
+) -> tuple[MoETileConfig, MoETileConfig]:
+    """(w13 GEMM tiles, w2 GEMM tiles) for one MoE call; the w2 tiles take the w13 block_m (the sorted rows
+    are padded once, to that block_m; the sweep writes both files with equal block_m per token count)."""
+    e, n13, k13 = w13_shape
+    c13 = get_moe_tile_config(num_tokens, e, n13, k13, top_k, dtype, device, interpret)
+    c2 = get_moe_tile_config(num_tokens, e, w2_shape[1], w2_shape[2], top_k, dtype, device, interpret)
+    if c2.block_m != c13.block_m:
+        c2 = dataclasses.replace(c2, block_m=c13.block_m)
+    return c13, c2
+
+
+def clear_tile_config_cache() -> None:
+    """Forget looked-up files and answers (tests; a process that wrote new files)."""
+    _tuned.cache_clear()
+    _lookup.cache_clear()
