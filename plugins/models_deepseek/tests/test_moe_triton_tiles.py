@@ -1,0 +1,129 @@
+"""The fused MoE kernels under the Triton interpreter: explicit tile configs (block_m 16/32/64), the silu
+fused into the w2 GEMM's A load, and `moe_sum` (top-k combine + residual), each against torch on fresh
+random inputs with idle experts and output buffers poisoned with NaN (every entry must be written)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keel.layers.fused_moe import FusedMoE, RoutingConfig, fused_experts_torch, fused_experts_triton
+from keel.layers.fused_moe.tile_config import MoETileConfig
+from keel.layers.fused_moe.triton_moe import _invoke, moe_align_block_size, moe_sum
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(seed, tokens, hidden, inter, experts, top_k, dtype=torch.float32, used=None):
+    """Random weights and routing; only the experts in `used` (default: all) receive tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    w = torch.rand(tokens, top_k, generator=gen)
+    pool = torch.tensor(used if used is not None else range(experts))
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:top_k]] for _ in range(tokens)])
+    return x, w13, w2, w, ids
+
+
+BF16_INTERPRETED_TOL = 2e-2
+CONFIGS = [
+    MoETileConfig(16, 32, 32, 4, 1),
+    MoETileConfig(32, 64, 16, 4, 1),
+    MoETileConfig(64, 32, 64, 4, 1),  # block_k past K: the masked tail is the whole tile
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}")
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (19, 3)])
+def test_explicit_tiles_match_torch(cfg, tokens, top_k):
+    x, w13, w2, w, ids = _inputs(tokens + cfg.block_m, tokens, 40, 24, 8, top_k, used=[1, 4, 5, 7])
+    ref = fused_experts_torch(x, w13, w2, w, ids)
+    out = fused_experts_triton(x, w13, w2, w, ids, tile_configs=(cfg, cfg))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tile_pair_must_share_block_m():
+    x, w13, w2, w, ids = _inputs(0, 3, 16, 8, 4, 2)
+    with pytest.raises(ValueError, match="one block_m"):
+        fused_experts_triton(x, w13, w2, w, ids, tile_configs=(CONFIGS[0], CONFIGS[1]))
+
+
+def _gemm_pair(gate_up, w2, ids, w, cfg, act_silu):
+    """The w2 GEMM on gate_up [rows, 2 * inter], either fused (silu in the A load) or after torch's
+    silu-and-mul; the output starts as NaN everywhere."""
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, w2.shape[0], cfg.block_m)
+    a = gate_up if act_silu else F.silu(gate_up[:, : w2.shape[2]]) * gate_up[:, w2.shape[2]:]
+    down = torch.full((gate_up.shape[0], w2.shape[1]), float("nan"), dtype=gate_up.dtype)
+    _invoke(a, w2, down, w.reshape(-1).float(), sorted_ids, expert_ids, total, 1, cfg, act_silu=act_silu)
+    return down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"m{c.block_m}")
+def test_fused_silu_matches_torch_activation(dtype, cfg):
+    tokens, top_k, inter = 13, 2, 24
+    _, _, w2, w, ids = _inputs(7, tokens, 32, inter, 6, top_k, dtype, used=[0, 2, 3])
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(tokens * top_k, 2 * inter, generator=gen) * 3).to(dtype)  # silu's curved range
+    fused = _gemm_pair(gate_up, w2, ids, w, cfg, act_silu=True)
+    unfused = _gemm_pair(gate_up, w2, ids, w, cfg, act_silu=False)
+    assert not fused.isnan().any()
+    # float32 agrees to the last bits. The interpreter truncates float32 -> bf16 casts (compiled kernels
+    # round to nearest even, as torch does), so bf16 agrees to a couple of ulps here; exact on the GPU.
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, unfused, atol=1e-6, rtol=1e-6)
+    else:  # the dot of truncated operands: absolute error scales with the outputs' size
+        scale = unfused.float().abs().max().item()
+        torch.testing.assert_close(fused.float(), unfused.float(), atol=1e-2 * scale, rtol=BF16_INTERPRETED_TOL)
+
+
+def test_unfused_activation_keeps_torch_path():
+    x, w13, w2, w, ids = _inputs(3, 9, 24, 16, 6, 2, used=[1, 2, 5])
+    for act in ("gelu", "gelu_pytorch_tanh", "silu", "swish"):
+        ref = fused_experts_torch(x, w13, w2, w, ids, act)
+        torch.testing.assert_close(fused_experts_triton(x, w13, w2, w, ids, act), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,hidden", [(1, 40), (6, 100), (3, 130)])
+def test_moe_sum_matches_torch(dtype, top_k, hidden):
+    gen = torch.Generator().manual_seed(top_k * hidden)
+    down = torch.randn(5, top_k, hidden, generator=gen).to(dtype)
+    res = torch.randn(5, hidden, generator=gen).to(dtype)
+    out = torch.full((5, hidden), float("nan"), dtype=dtype)
+    tol = 1e-6 if dtype == torch.float32 else BF16_INTERPRETED_TOL  # see test_fused_silu_matches_torch_activation
+    assert moe_sum(down, out) is out
+    torch.testing.assert_close(out, down.sum(1), atol=tol, rtol=tol)
+    out.fill_(float("nan"))
+    moe_sum(down, out, residual=res)
+    torch.testing.assert_close(out, down.sum(1) + res, atol=tol, rtol=tol)
+    assert moe_sum(down[:0]).shape == (0, hidden)
+
+
+def test_moe_sum_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="tokens, top_k, hidden"):
+        moe_sum(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="residual"):
+        moe_sum(torch.zeros(4, 2, 8), residual=torch.zeros(4, 9))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_layer_residual_equals_separate_add(backend):
+    routing = RoutingConfig(num_experts=6, top_k=2, renormalize=True)
+    layer = FusedMoE(6, 16, 8, routing, backend=backend)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        layer.w13_weight.copy_(torch.randn(6, 16, 16, generator=gen) / 4)
+        layer.w2_weight.copy_(torch.randn(6, 16, 8, generator=gen) / 3)
+    x, logits, res = torch.randn(7, 16, generator=gen), torch.randn(7, 6, generator=gen), torch.randn(7, 16)
+    torch.testing.assert_close(layer(x, logits, residual=res), layer(x, logits) + res, atol=1e-6, rtol=1e-6)
+    assert layer.last_backend == backend
+    empty = layer(x[:0], logits[:0], residual=res[:0])
+    assert empty.shape == (0, 16)
