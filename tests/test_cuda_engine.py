@@ -134,3 +134,50 @@ def test_keel_bench_runs_on_the_gpu(ckpt, kind):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{"):])
     assert (result["time_per_output_token_ms"] if kind == "latency" else result["output_tokens_per_s"]) > 0
+
+
+@pytest.mark.parametrize("engine_core_process", [False, True], ids=["core-thread", "core-process"])
+def test_async_llm_on_cuda_matches_sync_scheduling_and_frees_kv(ckpt, engine_core_process):
+    """The server's engine (AsyncLLM, async scheduling on by default on CUDA), with the core on a thread or
+    in its own spawned process: the same greedy tokens as a synchronously scheduled engine, and a client
+    that leaves early frees its blocks."""
+    import asyncio
+
+    from keel.engine.async_llm import AsyncLLM
+
+    prompts = _prompts(5, [9, 30, 17])
+    sync = _engine(ckpt, async_scheduling=False)
+    expected = [o.token_ids for o in _generate(sync, prompts, 12)]
+    sync.shutdown()
+    del sync
+    args = {"model": str(ckpt), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 16,
+            "max_model_len": 256, "plugins": PLUGINS, "platform": "cuda", "attention_backend": "triton_flash",
+            "max_num_seqs": 16, "gpu_memory_utilization": 0.3, "engine_core_process": engine_core_process}
+    engine = AsyncLLM.from_engine_args(EngineArgs(**args))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def one(i, p):
+        tokens = []
+        async for out in engine.generate({"prompt_token_ids": p}, params, f"r{i}"):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def run():
+        got = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        gen = engine.generate({"prompt_token_ids": prompts[0]},
+                              SamplingParams(max_tokens=200, ignore_eos=True), "long")
+        await anext(gen)
+        await gen.aclose()
+        for _ in range(500):
+            m = engine.get_metrics()
+            if m["kv_cache_usage"] == 0 and m["num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    try:
+        assert asyncio.run(run()) == expected
+        m = engine.get_metrics()
+        assert m["kv_cache_usage"] == 0 and m["num_requests_running"] == 0
+    finally:
+        engine.shutdown()
