@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install keel (no network), run the CUDA tests, then the H200 benchmarks.
-#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [tests] [llama] [dsv2-profile] [dsv2]
+#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [moe-tiles] [tests] [llama] [dsv2-profile] [dsv2]
 # Logs and results land in $OUT (each part has its own time limit so one slow part cannot eat the rest).
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -13,12 +13,14 @@ CUDA_TESTS="tests/test_cuda_platform.py tests/test_cuda_engine.py tests/test_cud
  tests/test_cuda_deepseek_preemption.py tests/test_cuda_spec_graphs.py tests/test_cuda_runner_cpu_parts.py
  tests/test_sampler_cuda.py tests/test_async_scheduling.py plugins/attention_flash/tests plugins/kernels_triton/tests
  plugins/models_deepseek/tests/test_fused_moe.py plugins/models_deepseek/tests/test_moe_routing_align_gpu.py
- plugins/attention_torch/tests/test_attention_torch_conformance.py"
+ plugins/models_deepseek/tests/test_moe_triton_tiles_gpu.py plugins/attention_torch/tests/test_attention_torch_conformance.py"
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider $CUDA_TESTS >"$OUT/tests.log" 2>&1
+    tests) timeout 400 python3 -m pytest -p no:cacheprovider -rfE $CUDA_TESTS >"$OUT/tests.log" 2>&1
            tail -4 "$OUT/tests.log";;
+    moe-tiles) timeout 170 python3 benchmarks/h200_moe_tiles.py --out "$OUT" >"$OUT/moe-tiles.log" 2>&1
+           tail -16 "$OUT/moe-tiles.log";;
     llama) timeout 480 python3 benchmarks/h200_llama8b.py --out "$OUT/h200-llama8b.json" >"$OUT/llama.log" 2>&1
            tail -12 "$OUT/llama.log";;
     dsv2-profile) cp benchmarks/results/h200-dsv2lite.json "$OUT/" 2>/dev/null
