@@ -56,7 +56,7 @@ def test_tuned_file_is_used_for_its_device_and_shape(fake_h200):
     assert get_moe_tile_config(7, 64, 2816, 2048, 6, torch.float16, CUDA, False) == tuned[64]
     assert get_moe_tile_config(9999, 64, 2816, 2048, 6, torch.bfloat16, CUDA, False) == tuned[64]
     # another shape, float32, the interpreter, or a CPU device: no file applies
-    for args in ((1, 64, 2048, 1408, 6, torch.bfloat16, CUDA, False), (1, 64, 2816, 2048, 6, torch.float32, CUDA, False),
+    for args in ((1, 64, 4096, 1000, 6, torch.bfloat16, CUDA, False), (1, 64, 2816, 2048, 6, torch.float32, CUDA, False),
                  (1, 64, 2816, 2048, 6, torch.bfloat16, CUDA, True),
                  (1, 64, 2816, 2048, 6, torch.bfloat16, torch.device("cpu"), False)):
         assert get_moe_tile_config(*args) == default_moe_tile_config(*args[:6], interpret=args[7])
