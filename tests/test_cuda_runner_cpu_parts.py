@@ -72,6 +72,24 @@ def test_profile_run_returns_temporary_cache_bytes(tmp_path):
     assert temp == blocks * runner.kv_cache_bytes_per_block()
 
 
+def test_warm_up_runs_every_power_of_two_step_size_on_device_platforms_only(tmp_path, monkeypatch):
+    _config_only(tmp_path)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64,
+        max_num_batched_tokens=100))
+    worker = engine.core.worker
+    runs = []
+    monkeypatch.setattr(worker.runner, "profile_run", lambda n, seqs, length: runs.append((n, seqs, length)))
+    worker.warm_up()
+    assert runs == []  # the CPU compiles nothing worth a warm-up
+    assert worker.runner.warm_up(100, 8, 64) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert runs == [(n, 8, 64) for n in (1, 2, 4, 8, 16, 32, 64, 100)]
+    monkeypatch.setattr(worker, "device", torch.device("meta"))  # any device platform
+    runs.clear()
+    worker.warm_up()
+    assert [n for n, _, _ in runs] == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
 def test_platform_base_memory_queries_default_to_unknown():
     p = Platform()
     p.reset_peak_memory_stats()

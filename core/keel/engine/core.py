@@ -30,6 +30,7 @@ class EngineCore:
 
         self.worker = Worker(config, self.plugins, self.platform)
         self.worker.load_model()
+        self.worker.warm_up()
         num_blocks = self.worker.determine_num_blocks(sched.max_num_seqs, self.max_model_len)
         self.worker.initialize_kv_cache(num_blocks)
         spec = self.worker.kv_cache_spec()

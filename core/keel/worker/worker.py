@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 
 from keel.attention.backend import AttentionLayerConfig, BackendRequest
 from keel.attention.selector import select_attention_backend
@@ -85,6 +86,20 @@ class Worker:
                 self.platform, request, self.config.device.attention_backend, self.plugins
             )
         return self._backends[key]
+
+    def warm_up(self) -> None:
+        """Called by the engine core after `load_model`, before the KV cache is sized: on device platforms,
+        compile the size-specialized kernels a step can select (see `ModelRunner.warm_up`). The CPU runs
+        no JIT-compiled kernels worth it (and interpreted Triton would only be slow)."""
+        if self.device.type == "cpu":
+            return
+        sched = self.config.scheduler
+        max_len = self.config.model.derived_max_model_len
+        start = time.perf_counter()
+        sizes = self.runner.warm_up(sched.max_num_batched_tokens or max_len, sched.max_num_seqs, max_len)
+        self.platform.synchronize()
+        self.platform.empty_cache()
+        logger.info("warmed up steps of %s tokens in %.1f s", sizes, time.perf_counter() - start)
 
     def kv_cache_spec(self):
         return self.runner.kv_cache_spec()
