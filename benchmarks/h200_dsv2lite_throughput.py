@@ -83,11 +83,39 @@ def variant(name: str, shape: dict, prompts, patch=None) -> dict:
     return out
 
 
+def hf_weights_variant(shape: dict, prompts) -> dict:
+    """As h200_dsv2lite.py measures: transformers' model resident on the GPU and its weights loaded into
+    the engine; then the same after transformers' model is freed (allocator headroom vs weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from keel.bench import random_prompts
+
+    cfg, model_dir = _ds.write_config(shape)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    engine = _ds.make_engine(model_dir, eager=False)
+    runner = engine.core.worker.runner
+    runner.model.load_weights(_ds.per_expert(hf.state_dict(), shape))
+    runner.model.process_weights_after_loading()
+    engine.core.scheduler.kv.reset_prefix_cache()
+    others = [random_prompts(len(prompts), 128, shape["vocab_size"], seed=s) for s in (1, 2)]
+    out = {"cold_hf_resident": timed_run(engine, prompts, 128),
+           "warm_hf_resident": timed_run(engine, others[0], 128)}
+    del hf
+    torch.cuda.empty_cache()
+    out["warm_hf_freed"] = timed_run(engine, others[1], 128)
+    out["free_memory_gib"] = torch.cuda.mem_get_info()[0] / 2**30
+    engine.shutdown()
+    print("hf_weights", json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200-dsv2lite-throughput.json")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--default-only", action="store_true", help="only the default engine's variants")
+    ap.add_argument("--hf-weights-only", action="store_true", help="only the transformers-weights variant")
     ns = ap.parse_args()
     from keel.bench import random_prompts
     from keel.layers.fused_moe.tile_config import MoETileConfig
@@ -96,6 +124,10 @@ def main() -> None:
     prompts = random_prompts(ns.num_prompts, 128, shape["vocab_size"], seed=0)
     legacy = MoETileConfig(16, 64, 32, 4, 3)
     result = {"device": torch.cuda.get_device_name(), "num_prompts": ns.num_prompts, "variants": {}}
+    if ns.hf_weights_only:
+        result["variants"]["hf_weights"] = hf_weights_variant(shape, prompts)
+        Path(ns.out).write_text(json.dumps(result, indent=2))
+        return
     result["variants"]["default"] = variant("default", shape, prompts)
     if not ns.default_only:
         result["variants"]["legacy_moe_tiles"] = variant("legacy_moe_tiles", shape, prompts,
