@@ -331,6 +331,14 @@ def main() -> None:
     runner.model.load_weights(per_expert(hf.state_dict(), shape))  # the very same weights as transformers
     runner.model.process_weights_after_loading()  # MLA re-absorbs kv_b_proj
     engine.core.scheduler.kv.reset_prefix_cache()
+    # The re-absorbed weights are new tensors: the decode graphs captured at startup still read the old ones,
+    # and size-specialized kernels compile again for them (~7.6 s inside the first timed prefill steps on the
+    # H200, h200-dsv2lite-throughput.json). A normal start loads before warming up and capturing; redo both.
+    engine.core.worker.warm_up()
+    if runner.cuda_graphs is not None:
+        runner.cuda_graphs = None
+        torch.cuda.empty_cache()
+        runner.capture_cuda_graphs(engine.core.platform.graph_capture(), 256, 2048)
     result["attention_backends"] = sorted({layer.backend.name for layer in runner.attn_layers})
     result["weight_bytes_total"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     result["weight_bytes_b1_step"] = active_bytes_b1(shape, ns.layers)
