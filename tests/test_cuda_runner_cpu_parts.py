@@ -20,6 +20,7 @@ from keel.forward_context import ForwardContext
 from keel.platform import Platform
 from keel.testing.attention import AttentionCase, make_step
 from keel.testing.checkpoints import tiny_config
+from keel.testing.fidelity import greedy_tokens_and_logprobs
 from keel.testing.reference import ref_varlen_attention
 from keel.worker.cuda_graph import DecodeGraphRunner, graph_query_lens
 
@@ -374,15 +375,7 @@ def _spec_engine(path, spec: bool) -> LLMEngine:
 
 def _greedy(engine: LLMEngine, prompts, n: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and their logprobs per prompt."""
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
-    outs = [done[str(i)] for i in range(len(prompts))]
-    return ([list(o.token_ids) for o in outs],
-            [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in outs])
+    return greedy_tokens_and_logprobs(engine, prompts, n)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_spec_graphs.py covers this captured")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
+from keel.testing.fidelity import greedy_tokens_and_logprobs
 from keel.worker.cuda_graph import DecodeGraphRunner, graph_query_lens
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -70,15 +70,8 @@ def _deepseek(path, spec: bool, eager: bool) -> LLMEngine:
 
 
 def _greedy(engine: LLMEngine, prompts, n: int):
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
-    outs = [done[str(i)] for i in range(len(prompts))]
-    return ([list(o.token_ids) for o in outs],
-            torch.tensor([[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in outs]))
+    tokens, logprobs = greedy_tokens_and_logprobs(engine, prompts, n)
+    return tokens, torch.tensor(logprobs)
 
 
 def _cycle_prompts() -> list[list[int]]:

@@ -67,6 +67,17 @@ def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Any, *, 
     return results
 
 
+def greedy_tokens_and_logprobs(engine: Any, prompts: Sequence[Sequence[int]],
+                               max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens (ignore_eos) and each token's logprob per prompt, all submitted at once."""
+    from keel.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = [run_requests(engine, prompts, params)[str(i)].outputs[0] for i in range(len(prompts))]
+    return ([list(o.token_ids) for o in outs],
+            [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in outs])
+
+
 def assert_matches_hf(model_or_path: Any, prompts: Sequence[Sequence[int]], results: dict[str, Any],
                       max_tokens: int, *, atol: float = 1e-4, prefix: str = "", device: str = "cpu") -> None:
     """Every request's greedy tokens equal transformers'; the sampled tokens' logprobs (requests made

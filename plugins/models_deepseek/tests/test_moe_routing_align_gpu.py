@@ -4,13 +4,11 @@ eagerly and replayed from a CUDA graph with fresh inputs (no host sync, static s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from deepseek_test_utils import run_sm90_compile_script
 
 from keel.layers.fused_moe import RoutingConfig, select_experts
 from keel.layers.fused_moe.align_triton import moe_align_block_size_triton
@@ -58,13 +56,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests below run the kernels compiled")
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=120, check=False)
-    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("triton has no ptxas here")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    run_sm90_compile_script(COMPILE_SCRIPT)
 
 
 CONFIGS = [

@@ -5,14 +5,12 @@ graph with fresh inputs."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from deepseek_test_utils import run_sm90_compile_script
 
 from keel.layers.fused_moe import fused_experts_torch, fused_experts_triton
 from keel.layers.fused_moe.tile_config import MoETileConfig
@@ -67,13 +65,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests below run the kernels compiled")
 def test_kernels_compile_for_sm90_within_shared_memory():
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=120, check=False)
-    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("triton has no ptxas here")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    run_sm90_compile_script(COMPILE_SCRIPT)
 
 
 def _inputs(tokens, hidden=256, inter=192, experts=64, top_k=6, seed=0, dtype=torch.bfloat16):
