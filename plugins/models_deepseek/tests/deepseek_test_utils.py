@@ -169,3 +169,19 @@ def run_sm90_compile_script(script: str) -> None:
     if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("triton has no ptxas here")
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def capture_cuda_graph(step):
+    """Run `step` once on a side stream (compiles, settles the allocator), then capture it; returns
+    (graph, the outputs of the captured call). CUDA only."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs

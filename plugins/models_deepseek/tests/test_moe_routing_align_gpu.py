@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from deepseek_test_utils import run_sm90_compile_script
+from deepseek_test_utils import capture_cuda_graph, run_sm90_compile_script
 
 from keel.layers.fused_moe import RoutingConfig, select_experts
 from keel.layers.fused_moe.align_triton import moe_align_block_size_triton
@@ -95,14 +95,7 @@ def test_cuda_graph_replay_with_fresh_logits(cfg, with_bias):
         w, ids = select_experts_triton(logits, cfg, bias)
         return (w, ids, *moe_align_block_size_triton(ids, cfg.num_experts, 16))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_cuda_graph(step)  # compiled outside the capture
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         logits.copy_(torch.randn(tokens, cfg.num_experts, device="cuda", generator=gen))

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from deepseek_test_utils import run_sm90_compile_script
+from deepseek_test_utils import capture_cuda_graph, run_sm90_compile_script
 
 from keel.layers.fused_moe import fused_experts_torch, fused_experts_triton
 from keel.layers.fused_moe.tile_config import MoETileConfig
@@ -129,14 +129,7 @@ def test_cuda_graph_replay_with_fresh_routing():
     def step():
         return fused_experts_triton(x, w13, w2, w, ids, "silu", res)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)  # compiled outside the capture
     for seed in range(3):
         fresh = _inputs(4, seed=100 + seed)
         x.copy_(fresh[0])
