@@ -18,7 +18,9 @@ shared key/value "head" of size L + R.
 
 1. Once, after the model's weights are loaded, the layer calls
    `impl.process_weights_after_loading(w_uk [H, N, L], w_uv [H, V, L])` (model dtype, model device).
-   The impl may keep them, pre-transpose or fuse them; it must not assume they are contiguous.
+   The impl may keep them, pre-transpose or fuse them; it must not assume they are contiguous. It is
+   called again when weights are reloaded into a running model: derived copies are then updated in
+   place, so CUDA graphs captured earlier read the new values.
 2. Every step the layer calls `impl.forward(q, kv_c, k_pe, kv_cache, metadata) -> out` with
    - q:     [T, H, N + R]  the query, nope part first, rope part already rotated;
    - kv_c:  [T, L]         the new tokens' normalized latent (kv_a_layernorm applied);

@@ -64,8 +64,8 @@ class TritonMLAImpl:
         w_uk: torch.Tensor,  # [H, N, L]
         w_uv: torch.Tensor,  # [H, V, L]
     ) -> None:
-        self.w_uk = w_uk.contiguous()
-        self.w_uv_t = w_uv.transpose(1, 2).contiguous()
+        self.w_uk = _refresh(self.w_uk, w_uk)
+        self.w_uv_t = _refresh(self.w_uv_t, w_uv.transpose(1, 2))
 
     def forward(
         self,
@@ -169,3 +169,11 @@ class TritonMLAImpl:
         grid = (tile_req.numel(), -(-self.num_heads // self.prefill_block_h), 1)
         self._launch(grid, q_c, q_pe, kv_cache, o_latent, None, tile_req, tile_q0, md, self.prefill_block_h,
                      self.prefill_block_q, self.prefill_block_n, 1, 4, self.prefill_stages)
+
+
+def _refresh(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """`new` as a contiguous tensor; written into `kept` when that has its shape, dtype and device, so CUDA
+    graphs captured before a weight reload read the reloaded values."""
+    if kept is not None and kept.shape == new.shape and kept.dtype == new.dtype and kept.device == new.device:
+        return kept.copy_(new)
+    return new.contiguous()

@@ -114,3 +114,23 @@ def test_metadata_splits_decodes_from_prefills_and_tiles_prefills():
     tile_req, tile_q0 = mixed.prefill_tiles(4)
     assert tile_req.tolist() == [0, 0, 3, 3, 3] and tile_q0.tolist() == [0, 4, 0, 4, 8]
     assert mixed.prefill_tiles(4)[0] is tile_req  # computed once per tile height and step
+
+
+def test_reloaded_weights_update_the_kept_tensors_in_place():
+    """A second process_weights_after_loading (weights reloaded into a running model) writes into the
+    tensors the first one made, so CUDA graphs captured in between read the new weights."""
+    from keel_attention_flash.mla_impl import TritonMLAImpl
+
+    from keel.attention.backend import AttentionLayerConfig
+
+    h, n, r, v, lora = 2, 8, 4, 8, 16
+    layer = AttentionLayerConfig(num_heads=h, num_kv_heads=1, head_size=lora + r, scale=0.1, use_mla=True,
+                                 dtype=torch.float32, block_size=16, extra=(("kv_lora_rank", lora), ("qk_nope_head_dim", n), ("qk_rope_head_dim", r),
+                                        ("v_head_dim", v)))
+    impl = TritonMLAImpl(layer)
+    impl.process_weights_after_loading(torch.randn(h, n, lora), torch.randn(h, v, lora))
+    kept_uk, kept_uv_t = impl.w_uk, impl.w_uv_t
+    w_uk, w_uv = torch.randn(h, n, lora), torch.randn(h, v, lora)
+    impl.process_weights_after_loading(w_uk, w_uv)
+    assert impl.w_uk is kept_uk and impl.w_uv_t is kept_uv_t
+    assert torch.equal(impl.w_uk, w_uk) and torch.equal(impl.w_uv_t, w_uv.transpose(1, 2))
