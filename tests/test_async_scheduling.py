@@ -80,7 +80,7 @@ def run_both(path, prompts, params, stagger=0, **kw):
     assert outputs(got) == outputs(want)
     assert_logprobs_close(got, want)
     runner = async_engine.core.worker.runner
-    assert runner.num_device_fed_tokens > 0, "no step ever took its input tokens from the device"
+    assert runner.in_flight.num_device_fed_tokens > 0, "no step ever took its input tokens from the device"
     assert async_engine.get_metrics()["kv_cache_usage"] == 0.0
     assert not async_engine.has_unfinished_requests()
     return sync_engine, async_engine

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from keel.engine.scheduler_output import ModelRunnerOutput
+from keel.worker.input_batch import InputBatch
 
 
 @dataclass
@@ -72,3 +73,73 @@ class AsyncModelRunnerOutput:
                     out.logprobs[launch.req_ids[i]] = tuple([col[j][: k + 1]] for col in cols)
         self._done = True
         return out
+
+
+class InFlightTokens:
+    """The model runner's tokens sampled on the device that the host has not committed yet.
+
+    At most one launched step is pending when the next one is prepared (the engine core applies step N
+    before it schedules step N+2). `fixups` says which of the next step's input tokens must come from
+    that step's device tensor; `commit` (called by `get_output`) writes the values into the input batch
+    and the request mirrors whose rows still belong to the same requests.
+    """
+
+    def __init__(self, batch: InputBatch, requests: dict) -> None:
+        self.batch = batch
+        self.requests = requests  # req_id -> CachedRequestState, the runner's own dict
+        self.last: AsyncModelRunnerOutput | None = None
+        self.num_device_fed_tokens = 0  # input tokens taken from a previous step's device output
+
+    @property
+    def sampled(self) -> torch.Tensor:  # [S] int64 on the device: the pending step's tokens
+        return self.last.launch.sampled
+
+    def track(self, output: ModelRunnerOutput, launch: SampledLaunch | None) -> AsyncModelRunnerOutput:
+        """Wrap a step's output; a step that launched sampling becomes the pending one."""
+        result = AsyncModelRunnerOutput(output, launch, self.commit)
+        if launch is not None:
+            self.last = result
+        return result
+
+    def wait(self) -> None:
+        """Commit the pending step now (steps that read host token ids: drafts, proposers)."""
+        if self.last is not None:
+            self.last.get_output()
+
+    def fixups(self, rows: np.ndarray, num_scheduled: np.ndarray,
+               query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(flat input indices, indices into the pending step's sampled tensor) for this step's input
+        tokens the host has not received yet; None if there are none. rows, num_scheduled: [num_reqs];
+        query_start_loc: [num_reqs + 1]."""
+        last, batch = self.last, self.batch
+        if last is None or last.is_done:
+            return None
+        launch = last.launch
+        valid = batch.generation[launch.rows] == launch.generations
+        lookup = np.full(batch.capacity, -1, dtype=np.int64)
+        lookup[launch.rows[valid]] = np.flatnonzero(valid)
+        src = lookup[rows]  # [num_reqs]
+        has = src >= 0
+        if not has.any():
+            return None
+        src = src[has]
+        offset = launch.positions[src] - batch.num_computed_tokens[rows[has]]
+        inside = (offset >= 0) & (offset < num_scheduled[has])
+        if not inside.any():
+            return None
+        dst = query_start_loc[:-1][has][inside].astype(np.int64) + offset[inside]
+        self.num_device_fed_tokens += int(dst.shape[0])
+        return dst, src[inside]
+
+    def commit(self, launch: SampledLaunch, tokens: list[int]) -> None:
+        """The host learns a launched step's tokens (a row freed and reused meanwhile is left alone)."""
+        batch = self.batch
+        same = batch.generation[launch.rows] == launch.generations
+        values = np.asarray(tokens, dtype=np.int64)
+        batch.fill_tokens(launch.rows[same], launch.positions[same], values[same])
+        for i, row, tok, keep in zip(launch.sampling_idx, launch.rows.tolist(), tokens, same.tolist()):
+            state = self.requests.get(launch.req_ids[i]) if keep else None
+            if state is not None and state.row == row:
+                state.token_ids.append(tok)
+        if self.last is not None and self.last.launch is launch:
+            self.last = None

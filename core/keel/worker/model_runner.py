@@ -20,7 +20,7 @@ from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
 from keel.spec_decode.proposer import DraftInput, DraftProposer
-from keel.worker.async_output import AsyncModelRunnerOutput, SampledLaunch
+from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
 from keel.worker.input_batch import InputBatch
 from keel.worker.request_state import CachedRequestState
 from keel.worker.sampling_batch import BatchSamplingState
@@ -45,9 +45,7 @@ class ModelRunner:
         self.sampling_state = BatchSamplingState(device)
         self.staging = StagingBuffer(device)
         self.vocab_size: int | None = None  # the logits' width, known after the first sampling step
-        # The last launched step whose sampled tokens the host has not committed yet.
-        self._last_output: AsyncModelRunnerOutput | None = None
-        self.num_device_fed_tokens = 0  # input tokens taken from the previous step's device output
+        self.in_flight = InFlightTokens(self.input_batch, self.requests)
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
         # A draft model's layers (MTP) get caches like the target's; their layer_idx continues after them.
@@ -226,8 +224,8 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), None)
-        if (so.scheduled_spec_decode_tokens or self.proposer is not None) and self._last_output is not None:
-            self._last_output.get_output()
+        if so.scheduled_spec_decode_tokens or self.proposer is not None:
+            self.in_flight.wait()
 
         req_ids = list(so.num_scheduled_tokens)
         requests = self.requests
@@ -260,10 +258,9 @@ class ModelRunner:
             "seq_lens": step.seq_lens, "block_table": step.block_table, "slot_mapping": step.slot_mapping,
             "sample_rows": sample_rows,
         }
-        fixups = self._placeholder_fixups(rows, num_scheduled, step.query_start_loc)
+        fixups = self.in_flight.fixups(rows, num_scheduled, step.query_start_loc)
         if fixups is not None:
             arrays["fixup_dst"], arrays["fixup_src"] = fixups
-            self.num_device_fed_tokens += len(fixups[0])
         sample_batch_rows = rows[sampling_idx]
         one_each = bool(sampling_reqs) and not so.scheduled_spec_decode_tokens and self.vocab_size is not None
         if one_each:
@@ -273,7 +270,7 @@ class ModelRunner:
         input_ids = t["input_ids"]
         if fixups is not None:
             # The previous step's tokens, straight from the device (the host has not seen them yet).
-            input_ids.index_copy_(0, t["fixup_dst"], self._last_output.launch.sampled.index_select(0, t["fixup_src"]))
+            input_ids.index_copy_(0, t["fixup_dst"], self.in_flight.sampled.index_select(0, t["fixup_src"]))
         common = CommonAttentionMetadata(
             query_start_loc=t["query_start_loc"],
             query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
@@ -309,50 +306,11 @@ class ModelRunner:
         query_start = step.query_start_loc.tolist()
         if self._any_prompt_logprobs(states):
             self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
-        result = AsyncModelRunnerOutput(out, launch, self._commit_sampled)
-        if launch is not None:
-            self._last_output = result
+        result = self.in_flight.track(out, launch)
         if self.proposer is not None:
             result.get_output()  # the proposer reads committed token ids on the host
             self._propose(so, states, query_start, sampling_reqs, hidden, out)
         return result
-
-    def _placeholder_fixups(self, rows: np.ndarray, num_scheduled: np.ndarray,
-                            query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(flat input indices, indices into the previous step's sampled tensor) for this step's input
-        tokens that the previous step sampled and the host has not received yet; None if there are none."""
-        last = self._last_output
-        if last is None or last.is_done:
-            return None
-        launch, batch = last.launch, self.input_batch
-        valid = batch.generation[launch.rows] == launch.generations
-        lookup = np.full(batch.capacity, -1, dtype=np.int64)
-        lookup[launch.rows[valid]] = np.flatnonzero(valid)
-        src = lookup[rows]  # [num_reqs]
-        has = src >= 0
-        if not has.any():
-            return None
-        src = src[has]
-        offset = launch.positions[src] - batch.num_computed_tokens[rows[has]]
-        inside = (offset >= 0) & (offset < num_scheduled[has])
-        if not inside.any():
-            return None
-        dst = query_start_loc[:-1][has][inside].astype(np.int64) + offset[inside]
-        return dst, src[inside]
-
-    def _commit_sampled(self, launch: SampledLaunch, tokens: list[int]) -> None:
-        """The host learns a launched step's tokens: into the input batch rows and request mirrors that
-        still belong to the same requests (a row freed and reused meanwhile is left alone)."""
-        batch = self.input_batch
-        same = batch.generation[launch.rows] == launch.generations
-        values = np.asarray(tokens, dtype=np.int64)
-        batch.fill_tokens(launch.rows[same], launch.positions[same], values[same])
-        for i, row, tok, keep in zip(launch.sampling_idx, launch.rows.tolist(), tokens, same.tolist()):
-            state = self.requests.get(launch.req_ids[i]) if keep else None
-            if state is not None and state.row == row:
-                state.token_ids.append(tok)
-        if self._last_output is not None and self._last_output.launch is launch:
-            self._last_output = None
 
     @staticmethod
     def _any_prompt_logprobs(states: list[CachedRequestState]) -> bool:
