@@ -24,7 +24,7 @@ from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, Sam
 from keel.worker.input_batch import InputBatch
 from keel.worker.request_state import CachedRequestState
 from keel.worker.sampling_batch import BatchSamplingState
-from keel.worker.staging import StagingBuffer
+from keel.worker.staging import StagingBuffer, pinned_empty, record_event
 
 logger = logging.getLogger("keel.worker")
 
@@ -343,13 +343,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             sampled_host = sampled
         else:
-            sampled_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            sampled_host.copy_(sampled, non_blocking=True)
+            sampled_host = pinned_empty(sampled.shape, sampled.dtype, self.device).copy_(sampled, non_blocking=True)
             if lps is not None:
-                lps = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
-                            for x in lps)
-            event = torch.Event(device=self.device)
-            event.record()
+                lps = tuple(pinned_empty(x.shape, x.dtype, self.device).copy_(x, non_blocking=True) for x in lps)
+            event = record_event(self.device)
         return SampledLaunch(
             req_ids=out.req_ids,
             sampling_idx=sampling_idx.tolist(),

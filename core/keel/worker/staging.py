@@ -15,10 +15,40 @@ fired. On a CPU device there is nothing to copy: the arrays are wrapped as tenso
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
+logger = logging.getLogger("keel.worker")
 _ALIGN = 8
+_PINNED_OK: dict[str, bool] = {}  # device type -> whether pinned host memory could be allocated
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor in pinned memory for copies to/from `device`; plain host memory (logged once) where
+    the device's backend cannot pin, so a platform without it still works (its copies block)."""
+    kind = device.type
+    if _PINNED_OK.get(kind, True):
+        try:
+            out = torch.empty(shape, dtype=dtype, pin_memory=True)
+            _PINNED_OK[kind] = True
+            return out
+        except RuntimeError as exc:
+            _PINNED_OK[kind] = False
+            logger.warning("no pinned host memory for device %s (%s): host copies will block", kind, exc)
+    return torch.empty(shape, dtype=dtype)
+
+
+def record_event(device: torch.device) -> torch.Event | None:
+    """An event recorded on `device`'s current stream, or None where the backend has none (then the
+    caller's copies were synchronous)."""
+    try:
+        event = torch.Event(device=device)
+        event.record()
+        return event
+    except (RuntimeError, ValueError, TypeError):
+        return None
 
 
 class StagingBuffer:
@@ -53,8 +83,7 @@ class StagingBuffer:
         if self._events[slot] is not None:
             self._events[slot].synchronize()  # the copy that last read this pinned slot is done
         if self._hosts[slot].numel() < total:
-            self._hosts[slot] = torch.empty(max(total, 2 * self._hosts[slot].numel()), dtype=torch.uint8,
-                                            pin_memory=True)
+            self._hosts[slot] = pinned_empty((max(total, 2 * self._hosts[slot].numel()),), torch.uint8, self.device)
         if self._device_buf.numel() < total:
             self._device_buf = torch.empty(max(total, 2 * self._device_buf.numel()), dtype=torch.uint8,
                                            device=self.device)
@@ -65,9 +94,7 @@ class StagingBuffer:
             host_np[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
         dev = self._device_buf
         dev[:total].copy_(host[:total], non_blocking=True)
-        event = torch.Event(device=self.device)
-        event.record()
-        self._events[slot] = event
+        self._events[slot] = record_event(self.device)
         self.num_copies += 1
         out = {}
         for name, a in arrays.items():
