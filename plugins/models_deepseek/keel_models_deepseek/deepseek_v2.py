@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from keel.forward_context import ForwardContext
+from keel.layers.decoder import DecoderStack, PreNormDecoderLayer
 from keel.layers.fused_moe import FusedMoE
 from keel.layers.layernorm import RMSNorm
 from keel.layers.mla_attention import MLAAttention
@@ -41,7 +42,7 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
     return layer_idx >= first_dense and layer_idx % freq == 0
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, version: int, prefix: str) -> None:
         super().__init__()
         self.self_attn = DeepseekV2MLAAttention(config, layer_idx, build, f"{prefix}.self_attn")
@@ -53,24 +54,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sub-block is deferred into the next norm (fused add + norm).
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
-
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderStack):
     def __init__(self, build: ModelBuildContext, version: int) -> None:
         super().__init__()
         config = build.hf_config
@@ -80,18 +65,6 @@ class DeepseekV2Model(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        ctx: ForwardContext,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class DeepseekV2ForCausalLM(nn.Module):

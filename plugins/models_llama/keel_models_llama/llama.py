@@ -18,6 +18,7 @@ from torch import nn
 from keel.forward_context import ForwardContext
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.attention import Attention
+from keel.layers.decoder import DecoderStack, PreNormDecoderLayer
 from keel.layers.layernorm import RMSNorm
 from keel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from keel.layers.rotary import get_rope, get_rope_parameters
@@ -142,7 +143,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str
     ) -> None:
@@ -152,24 +153,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sub-block is deferred into the next norm (fused add + norm).
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, build: ModelBuildContext, variant: LlamaVariant) -> None:
         super().__init__()
         config = build.hf_config
@@ -180,18 +165,6 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        ctx: ForwardContext,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
