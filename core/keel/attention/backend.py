@@ -98,6 +98,37 @@ def default_validate(caps: BackendCapabilities, request: BackendRequest) -> list
     return reasons
 
 
+class UnsupportedLayerError(ValueError):
+    """Raised by a backend's `get_impl` / `kv_cache_shape` for a layer or spec it cannot serve."""
+
+
+def per_head_kv_cache_shape(backend: str, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
+    """The standard K/V layout (2, num_blocks, block_size, num_kv_heads, head_size) for `spec`; what
+    per-head backends return from `kv_cache_shape`. Raises UnsupportedLayerError naming `backend` for a
+    latent (MLA) spec."""
+    from keel.kv_cache.spec import FullAttentionSpec
+
+    if not isinstance(spec, FullAttentionSpec):
+        raise UnsupportedLayerError(
+            f"{backend} stores K/V per head; got a {type(spec).__name__} (kind {spec.kind!r}). "
+            "Select an MLA-capable attention backend for this model."
+        )
+    return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+
+def latent_kv_cache_shape(backend: str, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
+    """The standard MLA layout (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim); what MLA
+    backends return from `kv_cache_shape`. Raises UnsupportedLayerError naming `backend` otherwise."""
+    from keel.kv_cache.spec import MLALatentSpec
+
+    if not isinstance(spec, MLALatentSpec):
+        raise UnsupportedLayerError(
+            f"{backend} stores latents; got a {type(spec).__name__} (kind {spec.kind!r}). "
+            "Select a standard attention backend for this model."
+        )
+    return (num_blocks, spec.block_size, spec.latent_size)
+
+
 # What an MLA layer config carries in `extra` (the contract is documented in keel.layers.mla_attention).
 MLA_EXTRA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 

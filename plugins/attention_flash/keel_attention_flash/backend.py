@@ -17,15 +17,13 @@ from keel.attention.backend import (
     AttentionLayerConfig,
     BackendCapabilities,
     BackendRequest,
+    UnsupportedLayerError,
     default_validate,
+    per_head_kv_cache_shape,
 )
-from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from keel.kv_cache.spec import KVCacheSpec
 from keel_attention_flash.impl import TritonFlashAttentionImpl
 from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN, FlashMetadataBuilder
-
-
-class UnsupportedLayerError(ValueError):
-    """Raised by `get_impl` / `kv_cache_shape` for a layer or spec the backend cannot serve."""
 
 
 def interpreter_enabled() -> bool:
@@ -75,12 +73,7 @@ class TritonFlashAttentionBackend:
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
         """Called by the runner per layer: (2, num_blocks, block_size, num_kv_heads, head_size)."""
-        if not isinstance(spec, FullAttentionSpec):
-            raise UnsupportedLayerError(
-                f"triton_flash stores K/V per head; got a {type(spec).__name__} (kind {spec.kind!r}). "
-                "Select an MLA-capable attention backend for this model."
-            )
-        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        return per_head_kv_cache_shape("triton_flash", num_blocks, spec)
 
     @classmethod
     def get_metadata_builder(cls, device: torch.device) -> FlashMetadataBuilder:

@@ -19,9 +19,10 @@ from keel.attention.backend import (
     BackendCapabilities,
     BackendRequest,
     default_validate,
+    latent_kv_cache_shape,
     mla_layer_reasons,
 )
-from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
+from keel.kv_cache.spec import KVCacheSpec
 from keel_attention_flash.backend import UnsupportedLayerError, device_reasons
 from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN
 from keel_attention_flash.mla_impl import TritonMLAImpl
@@ -67,12 +68,7 @@ class TritonMLABackend:
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
         """Called by the runner per layer: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)."""
-        if not isinstance(spec, MLALatentSpec):
-            raise UnsupportedLayerError(
-                f"triton_mla stores latents; got a {type(spec).__name__} (kind {spec.kind!r}). "
-                "Select a standard attention backend (e.g. triton_flash) for this model."
-            )
-        return (num_blocks, spec.block_size, spec.latent_size)
+        return latent_kv_cache_shape("triton_mla", num_blocks, spec)
 
     @classmethod
     def get_metadata_builder(cls, device: torch.device) -> TritonMLAMetadataBuilder:

@@ -14,15 +14,13 @@ from keel.attention.backend import (
     AttentionLayerConfig,
     BackendCapabilities,
     BackendRequest,
+    UnsupportedLayerError,
     default_validate,
+    per_head_kv_cache_shape,
 )
-from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from keel.kv_cache.spec import KVCacheSpec
 from keel_attention_torch.impl import TorchPagedAttentionImpl
 from keel_attention_torch.metadata import TorchPagedMetadataBuilder
-
-
-class UnsupportedLayerError(ValueError):
-    """Raised by `get_impl` / `kv_cache_shape` for a layer or spec the backend cannot serve."""
 
 
 class TorchPagedAttentionBackend:
@@ -49,12 +47,7 @@ class TorchPagedAttentionBackend:
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
         """Called by the runner per layer: (2, num_blocks, block_size, num_kv_heads, head_size)."""
-        if not isinstance(spec, FullAttentionSpec):
-            raise UnsupportedLayerError(
-                f"torch_paged stores K/V per head; got a {type(spec).__name__} (kind {spec.kind!r}). "
-                "Select an MLA-capable attention backend for this model."
-            )
-        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        return per_head_kv_cache_shape("torch_paged", num_blocks, spec)
 
     @classmethod
     def get_metadata_builder(cls, device: torch.device) -> TorchPagedMetadataBuilder:

@@ -19,9 +19,10 @@ from keel.attention.backend import (
     BackendCapabilities,
     BackendRequest,
     default_validate,
+    latent_kv_cache_shape,
     mla_layer_reasons,
 )
-from keel.kv_cache.spec import KVCacheSpec, MLALatentSpec
+from keel.kv_cache.spec import KVCacheSpec
 from keel_attention_torch.backend import UnsupportedLayerError
 from keel_attention_torch.metadata import TorchPagedAttentionMetadata, TorchPagedMetadataBuilder
 
@@ -50,11 +51,7 @@ class TorchMLABackend:
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
         """Called by the runner per layer: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)."""
-        if not isinstance(spec, MLALatentSpec):
-            raise UnsupportedLayerError(
-                f"torch_mla stores latents; got a {type(spec).__name__} (kind {spec.kind!r})"
-            )
-        return (num_blocks, spec.block_size, spec.latent_size)
+        return latent_kv_cache_shape("torch_mla", num_blocks, spec)
 
     @classmethod
     def get_metadata_builder(cls, device: torch.device) -> TorchPagedMetadataBuilder:
