@@ -227,8 +227,7 @@ def step_profile(engine, context_len: int = 192, iters: int = 20) -> dict:
         if graphs.run(ids, pos, common) is None:  # loads the static inputs; None: this step cannot replay
             return {"error": f"a batch-1 decode step does not replay (captured sizes {graphs.sizes})"}
         b = graphs.bucket(1)
-        # Graphs are keyed by (query length, batch) since verify steps are captured too; by batch before.
-        g, _ = graphs.graphs[(1, b)] if (1, b) in graphs.graphs else graphs.graphs[b]
+        g, _ = graphs.graphs[(1, b)]  # keyed by (query length, batch size)
         return {"captured_batch": b, "replay_ms": events_ms(g.replay, iters=iters), **profile_kernels(g.replay)}
 
     def logits_sampler() -> dict:
@@ -331,14 +330,10 @@ def main() -> None:
     runner.model.load_weights(per_expert(hf.state_dict(), shape))  # the very same weights as transformers
     runner.model.process_weights_after_loading()  # MLA re-absorbs kv_b_proj
     engine.core.scheduler.kv.reset_prefix_cache()
-    # The re-absorbed weights are new tensors: the decode graphs captured at startup still read the old ones,
-    # and size-specialized kernels compile again for them (~7.6 s inside the first timed prefill steps on the
-    # H200, h200-dsv2lite-throughput.json). A normal start loads before warming up and capturing; redo both.
+    # After this hand load the first timed prefill steps compiled kernels again (~7.6 s on the H200,
+    # h200-dsv2lite-throughput.json; a normal start loads before its warm-up): warm up once more. The decode
+    # graphs stay valid: the loads and triton_mla's re-absorption write into the tensors they captured.
     engine.core.worker.warm_up()
-    if runner.cuda_graphs is not None:
-        runner.cuda_graphs = None
-        torch.cuda.empty_cache()
-        runner.capture_cuda_graphs(engine.core.platform.graph_capture(), 256, 2048)
     result["attention_backends"] = sorted({layer.backend.name for layer in runner.attn_layers})
     result["weight_bytes_total"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     result["weight_bytes_b1_step"] = active_bytes_b1(shape, ns.layers)

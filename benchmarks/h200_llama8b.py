@@ -181,17 +181,10 @@ def step_profile(engine) -> dict:
     runner = engine.core.worker.runner
     graphs = runner.cuda_graphs
     result = {}
-    # Graphs are keyed by batch size, or by (query length, batch size) where verify steps are captured.
-    entry = None if graphs is None else graphs.graphs.get(1, graphs.graphs.get((1, 1)))
+    entry = None if graphs is None else graphs.graphs.get((1, 1))  # keyed by (query length, batch size)
     if entry is not None:
-        graph = entry[0]
-        result["graph_replay_b1_ms"] = _events_ms(graph.replay, iters=50)
-    ctx = None
-    if graphs is not None:
-        try:
-            ctx = graphs._context(1)
-        except TypeError:
-            ctx = graphs._context(1, 1)
+        result["graph_replay_b1_ms"] = _events_ms(entry[0].replay, iters=50)
+    ctx = graphs._context(1) if graphs is not None else None
     if ctx is not None:
         from torch.profiler import ProfilerActivity, profile
 

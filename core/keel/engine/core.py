@@ -99,10 +99,7 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 return []
             scheduler_output = self.scheduler.schedule()
-            runner_output = self.worker.execute_model(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self._report_finished(outputs)
-            return outputs
+            return self._apply(scheduler_output, self.worker.execute_model(scheduler_output))
         launched = False
         if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
@@ -111,7 +108,10 @@ class EngineCore:
         if not self._in_flight or (launched and len(self._in_flight) < 2):
             return []  # the first step of a burst: launch the next one before waiting for it
         scheduler_output, pending = self._in_flight.popleft()
-        outputs = self.scheduler.update_from_output(scheduler_output, pending.get_output())
+        return self._apply(scheduler_output, pending.get_output())
+
+    def _apply(self, scheduler_output, runner_output) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._report_finished(outputs)
         return outputs
 

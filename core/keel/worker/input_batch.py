@@ -197,10 +197,8 @@ class InputBatch:
         )
 
     def append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """One committed token per row (the common step without drafts); rows are distinct."""
-        self.ensure_len(int(self.num_tokens[rows].max()) + 1)
-        self.token_ids[rows, self.num_tokens[rows]] = tokens
-        self.num_tokens[rows] += 1
+        """One committed token per row whose value is already known; rows are distinct."""
+        self.fill_tokens(rows, self.advance(rows), tokens)
 
     def advance(self, rows: np.ndarray) -> np.ndarray:
         """Count one sampled token per row before its value is known; returns the positions it takes.
