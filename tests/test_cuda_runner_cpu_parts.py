@@ -99,7 +99,7 @@ def test_platform_base_memory_queries_default_to_unknown():
 
 def test_graph_runner_buckets_and_declines_non_decode_steps():
     g = DecodeGraphRunner(torch.nn.Identity(), [], [], [], torch.device("cpu"), 16, [8, 1, 4, 2], 100)
-    assert g.sizes == [1, 2, 4, 8] and g.block_table.shape == (8, 7)
+    assert g.sizes == [1, 2, 4, 8] and g.block_table.shape == (8, 16)  # 7 blocks, padded to 16 columns
     assert [g.bucket(n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
 
     class Step:
@@ -261,7 +261,7 @@ def test_non_uniform_or_uncaptured_steps_run_eagerly():
     assert g.graph_key(7, common([3, 1, 3])) is None
     assert g.graph_key(4, common([2, 2])) is None  # q = 2 was not captured
     assert g.graph_key(15, common([3] * 5)) is None  # more requests than the largest bucket
-    assert g.graph_key(6, common([3, 3], width=5)) is None  # a block table wider than max_model_len
+    assert g.graph_key(6, common([3, 3], width=17)) is None  # wider than the captured (padded) table
     assert g.run(torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64), common([3, 2, 3])) is None
     assert g.num_replays == 0
 

@@ -1,6 +1,6 @@
 """StagingBuffer packs a step's host arrays into one buffer and hands out typed device views.
 
-The packing (8-byte aligned slices, dtype views, growth, slot rotation) is checked here with the "meta"
+The packing (16-byte aligned slices, dtype views, growth, slot rotation) is checked here with the "meta"
 device, which needs no accelerator: no pinned memory and no events there, so the fallbacks run too. The
 pinned, event-guarded copy itself runs on the GPU (tests/test_async_scheduling.py on a CUDA machine).
 """
@@ -35,7 +35,9 @@ def test_meta_device_views_have_every_array_shape_and_dtype():
             t = out[name]
             assert t.device.type == "meta" and tuple(t.shape) == a.shape, name
             assert t.dtype == torch.from_numpy(a).dtype, name
-            assert t.storage_offset() * t.element_size() % 8 == 0, name  # aligned slices
+            # 16-byte aligned whatever the sizes before: Triton compiles a kernel variant per pointer
+            # alignment class, so an offset that followed the batch would compile while serving
+            assert t.storage_offset() * t.element_size() % 16 == 0, name
     assert buf.num_copies == 4
 
 
@@ -59,3 +61,4 @@ def test_packed_copy_round_trips_every_value():
         for name, a in arrays.items():
             assert out[name].dtype == torch.from_numpy(a).dtype
             assert np.array_equal(out[name].numpy(), a), name
+

@@ -28,6 +28,7 @@ import torch
 
 from keel.attention.metadata import CommonAttentionMetadata
 from keel.forward_context import ForwardContext
+from keel.worker.input_batch import table_width
 
 logger = logging.getLogger("keel.worker")
 
@@ -87,7 +88,7 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         max_b = self.sizes[-1]
         max_t = max_b * self.query_lens[-1]
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = table_width(-(-max_model_len // block_size))  # as wide as any step's table
         self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_t, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_b, dtype=torch.int32, device=device)

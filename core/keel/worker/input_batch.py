@@ -37,6 +37,17 @@ class StepInputs:
     max_seq_len: int
 
 
+TABLE_WIDTH_MULTIPLE = 16
+
+
+def table_width(max_blocks: int) -> int:
+    """Columns of a step's block table: the most blocks a request has, rounded up to a multiple of 16.
+    Kernels get the row stride as an argument, and Triton compiles a separate variant for a stride that
+    is 1, a multiple of 16, or neither -- a width that followed the batch would compile new variants of
+    every attention kernel while serving. Padding columns hold 0 (the null block)."""
+    return max(-(-max_blocks // TABLE_WIDTH_MULTIPLE), 1) * TABLE_WIDTH_MULTIPLE
+
+
 def _grow(arr: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
     shape = (rows,) if arr.ndim == 1 else (rows, cols if cols is not None else arr.shape[1])
     out = np.zeros(shape, dtype=arr.dtype)
@@ -178,7 +189,9 @@ class InputBatch:
             tok_rows = rows[req_index]
             positions = start[req_index] + (np.arange(total) - (cu - num_scheduled)[req_index])
         seq_lens = start + num_scheduled
-        max_blocks = int(self.num_blocks[rows].max())
+        max_blocks = table_width(int(self.num_blocks[rows].max()))
+        if max_blocks > self.block_table.shape[1]:
+            self.block_table = _grow(self.block_table, self.capacity, max_blocks)
         bs = self.block_size
         block_idx = positions // bs
         slot_mapping = self.block_table[tok_rows, block_idx].astype(np.int64) * bs + positions % bs

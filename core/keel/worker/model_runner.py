@@ -21,7 +21,7 @@ from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
 from keel.spec_decode.proposer import DraftInput, DraftProposer
 from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
-from keel.worker.input_batch import InputBatch
+from keel.worker.input_batch import InputBatch, table_width
 from keel.worker.request_state import CachedRequestState
 from keel.worker.sampling_batch import BatchSamplingState
 from keel.worker.staging import StagingBuffer, pinned_empty, record_event
@@ -136,7 +136,7 @@ class ModelRunner:
         bs = self.block_size
         blocks = [-(-n // bs) for n in lens]
         caches = self._allocate_kv_caches(sum(blocks) + 1)
-        table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+        table = torch.zeros(len(lens), table_width(max(blocks)), dtype=torch.int32)  # as real steps
         first = 1
         for i, n in enumerate(blocks):
             table[i, :n] = torch.arange(first, first + n, dtype=torch.int32)

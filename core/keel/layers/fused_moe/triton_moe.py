@@ -161,7 +161,10 @@ def _moe_sum_kernel(
 @functools.cache
 def _jitted(interpret: bool) -> Any:
     del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
-    return triton.jit(_fused_moe_kernel)
+    # num_valid_tokens (tokens x top-k) only bounds a mask: not specializing on its divisibility by 16
+    # keeps one compiled variant per tile config, so the startup warm-up's power-of-two token counts
+    # cover every count a step can have (an H200 run compiled two more variants in its first batch).
+    return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens"])
 
 
 @functools.cache

@@ -1,0 +1,361 @@
+"""keel and vLLM side by side on one GPU: the same checkpoint, prompts and engine limits, each engine in
+its own process (the vllm-peer harness's protocol, plus what the comparison needs to be trusted).
+
+    python benchmarks/h200_vs_vllm.py --arch llama8b|dsv2lite [--engines keel,vllm] [--vllm-site DIR]
+        [--model-dir DIR | --write-checkpoint DIR] [--num-prompts 1000] [--out FILE.json] [--diagnose]
+
+Per engine: start time; a 16 x 16-token warm call (the same for both engines); then two rounds of
+`num_prompts` distinct random prompts (128 in / 128 out, greedy, ignore_eos), other prompts each round, so
+neither round can hit the prefix cache: round 1 is the first big batch after start, round 2 a warm engine;
+batch-1 decode ms per output token ((t(257 tokens) - t(1 token)) / 256, best of 3).
+
+Same weights: with `load_format="dummy"` each engine draws its own random weights, and for an MoE model the
+router then decides how many experts a step reads. `--write-checkpoint DIR` writes one seeded random
+checkpoint in the hub layout (per-expert tensors, as DeepSeek's released checkpoints store them) that both
+engines then load (`--model-dir DIR`). Without a checkpoint both use dummy weights (fine for dense models).
+
+`--diagnose` (keel only) records, per round, what ran lazily: Triton compiles (kernel, seconds), CUDA
+graph captures, device allocations (cudaMalloc count and bytes reserved), and the slowest engine steps with
+the token counts they scheduled -- the cold-start penalty's causes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+DSV2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                 num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                 n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=1.0, kv_lora_rank=512,
+                 q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                 topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=1,
+                 moe_layer_freq=1, max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                 rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                               "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+LIMITS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+PROMPT_LEN, OUTPUT_LEN = 128, 128
+
+
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randrange(100, vocab - 100) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+# ------------------------------------------------------------------ checkpoint (same weights for both)
+
+def hub_tensors_dsv2(c: dict):
+    """(name, shape) of every tensor of a DeepSeek-V2 checkpoint in the hub layout (q_lora_rank None)."""
+    h, nh = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    yield "model.embed_tokens.weight", (c["vocab_size"], h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "self_attn.q_proj.weight", (nh * qk, h)
+        yield p + "self_attn.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
+        yield p + "self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],)
+        yield p + "self_attn.kv_b_proj.weight", (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+        yield p + "self_attn.o_proj.weight", (h, nh * c["v_head_dim"])
+        if i < c["first_k_dense_replace"]:
+            mlps = [("mlp.", c["intermediate_size"])]
+        else:
+            yield p + "mlp.gate.weight", (c["n_routed_experts"], h)
+            mlps = [(f"mlp.experts.{e}.", c["moe_intermediate_size"]) for e in range(c["n_routed_experts"])]
+            mlps.append(("mlp.shared_experts.", c["moe_intermediate_size"] * c["n_shared_experts"]))
+        for m, inter in mlps:
+            yield p + m + "gate_proj.weight", (inter, h)
+            yield p + m + "up_proj.weight", (inter, h)
+            yield p + m + "down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (c["vocab_size"], h)
+
+
+def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 << 30) -> None:
+    """Seeded random weights (norms 1, matrices N(0, 1/fan_in), like keel's dummy init), bf16 shards."""
+    import torch
+    from safetensors.torch import save_file
+
+    write_config(out, arch)
+    if arch != "dsv2lite":
+        raise SystemExit("--write-checkpoint: only dsv2lite (dense models compare fine on dummy weights)")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shard, size, index, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard, size, n = {}, 0, n + 1
+
+    for name, shape in hub_tensors_dsv2(DSV2_LITE):
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) / shape[1] ** 0.5)
+            t = t.to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    flush()
+    del gen
+    torch.cuda.empty_cache()  # the engines' processes measure free device memory at start
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+
+
+def write_config(out: Path, arch: str) -> None:
+    from transformers import DeepseekV2Config, LlamaConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    if arch == "llama8b":
+        cfg = LlamaConfig(**LLAMA3_8B)
+        cfg.architectures = ["LlamaForCausalLM"]
+    else:
+        cfg = DeepseekV2Config(**DSV2_LITE)
+        cfg.architectures = ["DeepseekV2ForCausalLM"]
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(out)
+
+
+# ------------------------------------------------------------------ keel diagnosis hooks
+
+class LazyWork:
+    """What a round did lazily: Triton compiles, CUDA graph captures, device allocations, slow steps."""
+
+    def __init__(self, llm) -> None:
+        import torch
+        import triton
+
+        self.torch = torch
+        self.compiles: list[tuple[str, float]] = []
+        self.variants: list[list[str]] = []
+        self._t0 = {}
+        knobs = triton.knobs.runtime
+
+        def before(*args, **kw):
+            self._t0[kw.get("key", id(kw))] = time.perf_counter()
+            return False  # never skip the compile
+
+        def after(*args, **kw):
+            fn = kw.get("fn")
+            name = getattr(fn, "name", None) or str(kw.get("repr", "?"))[:60]
+            t0 = self._t0.pop(kw.get("key", id(kw)), None)
+            self.compiles.append((name, time.perf_counter() - t0 if t0 else -1.0))
+            if len(self.variants) < 40:  # what made this a new variant: specialization attrs, constants
+                comp = kw.get("compile") or {}
+                self.variants.append([name, str({k: v for k, v in comp.items() if k in
+                                                 ("signature", "constants", "attrs", "configs")})[:2500],
+                                      str(kw.get("repr"))[:1500]])
+
+        knobs.jit_cache_hook = before
+        knobs.jit_post_compile_hook = after
+        self.captures = 0
+        original_capture = torch.cuda.CUDAGraph.capture_begin
+
+        def capture_begin(graph, *a, **k):
+            self.captures += 1
+            return original_capture(graph, *a, **k)
+
+        torch.cuda.CUDAGraph.capture_begin = capture_begin
+        engine = llm.llm_engine
+        self.steps: list[tuple[float, int, int]] = []
+        worker = engine.core.worker
+        launch = worker.execute_model_async
+        self._last = (0, 0)
+
+        def execute_model_async(so):
+            self._last = (so.total_num_scheduled_tokens, len(so.num_scheduled_tokens))
+            return launch(so)
+
+        worker.execute_model_async = execute_model_async
+        step = engine.step
+
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            self.steps.append((time.perf_counter() - t, *self._last))
+            return out
+
+        engine.step = timed_step
+
+    def start(self) -> None:
+        self.compiles.clear()
+        self.variants.clear()
+        self.steps.clear()
+        self.captures = 0
+        self.mem0 = self.torch.cuda.memory_stats()
+
+    def report(self) -> dict:
+        mem = self.torch.cuda.memory_stats()
+        by_kernel: dict[str, list] = {}
+        for name, s in self.compiles:
+            e = by_kernel.setdefault(name, [0, 0.0])
+            e[0] += 1
+            e[1] += s
+        steps = sorted(self.steps, reverse=True)
+        return {
+            "triton_compiles": len(self.compiles),
+            "triton_compile_s": round(sum(s for _, s in self.compiles), 3),
+            "compiles_by_kernel": {k: [n, round(s, 3)] for k, (n, s) in
+                                   sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:20]},
+            "variants": list(self.variants),
+            "graph_captures": self.captures,
+            "cuda_mallocs": mem.get("num_device_alloc", 0) - self.mem0.get("num_device_alloc", 0),
+            "alloc_retries": mem.get("num_alloc_retries", 0) - self.mem0.get("num_alloc_retries", 0),
+            "reserved_gib": round(mem.get("reserved_bytes.all.current", 0) / 2**30, 2),
+            "steps": len(self.steps),
+            "step_s_total": round(sum(s for s, _, _ in self.steps), 3),
+            "slowest_steps": [[round(s * 1000, 1), tok, reqs] for s, tok, reqs in steps[:12]],
+            "median_step_ms": round(steps[len(steps) // 2][0] * 1000, 2) if steps else None,
+        }
+
+
+# ------------------------------------------------------------------ one engine
+
+def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose: bool) -> None:
+    load_format = "dummy" if dummy else "auto"
+    t0 = time.perf_counter()
+    if engine == "vllm":
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=model_dir, dtype="bfloat16", load_format=load_format, skip_tokenizer_init=True, seed=0,
+                  **LIMITS)
+        wrap = lambda ids: TokensPrompt(prompt_token_ids=ids)  # noqa: E731
+        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)  # noqa: E731
+    else:
+        from keel import LLM, SamplingParams
+
+        llm = LLM(model=model_dir, profile=os.environ.get("KEEL_PROFILE", "cuda"), dtype="bfloat16",
+                  load_format=load_format, skip_tokenizer_init=True, seed=0, **LIMITS)
+        wrap = lambda ids: {"prompt_token_ids": ids}  # noqa: E731
+        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    init_s = time.perf_counter() - t0
+    vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
+    lazy = LazyWork(llm) if diagnose and engine == "keel" else None
+    llm.generate([wrap(p) for p in prompts(16, vocab, seed=99)], sp(16), use_tqdm=False)
+    rounds, diag = [], []
+    for r in range(2):  # other prompts each round: round 1 is the first big batch after start
+        ps = prompts(num_prompts, vocab, seed=r)
+        if lazy:
+            lazy.start()
+        t = time.perf_counter()
+        outs = llm.generate([wrap(p) for p in ps], sp(OUTPUT_LEN), use_tqdm=False)
+        dt = time.perf_counter() - t
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert gen == num_prompts * OUTPUT_LEN, gen
+        rounds.append(round(gen / dt, 1))
+        if lazy:
+            diag.append(lazy.report())
+    one = prompts(1, vocab, seed=7)[0]
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        o = llm.generate([wrap(one)], sp(n), use_tqdm=False)
+        d = time.perf_counter() - t
+        assert len(o[0].outputs[0].token_ids) == n
+        return d
+
+    timed(8)
+    short = min(timed(1) for _ in range(3))
+    long_ = min(timed(257) for _ in range(3))
+    first = [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]
+    row = {"engine": engine, "init_s": round(init_s, 1), "num_prompts": num_prompts,
+           "load_format": load_format, "throughput_out_tok_s": rounds,
+           "round1_vs_round2": round(rounds[0] / rounds[1], 3),
+           "b1_ms_per_token": round((long_ - short) / 256 * 1000, 3), "first_tokens": first}
+    if diag:
+        row["lazy_work_per_round"] = diag
+    print(json.dumps(row), flush=True)
+
+
+def versions(engine: str) -> dict:
+    import torch
+    import triton
+
+    v = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
+    try:
+        import transformers
+        v["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if engine == "vllm":
+        import vllm
+        v["vllm"] = vllm.__version__
+    return v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", choices=["llama8b", "dsv2lite"], default="llama8b")
+    ap.add_argument("--engines", default="keel,vllm")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--model-dir", default=None, help="a checkpoint with weights both engines load")
+    ap.add_argument("--write-checkpoint", default=None, help="write a seeded random checkpoint here first")
+    ap.add_argument("--vllm-site", default=None, help="PYTHONPATH for the vLLM process only")
+    ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        run_one(a.one, a.model_dir, a.num_prompts, a.dummy, a.diagnose)
+        return
+    dummy = a.model_dir is None and a.write_checkpoint is None
+    if a.write_checkpoint:
+        t = time.perf_counter()
+        write_checkpoint(Path(a.write_checkpoint), a.arch)
+        print(json.dumps({"checkpoint_written_s": round(time.perf_counter() - t, 1)}), flush=True)
+    model_dir = a.model_dir or a.write_checkpoint
+    if model_dir is None:
+        model_dir = tempfile.mkdtemp()
+        write_config(Path(model_dir), a.arch)
+    result = {"arch": a.arch, "limits": LIMITS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+              "same_weights": not dummy, "commit": os.environ.get("KEEL_COMMIT", "?"), "engines": {}}
+    for engine in a.engines.split(","):
+        env = dict(os.environ)
+        if engine == "vllm":
+            env.update(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+            if a.vllm_site:
+                env["PYTHONPATH"] = a.vllm_site
+        cmd = [sys.executable, __file__, "--one", engine, "--model-dir", model_dir,
+               "--num-prompts", str(a.num_prompts)] + (["--dummy"] if dummy else []) + \
+              (["--diagnose"] if a.diagnose else [])
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            row = json.loads(lines[-1]) if (lines and not p.returncode) else \
+                {"engine": engine, "error": p.returncode, "stderr_tail": p.stderr[-3000:]}
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+            row = {"engine": engine, "error": "timeout", "stderr_tail": err[-3000:]}
+        row["process_s"] = round(time.perf_counter() - t, 1)
+        if "error" not in row:
+            vcmd = [sys.executable, "-c", f"import json,sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                    f"import h200_vs_vllm as m; print(json.dumps(m.versions({engine!r})))"]
+            v = subprocess.run(vcmd, capture_output=True, text=True, env=env, timeout=120)
+            row["versions"] = json.loads(v.stdout.strip().splitlines()[-1]) if v.returncode == 0 else v.stderr[-500:]
+        print(json.dumps(row), flush=True)
+        result["engines"][engine] = row
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device calls for the keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py). Parts, in order given:
+#   install        keel (no network) into the device's python3
+#   vllm-c01       unpack the first vLLM chunk (.vllm-peer/chunks/c01, carried) -- the machine must stay
+#   vllm-c02       warm until the second (.vllm-peer/chunks/c02) is unpacked in the next call
+#   ckpt           write the seeded random DSV2-Lite checkpoint both engines load (/tmp/dsv2ckpt)
+#   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
+#   diag-llama diag-dsv2                         keel with --diagnose (what runs lazily per round)
+#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_vs_vllm.sh install keel-llama ...
+set -u
+OUT=${OUT:-/tmp/keel-h200}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+B="python3 benchmarks/h200_vs_vllm.py"
+VSITE=/tmp/vsite
+CKPT=/tmp/dsv2ckpt
+for part in "$@"; do
+  start=$(date +%s)
+  case $part in
+    install) python3 -m pip install -q --no-deps --no-build-isolation -e . $(ls -d plugins/*/ | sed 's/^/-e /') \
+               >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
+             python3 -c 'import torch, triton; print("gpus", torch.cuda.device_count(), torch.__version__, triton.__version__)';;
+    vllm-c01) mkdir -p /tmp/vin && cp -r .vllm-peer/chunks/c01 /tmp/vin/ && bash /tmp/vin/c01/reassemble.sh --status /tmp/vin 2>&1 | tail -3;;
+    vllm-c02) cp -r .vllm-peer/chunks/c02 /tmp/vin/ && SMOKE=0 bash /tmp/vin/c01/reassemble.sh /tmp/vin $VSITE 2>&1 | tail -3;;
+    ckpt) [ -f $CKPT/model.safetensors.index.json ] || timeout 240 python3 -c "
+import sys, json, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
+t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+    keel-llama|vllm-llama|diag-llama)
+      e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
+      timeout 420 $B --arch llama8b --engines $e --vllm-site $VSITE --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
+    keel-dsv2|vllm-dsv2|diag-dsv2)
+      e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
+      timeout 420 $B --arch dsv2lite --engines $e --model-dir $CKPT --vllm-site $VSITE --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
+    diagdummy-dsv2) timeout 300 $B --arch dsv2lite --engines keel --diagnose --out "$OUT/$part.json" 2>&1 | tail -c 600;;
+    *) echo "unknown part $part";;
+  esac
+  echo "== $part: $(( $(date +%s) - start )) s"
+done
