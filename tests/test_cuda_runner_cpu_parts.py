@@ -80,15 +80,23 @@ def test_warm_up_runs_every_power_of_two_step_size_on_device_platforms_only(tmp_
         max_num_batched_tokens=100))
     worker = engine.core.worker
     runs = []
-    monkeypatch.setattr(worker.runner, "profile_run", lambda n, seqs, length: runs.append((n, seqs, length)))
+    real_profile_run = worker.runner.profile_run
+    monkeypatch.setattr(worker.runner, "profile_run",
+                        lambda n, seqs, length, decode_seq_lens=(): runs.append((n, seqs, length, tuple(decode_seq_lens))))
     worker.warm_up()
     assert runs == []  # the CPU compiles nothing worth a warm-up
     assert worker.runner.warm_up(100, 8, 64) == [1, 2, 4, 8, 16, 32, 64, 100]
-    assert runs == [(n, 8, 64) for n in (1, 2, 4, 8, 16, 32, 64, 100)]
+    prefills = [(n, 8, 64, ()) for n in (1, 2, 4, 8, 16, 32, 64, 100)]
+    # then a decode of each power-of-two context (split-K counts follow it), alone and in a mixed step
+    decodes = [(n, 8, 64, (s,)) for s in (1, 2, 4, 8, 16, 32, 64) for n in (0, 16)]
+    assert runs == prefills + decodes
     monkeypatch.setattr(worker, "device", torch.device("meta"))  # any device platform
     runs.clear()
     worker.warm_up()
-    assert [n for n, _, _ in runs] == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert [n for n, _, _, d in runs if not d] == [1, 2, 4, 8, 16, 32, 64, 100]
+    # the dummy decode and mixed steps run for real (here on the CPU model)
+    real_profile_run(0, 8, 64, decode_seq_lens=[64])
+    real_profile_run(16, 8, 64, decode_seq_lens=[33, 1])
 
 
 def test_platform_base_memory_queries_default_to_unknown():

@@ -8,6 +8,8 @@ touches scheduler state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import logging
 
 import numpy as np
@@ -121,9 +123,12 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int,
+                    decode_seq_lens: Sequence[int] = ()) -> int:
         """A dummy prefill of `num_tokens` tokens (requests of at most `max_model_len`) plus logits for
         up to `max_num_seqs` rows, on a temporary KV cache: the activation peak of the largest step.
+        `decode_seq_lens` adds one decode request (one new token) per entry with that sequence length,
+        after the prefills -- a mixed step, or a pure decode step when `num_tokens` is 0.
 
         Called by the worker before sizing the KV cache; returns the temporary cache's bytes (part of
         the measured peak that the real cache will replace).
@@ -133,25 +138,27 @@ class ModelRunner:
         while left > 0 and len(lens) < max_num_seqs:
             lens.append(min(left, max_model_len))
             left -= lens[-1]
+        query = lens + [1] * len(decode_seq_lens)  # new tokens per request
+        seq_lens = lens + [min(s, max_model_len) for s in decode_seq_lens]
         bs = self.block_size
-        blocks = [-(-n // bs) for n in lens]
+        blocks = [-(-n // bs) for n in seq_lens]
         caches = self._allocate_kv_caches(sum(blocks) + 1)
-        table = torch.zeros(len(lens), table_width(max(blocks)), dtype=torch.int32)  # as real steps
+        table = torch.zeros(len(seq_lens), table_width(max(blocks)), dtype=torch.int32)  # as real steps
         first = 1
         for i, n in enumerate(blocks):
             table[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
             first += n
-        qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
-        seq = torch.tensor(lens, dtype=torch.int32)
-        pos = torch.cat([torch.arange(n) for n in lens])
-        req = torch.repeat_interleave(torch.arange(len(lens)), seq)
+        qsl = torch.zeros(len(query) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(query), 0)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        pos = torch.cat([torch.arange(s - q, s) for q, s in zip(query, seq_lens)])
+        req = torch.repeat_interleave(torch.arange(len(query)), torch.tensor(query))
         slots = table[req, pos // bs].to(torch.int64) * bs + pos % bs
         dev = self.device
         common = CommonAttentionMetadata(
             query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), seq_lens_cpu=seq,
-            block_table=table.to(dev), slot_mapping=slots.to(dev), num_reqs=len(lens),
-            num_actual_tokens=int(seq.sum()), max_query_len=max(lens), max_seq_len=max(lens), block_size=bs,
+            block_table=table.to(dev), slot_mapping=slots.to(dev), num_reqs=len(query),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(query), max_seq_len=max(seq_lens), block_size=bs,
         )
         metas = [builder.build(common) for builder in self._builders]
         ctx = ForwardContext(attn_metadata=[metas[b] for b in self._layer_builder], kv_caches=caches,
@@ -163,16 +170,23 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in caches)
 
     def warm_up(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
-        """A dummy step (`profile_run`) of every power-of-two token count up to `max_num_tokens`.
+        """Dummy steps (`profile_run`) that compile every kernel variant a step can select.
 
-        Called by the worker at startup on device platforms, before the KV cache exists. Kernels that
-        specialize on the step's size (fused-MoE tile configurations per token count, attention launch
-        variants) compile here instead of stalling the first steps of each size under load: on an H200
-        the lazy compiles cost a DeepSeek-V2-Lite throughput run ~7.6 s. Returns the token counts run.
+        Called by the worker at startup on device platforms, before the KV cache exists. A prefill of
+        every power-of-two token count up to `max_num_tokens` (fused-MoE tile configurations per token
+        count, prefill attention); then one decode of every power-of-two context length up to
+        `max_model_len`, alone and beside a small prefill (decode kernels pick launch variants such as
+        split-K counts from the context length; mixed steps launch them another way). Without it the
+        first big batch after start compiled them under load: on an H200 ~7.6 s for the MoE tiles of
+        DeepSeek-V2-Lite, and 0.7 s for an MLA decode variant. Returns the prefill token counts run.
         """
         sizes = sorted({min(1 << i, max_num_tokens) for i in range(max_num_tokens.bit_length() + 1)})
         for n in sizes:
             self.profile_run(n, max_num_seqs, max_model_len)
+        contexts = sorted({min(1 << i, max_model_len) for i in range(max_model_len.bit_length() + 1)})
+        for s in contexts:
+            self.profile_run(0, max_num_seqs, max_model_len, decode_seq_lens=[s])
+            self.profile_run(min(16, max_num_tokens - 1), max_num_seqs, max_model_len, decode_seq_lens=[s])
         return sizes
 
     # ---------------------------------------------------------------- step
