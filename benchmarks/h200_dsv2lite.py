@@ -348,9 +348,8 @@ def main() -> None:
     result["decode_b1_vs_floor"] = lat["time_per_output_token_ms"] / result["memory_floor_b1_ms"]
     print("latency:", lat, flush=True)
 
-    prompts = random_prompts(ns.num_prompts, 128, vocab, seed=0)
-    run_throughput(engine, prompts[:8], 4)
-    thr = run_throughput(engine, prompts, 128)
+    run_throughput(engine, random_prompts(8, 128, vocab, seed=99), 4)  # warm-up, prompts not reused below
+    thr = run_throughput(engine, random_prompts(ns.num_prompts, 128, vocab, seed=0), 128)
     result["throughput"] = thr
     result["throughput_output_tok_s"] = thr["output_tokens_per_s"]
     print("throughput:", thr, flush=True)

@@ -373,13 +373,14 @@ def main() -> None:
     result["step_profile"] = step_profile(engine)
     print("profile:", result["step_profile"], flush=True)
 
-    prompts = random_prompts(ns.num_prompts, 128, vocab, seed=0)
-    run_throughput(engine, prompts[:16], 8)  # warm-up
+    # Each run gets prompts no earlier run used (a reused prompt is a prefix-cache hit, not throughput);
+    # until 822d81e the async run reused the sync run's prompts and its figure measured prefix hits.
+    run_throughput(engine, random_prompts(16, 128, vocab, seed=99), 8)  # warm-up
     set_async_scheduling(engine, False)
-    result["throughput_sync"] = run_throughput(engine, prompts, 128)
+    result["throughput_sync"] = run_throughput(engine, random_prompts(ns.num_prompts, 128, vocab, seed=0), 128)
     print("throughput (sync scheduling):", result["throughput_sync"], flush=True)
     set_async_scheduling(engine, True)
-    thr = run_throughput(engine, prompts, 128)
+    thr = run_throughput(engine, random_prompts(ns.num_prompts, 128, vocab, seed=1), 128)
     result["throughput"] = thr
     result["throughput_output_tok_s"] = thr["output_tokens_per_s"]
     print("throughput:", thr, flush=True)

@@ -198,6 +198,11 @@ def test_cli_generate_and_bench(model_dir, capsys):
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["num_prompts"] == 4 and res["output_tokens"] == 16 and res["output_tokens_per_s"] > 0
+    # two rounds of prompts nothing else used: throughput, never prefix-cache hits
+    assert len(res["rounds"]) == 2 and all(r["output_tokens"] == 16 for r in res["rounds"])
+    from keel.bench import random_prompts
+    seen = [random_prompts(4, 8, 1000, seed=s) for s in (-1, 0, 1)]
+    assert not {tuple(p) for p in seen[1]} & ({tuple(p) for p in seen[0]} | {tuple(p) for p in seen[2]})
     rc = main(["bench", "latency", "--model", str(model_dir), "--input-len", "8", "--output-len", "4",
                "--num-iters", "1", "--json", "--max-model-len", "64"])
     assert rc == 0

@@ -88,6 +88,8 @@ def add_bench_args(parser) -> None:
         p.add_argument("--json", action="store_true", help="print the result as JSON")
         if kind == "throughput":
             p.add_argument("--num-prompts", type=int, default=100)
+            p.add_argument("--num-rounds", type=int, default=2,
+                           help="rounds of distinct prompts (round 1 is the first after start)")
         else:
             p.add_argument("--batch-size", type=int, default=1)
             p.add_argument("--num-iters", type=int, default=3)
@@ -99,15 +101,19 @@ def run_bench(ns) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     vocab = engine.config.model.hf_config.vocab_size
     if ns.bench_kind == "throughput":
-        prompts = random_prompts(ns.num_prompts, ns.input_len, vocab)
-        run_throughput(engine, prompts[: min(4, len(prompts))], 4)  # warm-up
-        result = run_throughput(engine, prompts, ns.output_len)
-        result.update(input_len=ns.input_len, output_len=ns.output_len)
+        # Every round gets prompts no other run saw (a reused prompt is a prefix-cache hit, not
+        # throughput); round 1 is the first big batch after start, later rounds show a warm engine.
+        run_throughput(engine, random_prompts(4, ns.input_len, vocab, seed=-1), 4)  # warm-up
+        rounds = [run_throughput(engine, random_prompts(ns.num_prompts, ns.input_len, vocab, seed=r),
+                                 ns.output_len) for r in range(max(ns.num_rounds, 1))]
+        result = dict(rounds[0], rounds=rounds, input_len=ns.input_len, output_len=ns.output_len)
         text = (
-            f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+            f"Throughput (round 1, the first after start): {result['requests_per_s']:.2f} requests/s, "
             f"{result['output_tokens_per_s']:.1f} output tokens/s, "
             f"{result['total_tokens_per_s']:.1f} total tokens/s ({result['num_prompts']} prompts, "
             f"{ns.input_len} in / {ns.output_len} out, {result['elapsed_s']:.2f} s)"
+            + "".join(f"; round {i + 2}: {r['output_tokens_per_s']:.1f} output tokens/s"
+                      for i, r in enumerate(rounds[1:]))
         )
     else:
         result = run_latency(engine, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters, vocab)
