@@ -87,8 +87,9 @@ def per_expert(state: dict, cfg: dict):
 
 
 def moe_kernel_vs_loop(cfg: dict) -> dict:
+    from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton
+
     from keel.layers.fused_moe.torch_ref import fused_experts_torch
-    from keel.layers.fused_moe.triton_moe import fused_experts_triton
 
     e, h, i, k = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device="cuda") / h**0.5

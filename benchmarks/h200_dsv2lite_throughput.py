@@ -60,12 +60,13 @@ def timed_run(engine, prompts, output_len: int) -> dict:
 
 
 def variant(name: str, shape: dict, prompts, patch=None) -> dict:
-    from keel.bench import random_prompts
-    from keel.layers.fused_moe import triton_moe
+    from keel_kernels_triton.fused_moe import grouped_gemm
 
-    original = triton_moe.get_moe_tile_configs
+    from keel.bench import random_prompts
+
+    original = grouped_gemm.get_moe_tile_configs
     if patch is not None:
-        triton_moe.get_moe_tile_configs = patch
+        grouped_gemm.get_moe_tile_configs = patch
     try:
         _, model_dir = _ds.write_config(shape)
         engine = _ds.make_engine(model_dir, eager=False)
@@ -78,7 +79,7 @@ def variant(name: str, shape: dict, prompts, patch=None) -> dict:
         del engine
         torch.cuda.empty_cache()
     finally:
-        triton_moe.get_moe_tile_configs = original
+        grouped_gemm.get_moe_tile_configs = original
     print(name, json.dumps(out), flush=True)
     return out
 
@@ -117,8 +118,9 @@ def main() -> None:
     ap.add_argument("--default-only", action="store_true", help="only the default engine's variants")
     ap.add_argument("--hf-weights-only", action="store_true", help="only the transformers-weights variant")
     ns = ap.parse_args()
+    from keel_kernels_triton.fused_moe.tile_config import MoETileConfig
+
     from keel.bench import random_prompts
-    from keel.layers.fused_moe.tile_config import MoETileConfig
 
     shape = dict(_ds.DSV2_LITE)
     prompts = random_prompts(ns.num_prompts, 128, shape["vocab_size"], seed=0)

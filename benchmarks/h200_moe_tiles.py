@@ -16,8 +16,8 @@ configs (pruned per token count: block_m 32 from 16 tokens, 64 from 64 tokens):
     w13 and w2 configs are picked per block_m and the block_m with the least summed time wins.
 
 Writes `E=64,N=2816,K=2048,device_name=<gpu>.json` and `E=64,N=2048,K=1408,device_name=<gpu>.json` into
-keel's package folder keel/layers/fused_moe/configs/ (the repo's folder with an editable install, so an
-engine started afterwards uses them), copies them and a results JSON to --out, and prints per token count
+kernels-triton's package folder keel_kernels_triton/fused_moe/configs/ (the repo's folder with an editable
+install, so an engine started afterwards uses them), copies them and a results JSON to --out, and prints per token count
 the default and best times and their bandwidth fraction (routed-expert bytes the step reads / time /
 measured copy bandwidth). Token counts the time budget leaves unmeasured get the default config.
 """
@@ -32,15 +32,15 @@ import time
 from pathlib import Path
 
 import torch
-
-from keel.layers.fused_moe.tile_config import (
+from keel_kernels_triton.fused_moe.align import moe_align_block_size
+from keel_kernels_triton.fused_moe.grouped_gemm import invoke_fused_moe_kernel
+from keel_kernels_triton.fused_moe.tile_config import (
     CONFIG_DIR,
     MoETileConfig,
     config_file_name,
     default_moe_tile_config,
     write_tile_config_file,
 )
-from keel.layers.fused_moe.triton_moe import _invoke, moe_align_block_size
 
 E, HIDDEN, INTER, TOP_K = 64, 2048, 1408, 6
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
@@ -118,11 +118,11 @@ class Bench:
             inp["align"][cfg.block_m] = moe_align_block_size(inp["ids"], E, cfg.block_m)
         sorted_ids, expert_ids, total = inp["align"][cfg.block_m]
         if gemm == "w13":
-            _invoke(inp["hidden"], self.w13[layer], inp["out"]["w13"], None, sorted_ids, expert_ids, total,
-                    TOP_K, cfg)
+            invoke_fused_moe_kernel(inp["hidden"], self.w13[layer], inp["out"]["w13"], None, sorted_ids,
+                                    expert_ids, total, TOP_K, cfg)
         else:
-            _invoke(inp["gate_up"], self.w2[layer], inp["out"]["w2"], inp["weights"], sorted_ids, expert_ids,
-                    total, 1, cfg, act_silu=True)
+            invoke_fused_moe_kernel(inp["gate_up"], self.w2[layer], inp["out"]["w2"], inp["weights"], sorted_ids,
+                                    expert_ids, total, 1, cfg, act_silu=True)
 
     def output(self, gemm: str, cfg: MoETileConfig, inp: dict) -> torch.Tensor:
         self.launch(gemm, cfg, inp, 0)

@@ -154,7 +154,8 @@ def test_deepseek_greedy_equals_transformers_on_cuda(deepseek_ckpt, eager):
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(deepseek_ckpt), skip_tokenizer_init=True, dtype="float32", block_size=16, max_model_len=256,
-        plugins=["platform-cuda", "attention-flash", "attention-torch", "models-deepseek"], platform="cuda",
+        plugins=["platform-cuda", "attention-flash", "attention-torch", "models-deepseek", "kernels-triton"],
+        platform="cuda",
         attention_backend="auto", max_num_seqs=8, max_num_batched_tokens=64, gpu_memory_utilization=0.3,
         enforce_eager=eager,
     ))

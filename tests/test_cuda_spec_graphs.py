@@ -61,7 +61,8 @@ def _llama(path, spec: bool, eager: bool) -> LLMEngine:
 
 def _deepseek(path, spec: bool, eager: bool) -> LLMEngine:
     args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 16,
-            "max_model_len": 256, "plugins": ["platform-cuda", "attention-flash", "models-deepseek"],
+            "max_model_len": 256,
+            "plugins": ["platform-cuda", "attention-flash", "models-deepseek", "kernels-triton"],
             "platform": "cuda", "attention_backend": "triton_mla", "max_num_seqs": 8,
             "gpu_memory_utilization": 0.3, "enforce_eager": eager, "seed": 0}
     if spec:

@@ -16,7 +16,8 @@ from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.layers.activation import SiluAndMul
-from keel.layers.custom_op import CUSTOM_OP_NAMES, CustomOpError, bind_custom_ops
+from keel.layers.custom_op import CUSTOM_OP_NAMES, CustomOpError, MissingCustomOpError, bind_custom_ops
+from keel.layers.fused_moe import FusedMoE, RoutingConfig
 from keel.layers.layernorm import RMSNorm
 from keel.layers.rotary import RotaryEmbedding
 from keel.platform import Platform
@@ -65,6 +66,16 @@ class SiluAndMulOp(_Base):
 class NoSupports:
     def __call__(self, x):
         return x
+
+
+class PickyExperts(_Base):
+    # takes FusedMoE layers with at most 4 experts only
+
+    def supports_layer(self, layer):
+        return layer.num_experts <= 4
+
+    def __call__(self, *args):
+        raise AssertionError("not called in these tests")
 """
 PROVIDES = {"custom_op": {"rms_norm": "PKG.ops:RMSNormOp", "fused_add_rms_norm": "PKG.ops:FusedAddRMSNormOp",
                           "silu_and_mul": "PKG.ops:SiluAndMulOp"}}
@@ -86,14 +97,50 @@ class _Block(nn.Module):
 
 def test_custom_op_is_a_registry_kind():
     assert "custom_op" in KINDS
-    assert set(CUSTOM_OP_NAMES) == {"fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"}
+    assert set(CUSTOM_OP_NAMES) == {"fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul",
+                                    "select_experts", "fused_experts"}
     assert RMSNorm.custom_ops == ("rms_norm", "fused_add_rms_norm")
     assert SiluAndMul.custom_ops == ("silu_and_mul",) and RotaryEmbedding.custom_ops == ("rotary_embedding",)
+    assert FusedMoE.custom_ops == ("select_experts", "fused_experts")
 
 
 def test_platforms_ask_for_custom_ops_only_on_cuda():
     assert Platform.use_custom_ops(CpuPlatform()) is False and CpuPlatform().use_custom_ops() is False
     assert CudaPlatform().use_custom_ops() is True
+    # CUDA cannot serve the torch MoE experts path (host sync per layer, no graph capture)
+    assert CpuPlatform().required_custom_ops() == () and CudaPlatform().required_custom_ops() == ("fused_experts",)
+
+
+def _moe_model() -> nn.Module:
+    model = nn.Module()
+    model.small = FusedMoE(4, 8, 4, RoutingConfig(num_experts=4, top_k=2))
+    model.large = FusedMoE(8, 8, 4, RoutingConfig(num_experts=8, top_k=2))
+    model.block = _Block()
+    return model
+
+
+def test_provider_may_decline_single_layers(fake_plugins, caplog):
+    _, plugins = _ops_plugin(fake_plugins, {"custom_op": {"fused_experts": "PKG.ops:PickyExperts"}})
+    model = _moe_model()
+    with caplog.at_level(logging.INFO, logger="keel.custom_op"):
+        assert bind_custom_ops(model, plugins.registry("custom_op"), "cpu", torch.float32) == {"fused_experts": 1}
+    assert set(model.small.bound_ops) == {"fused_experts"} and not model.large.bound_ops
+    assert "declined large" in caplog.text
+
+
+def test_required_op_left_unbound_stops_binding_with_the_reason(fake_plugins):
+    _, plugins = _ops_plugin(fake_plugins, {"custom_op": {"fused_experts": "PKG.ops:PickyExperts"}})
+    registry = plugins.registry("custom_op")
+    with pytest.raises(MissingCustomOpError, match=r"'fused_experts' is required.*1 layer\(s\) \(large\).*declines"):
+        bind_custom_ops(_moe_model(), registry, "cpu", torch.float32, required=("fused_experts",))
+    with pytest.raises(MissingCustomOpError, match="does not support cpu/torch.bfloat16"):
+        bind_custom_ops(_moe_model(), registry, "cpu", torch.bfloat16, required=("fused_experts",))
+    fake_plugins("ops-bare", provides={"custom_op": {}})
+    bare = load_plugins(["ops-bare"], path=[fake_plugins.path]).registry("custom_op")  # no MoE op at all
+    with pytest.raises(MissingCustomOpError, match="no loaded plugin provides it.*kernels-triton"):
+        bind_custom_ops(_moe_model(), bare, "cpu", torch.float32, required=("fused_experts",))
+    # a model without MoE layers needs nothing, whatever the platform requires
+    assert bind_custom_ops(_Block(), bare, "cpu", torch.float32, required=("fused_experts",)) == {}
 
 
 def test_bind_binds_supported_ops_into_declaring_layers(fake_plugins, caplog):

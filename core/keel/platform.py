@@ -125,6 +125,12 @@ class Platform:
         overhead matters return True."""
         return False
 
+    def required_custom_ops(self) -> tuple[str, ...]:
+        """Called by the worker with `use_custom_ops()` True, when it binds: custom op names whose native
+        torch math this platform cannot serve. A model layer declaring one that gets no provider stops
+        startup (`keel.layers.custom_op.MissingCustomOpError`) instead of running the native path."""
+        return ()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, device_type={self.device_type!r})"
 

@@ -1,4 +1,4 @@
-"""Custom ops: fused kernels that plugins register for the elementwise math of core layers.
+"""Custom ops: fused kernels that plugins register for the math of core layers (elementwise ops, MoE).
 
 A layer class names the ops it can delegate in `custom_ops` (e.g. `RMSNorm.custom_ops =
 ("rms_norm", "fused_add_rms_norm")`) and reads its instance's `bound_ops` mapping in `forward`, falling
@@ -6,7 +6,14 @@ back to its native torch math for an op that is not bound. Plugins register prov
 `custom_op` registry kind, keyed by op name. After the model is built and loaded -- and only when the
 platform's `use_custom_ops()` says so -- the worker calls `bind_custom_ops`, which resolves each op
 named by the model's layers to its provider (if that provider supports the device and dtype) and binds
-it into those layer instances. Nothing is module-global: an unbound model is untouched.
+it into those layer instances. A provider may also define `supports_layer(layer) -> bool` to decline
+single layer instances (e.g. a routing configuration its kernel does not implement); those keep their
+native math for that op, logged. Nothing is module-global: an unbound model is untouched.
+
+A platform names the ops whose native math it cannot serve in `required_custom_ops()` (CUDA: the torch
+MoE experts path reads which experts have work back to the host in every layer, so it cannot be captured
+in a CUDA graph). A layer declaring such an op that ends up without a provider stops startup with a
+`MissingCustomOpError` that names the op, the layers and why nothing was bound -- never a silent fallback.
 
 Op contracts (every op returns new tensors and leaves its inputs unchanged, like the native layers):
 
@@ -19,19 +26,30 @@ Op contracts (every op returns new tensors and leaves its inputs unchanged, like
         k: [n, kv_heads * head_size]; cos/sin_cache: [cache_len, rotary_dim] float32 (halves repeated).
     silu_and_mul(x) -> out
         x: [..., 2 * d]; out: [..., d] = silu(x[..., :d]) * x[..., d:].
+    select_experts(router_logits, routing, e_score_correction_bias) -> (topk_weights, topk_ids)
+        `keel.layers.fused_moe.router.select_experts`: router_logits [n, E] float; routing a RoutingConfig;
+        bias [E] or None; weights [n, top_k] float32, ids [n, top_k] int32 or int64. Exactly tied scores
+        may pick another (equally valid) expert. Must not sync the host (decode steps are graph-captured).
+    fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, residual) -> out
+        `keel.layers.fused_moe.torch_ref.fused_experts_torch` (+ residual when not None): hidden [n, H];
+        w13 [E, 2 * I, H] (gate rows, then up rows); w2 [E, H, I]; weights/ids from select_experts;
+        activation a `get_act_and_mul_fn` name; residual [n, H] or None; out [n, H] in hidden's dtype.
+        No host sync; launch shapes may depend on n only, never on the routing (graph replays).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Collection
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 logger = logging.getLogger("keel.custom_op")
 
-CUSTOM_OP_NAMES: tuple[str, ...] = ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul")
+CUSTOM_OP_NAMES: tuple[str, ...] = (
+    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "select_experts", "fused_experts",
+)
 
 
 @runtime_checkable
@@ -52,9 +70,15 @@ class CustomOpError(TypeError):
     """A registered custom op provider does not implement the provider protocol."""
 
 
-def _resolve(registry: Any, name: str, device_type: str, dtype: torch.dtype) -> Callable[..., Any] | None:
+class MissingCustomOpError(RuntimeError):
+    """An op the platform requires (`Platform.required_custom_ops`) is declared by layers of the model but
+    has no bound provider; the message names the op, the layers, the reason and the fix."""
+
+
+def _resolve(registry: Any, name: str, device_type: str, dtype: torch.dtype) -> tuple[Any, str]:
+    """(provider or None, why there is none)."""
     if name not in registry:
-        return None
+        return None, f"no loaded plugin provides it (custom ops registered: {sorted(registry)})"
     entry = registry.get(name)
     provider = entry() if isinstance(entry, type) else entry
     if not isinstance(provider, CustomOpProvider):
@@ -63,24 +87,31 @@ def _resolve(registry: Any, name: str, device_type: str, dtype: torch.dtype) -> 
             f"be callable; got {type(provider).__name__}"
         )
     if not provider.supports(device_type, dtype):
-        logger.info("custom op %r (%s) does not support %s/%s; layers keep their native math",
-                    name, registry.provider(name), device_type, dtype)
-        return None
-    return provider
+        why = f"its provider ({registry.provider(name)}) does not support {device_type}/{dtype}"
+        logger.info("custom op %r: %s; layers keep their native math", name, why)
+        return None, why
+    return provider, ""
 
 
 def bind_custom_ops(
-    model: torch.nn.Module, registry: Any, device_type: str, dtype: torch.dtype
+    model: torch.nn.Module,
+    registry: Any,
+    device_type: str,
+    dtype: torch.dtype,
+    required: Collection[str] = (),
 ) -> dict[str, int]:
     """Bind registered providers into every layer of `model` that declares `custom_ops`.
 
-    Called by the worker once after loading, when `platform.use_custom_ops()`. `registry` is the
-    `custom_op` registry. Returns op name -> number of layer instances it was bound into (ops with no
-    supporting provider are absent). A provider is resolved at most once per op name.
+    Called by the worker once after loading, when `platform.use_custom_ops()`; `required` is the
+    platform's `required_custom_ops()`. `registry` is the `custom_op` registry. Returns op name -> number
+    of layer instances it was bound into (ops with no supporting provider are absent). A provider is
+    resolved at most once per op name. Raises MissingCustomOpError if a required op stays unbound in a
+    layer that declares it.
     """
-    resolved: dict[str, Callable[..., Any] | None] = {}
+    resolved: dict[str, tuple[Any, str]] = {}
     counts: dict[str, int] = {}
-    for module in model.modules():
+    missing: dict[str, list[tuple[str, str]]] = {}  # op -> (layer, reason)
+    for qualname, module in model.named_modules():
         names = getattr(type(module), "custom_ops", ())
         if not names:
             continue
@@ -88,10 +119,15 @@ def bind_custom_ops(
         for name in names:
             if name not in resolved:
                 resolved[name] = _resolve(registry, name, device_type, dtype)
-            op = resolved[name]
+            op, why = resolved[name]
+            if op is not None and not _accepts(op, module):
+                op, why = None, f"its provider ({registry.provider(name)}) declines this layer ({module!r})"
+                logger.info("custom op %r declined %s; it keeps its native math", name, qualname or "the model")
             if op is not None:
                 bound[name] = op
                 counts[name] = counts.get(name, 0) + 1
+            elif name in required:
+                missing.setdefault(name, []).append((qualname or type(module).__name__, why))
         if bound:
             module.bound_ops = bound
     if counts:
@@ -99,4 +135,21 @@ def bind_custom_ops(
                     ", ".join(f"{n} -> {registry.provider(n)} x{c}" for n, c in sorted(counts.items())))
     else:
         logger.info("no custom ops bound (%s, %s): registered %s", device_type, dtype, list(registry))
+    if missing:
+        raise MissingCustomOpError(_missing_message(missing, device_type))
     return counts
+
+
+def _accepts(provider: Any, layer: torch.nn.Module) -> bool:
+    check = getattr(provider, "supports_layer", None)
+    return check is None or bool(check(layer))
+
+
+def _missing_message(missing: dict[str, list[tuple[str, str]]], where: str) -> str:
+    parts = []
+    for name, rows in sorted(missing.items()):
+        layers = ", ".join(q for q, _ in rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
+        parts.append(f"custom op {name!r} is required on {where} but not bound in {len(rows)} layer(s) "
+                     f"({layers}): {rows[0][1]}")
+    return ("; ".join(parts) + ". Add a plugin that provides these custom ops for this device and dtype to the "
+            "profile's plugins (kernels-triton provides them for CUDA).")

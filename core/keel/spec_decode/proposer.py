@@ -9,7 +9,8 @@ never enter the prefix cache).
 
 A proposer with its own attention layers (an MTP module) exposes them as `attention_layers()`; the runner
 then allocates their KV caches like the target's (same block ids, `layer_idx` continuing after the
-target's layers) and hands all caches over in `DraftInput.kv_caches`. While spec decoding is on, the
+target's layers) and hands all caches over in `DraftInput.kv_caches`. One with its own model layers
+exposes them as `draft_modules()` (nn.Modules); the worker binds custom ops into them as into the target. While spec decoding is on, the
 scheduler reserves `num_speculative_tokens` lookahead slots past the scheduled tokens of every running
 request, so draft-model writes at positions the target has not computed yet always have a slot.
 

@@ -57,10 +57,14 @@ class Worker:
         )
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=mc.load_format)
+        proposer, num_spec = self._make_proposer(model, build, path)
         if self.platform.use_custom_ops():
-            # Bound before the runner exists, so warm-up and graph capture already run the fused kernels.
-            bind_custom_ops(model, self.plugins.registry("custom_op"), self.device.type, dtype)
-        self.runner = ModelRunner(model, self.device, block_size, *self._make_proposer(model, build, path),
+            # Bound before the runner exists, so warm-up and graph capture already run the fused kernels;
+            # a draft model's own layers (an MTP module) get the same kernels.
+            registry, required = self.plugins.registry("custom_op"), self.platform.required_custom_ops()
+            for module in (model, *getattr(proposer, "draft_modules", tuple)()):
+                bind_custom_ops(module, registry, self.device.type, dtype, required=required)
+        self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
                                   max_model_len=mc.derived_max_model_len)
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s) with attention backend(s) %s", mc.model, arch, dtype, names)

@@ -1,4 +1,5 @@
-"""keel plugin `kernels-triton`: fused Triton kernels registered under the `custom_op` kind.
+"""keel plugin `kernels-triton`: fused Triton kernels registered under the `custom_op` kind -- the
+elementwise ops of norms, rope and activations, and the fused MoE (routing, alignment, grouped GEMMs).
 
 Only the manifest lives here; discovery imports this module, so it must not import torch or triton.
 """
@@ -8,6 +9,7 @@ from keel.plugins.manifest import PluginManifest
 __version__ = "0.1.0"
 
 _OPS = "keel_kernels_triton.ops"
+_MOE_OPS = "keel_kernels_triton.fused_moe.ops"
 
 
 def manifest() -> PluginManifest:
@@ -22,7 +24,10 @@ def manifest() -> PluginManifest:
                 "rms_norm": f"{_OPS}:TritonRMSNorm",
                 "rotary_embedding": f"{_OPS}:TritonRotaryEmbedding",
                 "silu_and_mul": f"{_OPS}:TritonSiluAndMul",
+                "select_experts": f"{_MOE_OPS}:TritonSelectExperts",
+                "fused_experts": f"{_MOE_OPS}:TritonFusedExperts",
             }
         },
-        description="Fused Triton elementwise kernels: residual add + RMSNorm, RMSNorm, neox rope, SiluAndMul.",
+        description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, SiluAndMul; MoE routing "
+                    "and fused experts (grouped GEMMs with tuned tiles).",
     )

@@ -8,14 +8,12 @@ compiled; on the CPU they run only through Triton's interpreter (`TRITON_INTERPR
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from keel_kernels_triton.kernels import rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+from keel_kernels_triton.support import SUPPORTED_DTYPES, TritonOp
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 # Widest row one program keeps in registers; wider rows take the two-sweep path.
 MAX_NORM_BLOCK = 8192
 SILU_BLOCK = 1024
@@ -23,10 +21,6 @@ SILU_BLOCK = 1024
 
 class UnsupportedTensorError(ValueError):
     """An op got a tensor it cannot handle (dtype, shape); the message says what was expected."""
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -37,18 +31,6 @@ def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
         raise UnsupportedTensorError(f"{what}: last dim {x.shape[-1]} != {width}")
     x2 = x.reshape(-1, width)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-class _TritonOp:
-    """Shared `supports`: float dtypes; CUDA, or the CPU when the Triton interpreter is on."""
-
-    def supports(self, device_type: str, dtype: torch.dtype) -> bool:
-        if dtype not in SUPPORTED_DTYPES:
-            return False
-        return device_type == "cuda" or (device_type == "cpu" and interpreter_enabled())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -78,14 +60,14 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
-class TritonRMSNorm(_TritonOp):
+class TritonRMSNorm(TritonOp):
     """`rms_norm(x, weight, eps) -> out`; x: [..., hidden], weight: [hidden]."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return _norm_launch(x, None, weight, eps)[0]
 
 
-class TritonFusedAddRMSNorm(_TritonOp):
+class TritonFusedAddRMSNorm(TritonOp):
     """`fused_add_rms_norm(x, residual, weight, eps) -> (out, new_residual)` in one pass over the row."""
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -95,7 +77,7 @@ class TritonFusedAddRMSNorm(_TritonOp):
         return out, res
 
 
-class TritonRotaryEmbedding(_TritonOp):
+class TritonRotaryEmbedding(TritonOp):
     """`rotary_embedding(positions, q, k, cos_cache, sin_cache, head_size, rotary_dim) -> (q, k)`.
 
     Neox layout; one launch rotates q and k; cos/sin are gathered by position inside the kernel.
@@ -135,7 +117,7 @@ class TritonRotaryEmbedding(_TritonOp):
         return q_out, k_out
 
 
-class TritonSiluAndMul(_TritonOp):
+class TritonSiluAndMul(TritonOp):
     """`silu_and_mul(x) -> out`; x: [..., 2 * d] (gate, then up), out: [..., d]."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,11 @@ the ptxas that ships with triton. Runs in a subprocess because this process inte
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_test_utils import run_sm90_compile_script
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="test_cuda_custom_ops.py runs them compiled")
 
@@ -45,10 +43,4 @@ SCRIPT = textwrap.dedent('''
 
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120,
-                         check=False)
-    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("triton has no ptxas here")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    run_sm90_compile_script(SCRIPT)

@@ -153,6 +153,11 @@ class DeepSeekMTPProposer:
         self.layer.eval()
         self._builder = self.mla.backend.get_metadata_builder(self.device)
 
+    def draft_modules(self) -> list[nn.Module]:
+        """Called by the worker once, before the runner: the layers it binds custom ops into (the MoE
+        kernels above all: unbound, the torch experts path would run inside the draft step)."""
+        return [self.layer]
+
     @torch.no_grad()
     def _load(self, ctx: ProposerContext, prefix: str) -> None:
         if ctx.load_format == "dummy":

@@ -151,37 +151,3 @@ def hf_logits(path: Path, prompts: Sequence[Sequence[int]], dtype: torch.dtype =
 def random_prompts(lens: Sequence[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
-
-
-def run_sm90_compile_script(script: str) -> None:
-    """Run `script` (which lowers Triton kernels to sm_90 cubins and prints "compiled") in a fresh
-    interpreter without TRITON_INTERPRET; skip where Triton ships no ptxas."""
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
-                         check=False)
-    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("triton has no ptxas here")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
-
-
-def capture_cuda_graph(step):
-    """Run `step` once on a side stream (compiles, settles the allocator), then capture it; returns
-    (graph, the outputs of the captured call). CUDA only."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    return graph, outs

@@ -14,7 +14,6 @@ from deepseek_test_utils import DEEPSEEK_YARN, make_deepseek_checkpoint, random_
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
-from keel.layers.fused_moe import layer as moe_layer
 from keel.testing.fidelity import assert_matches_hf, run_requests
 
 ATOL = 1e-4
@@ -89,14 +88,29 @@ def test_prefix_cache_hits_compute_only_new_tokens(checkpoints):
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch, name):
-    pytest.importorskip("triton")
+    """kernels-triton's MoE ops bound as on CUDA (the CPU platform forced to bind custom ops)."""
+    from keel_kernels_triton.fused_moe.ops import TritonFusedExperts
+    from keel_platform_cpu.platform import CpuPlatform
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-    real = moe_layer.fused_experts_triton
-    monkeypatch.setattr(moe_layer, "fused_experts_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(CpuPlatform, "use_custom_ops", lambda self: True)
     path = checkpoints[name]
     prompts = random_prompts([6, 3], seed=5)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
-    results = run(make_engine(path, max_num_batched_tokens=4), prompts, params)  # chunked too
-    assert calls  # the fused kernel ran, not the reference
-    check_against_hf(path, prompts, results, 3)
+    engine = make_engine(path, max_num_batched_tokens=4,  # chunked too
+                         plugins=["platform-cpu", "attention-torch", "models-deepseek", "kernels-triton"])
+    moe = [m for m in engine.core.worker.runner.model.modules() if hasattr(m, "w13_weight")]
+    assert moe and all(isinstance(m.bound_ops.get("fused_experts"), TritonFusedExperts) for m in moe)
+    check_against_hf(path, prompts, run(engine, prompts, params), 3)
+
+
+def test_platform_requiring_fused_experts_without_a_provider_stops_startup(checkpoints, monkeypatch):
+    """As on CUDA without kernels-triton: no silent fall back to the torch experts path."""
+    from keel_platform_cpu.platform import CpuPlatform
+
+    from keel.layers.custom_op import MissingCustomOpError
+
+    monkeypatch.setattr(CpuPlatform, "use_custom_ops", lambda self: True)
+    monkeypatch.setattr(CpuPlatform, "required_custom_ops", lambda self: ("fused_experts",))
+    with pytest.raises(MissingCustomOpError, match=r"'fused_experts' is required.*model\.layers\.1\.mlp\.experts"):
+        make_engine(checkpoints["v2"], plugins=["platform-cpu", "attention-torch", "models-deepseek"])

@@ -1,7 +1,6 @@
-"""FusedMoE: expert weight loading, backend selection, and the Triton kernel against the torch reference.
+"""FusedMoE (core): expert weight loading, the torch alignment reference, and the bound-op dispatch.
 
-The Triton kernel runs interpreted on the CPU (TRITON_INTERPRET=1); sizes stay tiny because every
-program instance is executed in Python.
+The Triton kernels' own tests live with them in plugins/kernels_triton/tests.
 """
 
 from __future__ import annotations
@@ -9,44 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.layers.fused_moe import (
-    FusedMoE,
-    RoutingConfig,
-    fused_experts_torch,
-    fused_experts_triton,
-    moe_align_block_size,
-    triton_available,
-)
-from keel.layers.fused_moe import layer as moe_layer
+from keel.layers.fused_moe import FusedMoE, RoutingConfig, fused_experts_torch, moe_align_block_size_torch
 from keel.models.weights import WeightLoadError, load_mapped_weights
-
-pytest.importorskip("triton")
-
-
-# Interpreted kernels on CPU tensors are the CPU machine's check; a GPU machine runs the compiled kernels
-# (test_moe_triton_tiles_gpu.py, test_moe_routing_align_gpu.py), and its Triton's interpreter may differ.
-interpreted_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted Triton on CPU tensors; the "
-                                      "CUDA tests cover the compiled kernels")
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("interpreted Triton on CPU tensors; the CUDA tests cover the compiled kernels")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _random_moe(gen, tokens, hidden, inter, experts, top_k, dtype=torch.float32):
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    w = torch.rand(tokens, top_k, generator=gen)
-    return x, w13, w2, w
 
 
 def test_align_block_size_groups_rows_by_expert():
     ids = torch.tensor([[3, 0], [0, 5], [3, 5], [0, 3]])
-    sorted_ids, expert_ids, total = moe_align_block_size(ids, num_experts=8, block_m=4)
+    sorted_ids, expert_ids, total = moe_align_block_size_torch(ids, num_experts=8, block_m=4)
     n = int(total)
     assert n == 12  # experts 0, 3, 5 -> three blocks of 4; experts without tokens get none
     flat = ids.reshape(-1)
@@ -59,37 +27,9 @@ def test_align_block_size_groups_rows_by_expert():
     assert (sorted_ids[n:] == flat.numel()).all()
 
 
-@pytest.mark.parametrize("tokens,top_k,experts", [(7, 2, 8), (1, 1, 4), (19, 3, 6)])
-def test_triton_matches_torch_reference(interpret, tokens, top_k, experts):
-    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
-    x, w13, w2, w = _random_moe(gen, tokens, 24, 20, experts, top_k)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    ref = fused_experts_torch(x, w13, w2, w, ids)
-    out = fused_experts_triton(x, w13, w2, w, ids)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_triton_with_idle_experts_and_all_tokens_on_one_expert(interpret):
-    gen = torch.Generator().manual_seed(3)
-    x, w13, w2, w = _random_moe(gen, 18, 16, 12, 8, 2)
-    ids = torch.tensor([[6, 2]] * 18)  # six experts receive nothing; 18 rows span two blocks each
-    torch.testing.assert_close(
-        fused_experts_triton(x, w13, w2, w, ids), fused_experts_torch(x, w13, w2, w, ids), atol=1e-5, rtol=1e-5
-    )
-    assert torch.equal(fused_experts_triton(x[:0], w13, w2, w[:0], ids[:0]), x[:0])
-
-
-def test_triton_bf16(interpret):
-    gen = torch.Generator().manual_seed(5)
-    x, w13, w2, w = _random_moe(gen, 9, 32, 16, 4, 2, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])
-    ref = fused_experts_torch(x.float(), w13.float(), w2.float(), w, ids)
-    torch.testing.assert_close(fused_experts_triton(x, w13, w2, w, ids).float(), ref, atol=5e-2, rtol=5e-2)
-
-
-def _layer(backend="auto", experts=4, hidden=16, inter=8):
+def _layer(experts=4, hidden=16, inter=8):
     routing = RoutingConfig(num_experts=experts, top_k=2, renormalize=True)
-    return FusedMoE(experts, hidden, inter, routing, backend=backend, prefix="mlp.experts")
+    return FusedMoE(experts, hidden, inter, routing, prefix="mlp.experts")
 
 
 def _per_expert_checkpoint(experts=4, hidden=16, inter=8, seed=0):
@@ -134,23 +74,23 @@ def test_missing_expert_leaves_parameter_unloaded_and_bad_shapes_raise():
         block.mlp.experts.weight_loader(block.mlp.experts.w2_weight, torch.zeros(16, 8), (0, "w1"))
 
 
-@interpreted_only
-def test_backend_selection(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not triton_available(torch.device("cpu"))
+def test_bound_ops_replace_routing_and_experts():
     layer = _layer()
+    assert FusedMoE.custom_ops == ("select_experts", "fused_experts") and not layer.bound_ops
     load_mapped_weights(_Block(layer), _per_expert_checkpoint().items(), FusedMoE.make_expert_params_mapping(4))
-    x, logits = torch.randn(5, 16), torch.randn(5, 4)
-    ref = layer(x, logits)
-    assert layer.last_backend == "torch"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert triton_available(torch.device("cpu"))
-    torch.testing.assert_close(layer(x, logits), ref, atol=1e-4, rtol=1e-5)
-    assert layer.last_backend == "triton"
-    forced = _layer(backend="torch")
-    forced.load_state_dict(layer.state_dict())
-    torch.testing.assert_close(forced(x, logits), ref)
-    assert forced.last_backend == "torch"
-    with pytest.raises(ValueError, match="MoE backend"):
-        _layer(backend="cuda")
-    assert moe_layer.MOE_BACKENDS == ("auto", "torch", "triton")
+    x, logits, res = torch.randn(5, 16), torch.randn(5, 4), torch.randn(5, 16)
+    ref = layer(x, logits, residual=res)  # unbound: the torch reference
+    calls = []
+
+    def route(logits_, routing, bias):
+        calls.append(("route", routing is layer.routing, bias))
+        w, ids = torch.topk(torch.softmax(logits_.float(), -1), 2)
+        return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+    def experts(hidden, w13, w2, w, ids, activation, residual):
+        calls.append(("experts", w13 is layer.w13_weight, activation))
+        return fused_experts_torch(hidden, w13, w2, w, ids, activation) + residual
+
+    layer.bound_ops = {"select_experts": route, "fused_experts": experts}
+    torch.testing.assert_close(layer(x, logits, residual=res), ref)
+    assert calls == [("route", True, None), ("experts", True, "silu")]

@@ -1,18 +1,18 @@
-"""End to end through keel's engine with the whole Triton MoE path interpreted on the CPU: the routing
-kernel, the alignment kernel and the grouped GEMMs, against transformers (greedy tokens, logprobs 1e-4)."""
+"""End to end through keel's engine with kernels-triton's whole MoE path interpreted on the CPU (bound by
+the worker as on CUDA): the routing kernel, the alignment kernel and the grouped GEMMs, against
+transformers (greedy tokens, logprobs 1e-4)."""
 
 from __future__ import annotations
 
 import pytest
 from deepseek_test_utils import make_deepseek_checkpoint, random_prompts
+from keel_kernels_triton.fused_moe import align, ops
+from keel_platform_cpu.platform import CpuPlatform
 
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
-from keel.layers.fused_moe import align_triton, layer
 from keel.testing.fidelity import assert_matches_hf, run_requests
-
-pytest.importorskip("triton")
 
 CASES = {
     "v2_group_limited": (2, {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
@@ -26,6 +26,7 @@ def test_engine_with_triton_routing_and_align(tmp_path, monkeypatch, name):
     version, overrides = CASES[name]
     path = make_deepseek_checkpoint(version, tmp_path / name, **overrides)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(CpuPlatform, "use_custom_ops", lambda self: True)
     calls = {"route": 0, "align": 0}
 
     def spy(key, fn):
@@ -34,11 +35,11 @@ def test_engine_with_triton_routing_and_align(tmp_path, monkeypatch, name):
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(layer, "select_experts_triton", spy("route", layer.select_experts_triton))
-    monkeypatch.setattr(align_triton, "moe_align_block_size_triton",
-                        spy("align", align_triton.moe_align_block_size_triton))
+    monkeypatch.setattr(ops, "select_experts_triton", spy("route", ops.select_experts_triton))
+    monkeypatch.setattr(align, "moe_align_block_size_triton", spy("align", align.moe_align_block_size_triton))
     args = EngineArgs(model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64,
-                      seed=0, max_num_batched_tokens=8)
+                      seed=0, max_num_batched_tokens=8,
+                      plugins=["platform-cpu", "attention-torch", "models-deepseek", "kernels-triton"])
     prompts = random_prompts([7, 3], seed=6)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     results = run_requests(LLMEngine.from_engine_args(args), prompts, params)

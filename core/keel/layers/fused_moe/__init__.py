@@ -1,6 +1,12 @@
-"""Mixture-of-experts building blocks: routing, the stacked expert layer, torch and Triton paths."""
+"""Mixture-of-experts building blocks: routing, the stacked expert layer and its torch reference path.
 
-from keel.layers.fused_moe.layer import MOE_BACKENDS, FusedMoE
+Fused kernels (routing, alignment, grouped GEMMs) are `custom_op` plugins bound into `FusedMoE` by the
+worker (ops `select_experts` and `fused_experts`, see `keel.layers.custom_op`); kernels-triton provides
+them for CUDA.
+"""
+
+from keel.layers.fused_moe.align import moe_align_block_size_torch
+from keel.layers.fused_moe.layer import FusedMoE
 from keel.layers.fused_moe.router import (
     RoutingConfig,
     RoutingConfigError,
@@ -9,18 +15,14 @@ from keel.layers.fused_moe.router import (
     select_experts,
 )
 from keel.layers.fused_moe.torch_ref import fused_experts_torch
-from keel.layers.fused_moe.triton_moe import fused_experts_triton, moe_align_block_size, triton_available
 
 __all__ = [
-    "MOE_BACKENDS",
     "FusedMoE",
     "RoutingConfig",
     "RoutingConfigError",
     "fused_experts_torch",
-    "fused_experts_triton",
     "fused_topk",
     "grouped_topk",
-    "moe_align_block_size",
+    "moe_align_block_size_torch",
     "select_experts",
-    "triton_available",
 ]

@@ -1,4 +1,4 @@
-"""FusedMoE: the routed experts of a MoE block, stored stacked, computed by Triton or torch.
+"""FusedMoE: the routed experts of a MoE block, stored stacked, computed by a bound kernel or torch.
 
 Built by a model's MoE block; owns `w13_weight` [E, 2 * intermediate, hidden] (gate rows, then up rows,
 per expert) and `w2_weight` [E, hidden, intermediate]. Checkpoints ship one tensor per expert and
@@ -6,31 +6,36 @@ projection (`mlp.experts.{e}.gate_proj.weight`, ...); `make_expert_params_mappin
 into (stacked parameter, shard id = (expert id, "w1" | "w2" | "w3")) routes for `load_mapped_weights`,
 and the parameters' `weight_loader` copies each into its slot. A stacked parameter counts as loaded
 only when every expert's shards arrived.
+
+Routing and expert computation are custom ops (`select_experts`, `fused_experts`; contracts in
+`keel.layers.custom_op`): the worker binds a kernel plugin's providers after loading, and an op left
+unbound runs the torch reference here (`select_experts`, `fused_experts_torch`). Which path runs is fixed
+at bind time, never decided per call.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from keel.layers.fused_moe.router import RoutingConfig, select_experts
-from keel.layers.fused_moe.routing_triton import routing_triton_supported, select_experts_triton
 from keel.layers.fused_moe.torch_ref import fused_experts_torch
-from keel.layers.fused_moe.triton_moe import fused_experts_triton, triton_available
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs
-
-MOE_BACKENDS = ("auto", "torch", "triton")
 
 
 class FusedMoE(nn.Module):
     """Routed experts. `forward(hidden, router_logits)` is called by the MoE block every step.
 
-    `backend`: "torch" (reference), "triton" (fused kernel; CUDA, or CPU under TRITON_INTERPRET=1) or
-    "auto" (Triton when `triton_available` for the input's device, else torch), decided per call so a
-    model built once runs on whatever the process allows.
+    `custom_ops` / `bound_ops`: the worker may bind fused kernels for these ops (see
+    `keel.layers.custom_op`; a provider may decline a layer, e.g. a routing it does not implement).
     """
+
+    custom_ops: ClassVar[tuple[str, ...]] = ("select_experts", "fused_experts")
+    bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def __init__(
         self,
@@ -40,12 +45,9 @@ class FusedMoE(nn.Module):
         routing: RoutingConfig,
         *,
         activation: str = "silu",
-        backend: str = "auto",
         prefix: str = "",
     ) -> None:
         super().__init__()
-        if backend not in MOE_BACKENDS:
-            raise ValueError(f"MoE backend must be one of {MOE_BACKENDS}, got {backend!r}")
         if routing.num_experts != num_experts:
             raise ValueError(f"routing is for {routing.num_experts} experts, layer has {num_experts}")
         self.num_experts = num_experts
@@ -53,10 +55,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.routing = routing
         self.activation = activation
-        self.backend = backend
         self.prefix = prefix
-        self.last_backend: str | None = None  # which path the latest forward took (tests, logging)
-        self.last_routing: str | None = None  # likewise for the routing ("triton" | "torch")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for p, ids in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
@@ -111,27 +110,22 @@ class FusedMoE(nn.Module):
         e_score_correction_bias: torch.Tensor | None = None,  # [num_experts]
         residual: torch.Tensor | None = None,  # [num_tokens, hidden_size], added to the output
     ) -> torch.Tensor:  # [num_tokens, hidden_size]; weighted sum of the chosen experts' outputs (+ residual)
-        """`residual` (e.g. shared experts' output) is added in the Triton path's combine kernel, saving a
-        launch; the result equals `forward(hidden, router_logits, bias) + residual` in either path."""
-        use_triton = self.backend == "triton" or (self.backend == "auto" and triton_available(hidden.device))
-        # Routing follows the expert path: one kernel where the fused experts run (and it handles the
-        # configuration), the torch reference otherwise.
-        if use_triton and routing_triton_supported(self.routing):
-            self.last_routing = "triton"
-            topk_weights, topk_ids = select_experts_triton(router_logits, self.routing, e_score_correction_bias)
+        """`residual` (e.g. shared experts' output) may be added inside a bound kernel's combine step, saving
+        a launch; the result equals `forward(hidden, router_logits, bias) + residual` on either path."""
+        route = self.bound_ops.get("select_experts")
+        if route is not None:
+            topk_weights, topk_ids = route(router_logits, self.routing, e_score_correction_bias)
         else:
-            self.last_routing = "torch"
             topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
-        if use_triton:
-            self.last_backend = "triton"
-            return fused_experts_triton(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                        self.activation, residual)
-        self.last_backend = "torch"
+        experts = self.bound_ops.get("fused_experts")
+        if experts is not None:
+            return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                           residual)
         out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
         return out if residual is None else out + residual
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-            f"top_k={self.routing.top_k}, backend={self.backend}"
+            f"top_k={self.routing.top_k}, bound={sorted(self.bound_ops)}"
         )

@@ -7,17 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from keel_kernels_triton.fused_moe import grouped_gemm
+from keel_kernels_triton.fused_moe.align import moe_align_block_size
+from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton, invoke_fused_moe_kernel
+from keel_kernels_triton.fused_moe.moe_sum import moe_sum
+from keel_kernels_triton.fused_moe.tile_config import MoETileConfig
+from triton_test_utils import bind_moe_ops
 
-from keel.layers.fused_moe import FusedMoE, RoutingConfig, fused_experts_torch, fused_experts_triton
-from keel.layers.fused_moe.tile_config import MoETileConfig
-from keel.layers.fused_moe.triton_moe import _invoke, moe_align_block_size, moe_sum
+from keel.layers.fused_moe import FusedMoE, RoutingConfig, fused_experts_torch
 
-pytest.importorskip("triton")
-
-
-@pytest.fixture(autouse=True)
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("interpret")
 
 
 def _inputs(seed, tokens, hidden, inter, experts, top_k, dtype=torch.float32, used=None):
@@ -49,6 +48,29 @@ def test_explicit_tiles_match_torch(cfg, tokens, top_k):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,top_k,experts", [(7, 2, 8), (1, 1, 4), (19, 3, 6)])
+def test_triton_matches_torch_reference(tokens, top_k, experts):
+    x, w13, w2, w, ids = _inputs(tokens * 10 + top_k, tokens, 24, 20, experts, top_k)
+    ref = fused_experts_torch(x, w13, w2, w, ids)
+    out = fused_experts_triton(x, w13, w2, w, ids)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_with_idle_experts_and_all_tokens_on_one_expert():
+    x, w13, w2, w, _ = _inputs(3, 18, 16, 12, 8, 2)
+    ids = torch.tensor([[6, 2]] * 18)  # six experts receive nothing; 18 rows span two blocks each
+    torch.testing.assert_close(
+        fused_experts_triton(x, w13, w2, w, ids), fused_experts_torch(x, w13, w2, w, ids), atol=1e-5, rtol=1e-5
+    )
+    assert torch.equal(fused_experts_triton(x[:0], w13, w2, w[:0], ids[:0]), x[:0])
+
+
+def test_triton_bf16():
+    x, w13, w2, w, ids = _inputs(5, 9, 32, 16, 4, 2, dtype=torch.bfloat16)
+    ref = fused_experts_torch(x.float(), w13.float(), w2.float(), w, ids)
+    torch.testing.assert_close(fused_experts_triton(x, w13, w2, w, ids).float(), ref, atol=5e-2, rtol=5e-2)
+
+
 def test_tile_pair_must_share_block_m():
     x, w13, w2, w, ids = _inputs(0, 3, 16, 8, 4, 2)
     with pytest.raises(ValueError, match="one block_m"):
@@ -61,7 +83,8 @@ def _gemm_pair(gate_up, w2, ids, w, cfg, act_silu):
     sorted_ids, expert_ids, total = moe_align_block_size(ids, w2.shape[0], cfg.block_m)
     a = gate_up if act_silu else F.silu(gate_up[:, : w2.shape[2]]) * gate_up[:, w2.shape[2]:]
     down = torch.full((gate_up.shape[0], w2.shape[1]), float("nan"), dtype=gate_up.dtype)
-    _invoke(a, w2, down, w.reshape(-1).float(), sorted_ids, expert_ids, total, 1, cfg, act_silu=act_silu)
+    invoke_fused_moe_kernel(a, w2, down, w.reshape(-1).float(), sorted_ids, expert_ids, total, 1, cfg,
+                            act_silu=act_silu)
     return down
 
 
@@ -114,24 +137,23 @@ def test_moe_sum_rejects_bad_shapes():
         moe_sum(torch.zeros(4, 2, 8), residual=torch.zeros(4, 9))
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_layer_residual_equals_separate_add(backend):
+@pytest.mark.parametrize("bound", [True, False])
+def test_layer_residual_equals_separate_add(bound):
     routing = RoutingConfig(num_experts=6, top_k=2, renormalize=True)
-    layer = FusedMoE(6, 16, 8, routing, backend=backend)
+    layer = FusedMoE(6, 16, 8, routing)
+    if bound:
+        assert bind_moe_ops(layer) == {"select_experts": 1, "fused_experts": 1}
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         layer.w13_weight.copy_(torch.randn(6, 16, 16, generator=gen) / 4)
         layer.w2_weight.copy_(torch.randn(6, 16, 8, generator=gen) / 3)
     x, logits, res = torch.randn(7, 16, generator=gen), torch.randn(7, 6, generator=gen), torch.randn(7, 16)
     torch.testing.assert_close(layer(x, logits, residual=res), layer(x, logits) + res, atol=1e-6, rtol=1e-6)
-    assert layer.last_backend == backend
     empty = layer(x[:0], logits[:0], residual=res[:0])
     assert empty.shape == (0, 16)
 
 
 def test_default_path_takes_tiles_from_lookup(monkeypatch):
-    from keel.layers.fused_moe import triton_moe
-
     x, w13, w2, w, ids = _inputs(5, 6, 24, 16, 8, 2)
     seen = {}
 
@@ -139,9 +161,9 @@ def test_default_path_takes_tiles_from_lookup(monkeypatch):
         seen["args"] = (num_tokens, w13_shape, w2_shape, top_k, dtype, device.type, interpret)
         return CONFIGS[1], CONFIGS[1]
 
-    real_align = triton_moe.moe_align_block_size
-    monkeypatch.setattr(triton_moe, "get_moe_tile_configs", lookup)
-    monkeypatch.setattr(triton_moe, "moe_align_block_size",
+    real_align = grouped_gemm.moe_align_block_size
+    monkeypatch.setattr(grouped_gemm, "get_moe_tile_configs", lookup)
+    monkeypatch.setattr(grouped_gemm, "moe_align_block_size",
                         lambda ids_, e, block_m: seen.setdefault("block_m", block_m) and real_align(ids_, e, block_m))
     out = fused_experts_triton(x, w13, w2, w, ids)
     assert seen["args"] == (6, (8, 32, 24), (8, 24, 16), 2, torch.float32, "cpu", True)

@@ -10,21 +10,22 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from deepseek_test_utils import capture_cuda_graph, run_sm90_compile_script
+from keel_kernels_triton.fused_moe.align import moe_align_block_size
+from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton, invoke_fused_moe_kernel
+from keel_kernels_triton.fused_moe.moe_sum import moe_sum
+from keel_kernels_triton.fused_moe.tile_config import MoETileConfig
+from triton_test_utils import capture_cuda_graph, run_sm90_compile_script
 
-from keel.layers.fused_moe import fused_experts_torch, fused_experts_triton
-from keel.layers.fused_moe.tile_config import MoETileConfig
-from keel.layers.fused_moe.triton_moe import _invoke, moe_align_block_size, moe_sum
+from keel.layers.fused_moe import fused_experts_torch
 
-pytest.importorskip("triton")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 COMPILE_SCRIPT = textwrap.dedent('''
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from keel.layers.fused_moe import triton_moe as M
-    from keel.layers.fused_moe.tile_config import default_moe_tile_config
+    from keel_kernels_triton.fused_moe import grouped_gemm as M, moe_sum as S
+    from keel_kernels_triton.fused_moe.tile_config import default_moe_tile_config
 
     H200_SMEM = 232448  # bytes of shared memory one block may opt into on sm_90
     def compile_(fn, sig, consts, warps=4, stages=3):
@@ -57,7 +58,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
                    "stride_dt": "i32", "stride_dk": "i32", "stride_ot": "i32", "stride_rt": "i32",
                    "TOP_K": "constexpr", "HAS_RESIDUAL": "constexpr", "BLOCK_H": "constexpr"}
         for res in (False, True):
-            compile_(M._jitted_sum(False), sum_sig, {"TOP_K": 6, "HAS_RESIDUAL": res, "BLOCK_H": 512})
+            compile_(S._jitted_sum(False), sum_sig, {"TOP_K": 6, "HAS_RESIDUAL": res, "BLOCK_H": 512})
     print("compiled")
 ''')
 
@@ -109,7 +110,8 @@ def test_cuda_fused_silu_and_sum_round_like_torch():
     for fused in (True, False):
         a = gate_up if fused else F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         down = torch.full((tokens * top_k, w2.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
-        _invoke(a, w2, down, w.reshape(-1), sorted_ids, expert_ids, total, 1, cfg, act_silu=fused)
+        invoke_fused_moe_kernel(a, w2, down, w.reshape(-1), sorted_ids, expert_ids, total, 1, cfg,
+                                act_silu=fused)
         outs.append(down)
     # identical A operands up to rare one-ulp differences of silu's exp; the GEMMs then agree
     torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)

@@ -1,4 +1,4 @@
-"""The one-kernel MoE routing (keel.layers.fused_moe.routing_triton) against the torch routing.
+"""The one-kernel MoE routing (kernels-triton's fused_moe/routing.py) against the core's torch routing.
 
 Interpreted on the CPU (TRITON_INTERPRET=1, one program per token executed in numpy), so shapes stay small.
 Logits are continuous random values: ties, whose order torch.topk leaves open, do not occur, so ids must
@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from keel_kernels_triton.fused_moe.ops import TritonSelectExperts
+from keel_kernels_triton.fused_moe.routing import routing_triton_supported, select_experts_triton
+from triton_test_utils import bind_moe_ops
 
 from keel.layers.fused_moe import FusedMoE, RoutingConfig, RoutingConfigError, select_experts
-from keel.layers.fused_moe.routing_triton import routing_triton_supported, select_experts_triton
-
-pytest.importorskip("triton")
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _check(cfg: RoutingConfig, tokens: int, seed: int, with_bias: bool = False) -> None:
@@ -137,19 +132,19 @@ def test_user_errors_and_unsupported_configs():
     assert routing_triton_supported(RoutingConfig(num_experts=256, top_k=8))
 
 
-def test_fused_moe_layer_keeps_torch_routing_for_unsupported_configs(interpret):
+def test_select_experts_op_declines_unsupported_routing_at_bind_time(interpret):
     cfg = RoutingConfig(num_experts=4, top_k=2, scoring_func="sigmoid", use_grouped_topk=True,
                         num_expert_group=4, topk_group=2)
-    layer = FusedMoE(4, 16, 8, cfg, backend="triton")
+    layer = FusedMoE(4, 16, 8, cfg)
+    assert bind_moe_ops(layer) == {"fused_experts": 1}  # routing declined: the layer keeps torch routing
     with torch.no_grad():
         layer.w13_weight.normal_()
         layer.w2_weight.normal_()
     with pytest.raises(RuntimeError):  # torch's top-2 of one-expert groups: the reference's own error
         layer(torch.randn(2, 16), torch.randn(2, 4), torch.zeros(4))
-    assert layer.last_routing == "torch"
 
 
-def test_fused_moe_layer_routes_with_the_kernel_only_on_the_triton_path(monkeypatch):
+def test_bound_layer_routes_with_the_kernel(interpret, monkeypatch):
     cfg = RoutingConfig(num_experts=6, top_k=2, scoring_func="sigmoid", use_grouped_topk=True,
                         num_expert_group=3, topk_group=2, renormalize=True)
     layer = FusedMoE(6, 16, 8, cfg, prefix="mlp.experts")
@@ -158,8 +153,10 @@ def test_fused_moe_layer_routes_with_the_kernel_only_on_the_triton_path(monkeypa
         layer.w13_weight.copy_(torch.randn(layer.w13_weight.shape, generator=gen) / 4)
         layer.w2_weight.copy_(torch.randn(layer.w2_weight.shape, generator=gen) / 3)
     x, logits, bias = torch.randn(5, 16), torch.randn(5, 6), torch.randn(6) * 0.2
-    ref = layer(x, logits, bias)
-    assert layer.last_routing == "torch"  # no interpreter, no CUDA: everything stays torch
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ref = layer(x, logits, bias)  # unbound: torch routing and experts
+    calls = []
+    real = TritonSelectExperts.__call__
+    monkeypatch.setattr(TritonSelectExperts, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    assert bind_moe_ops(layer) == {"select_experts": 1, "fused_experts": 1}
     torch.testing.assert_close(layer(x, logits, bias), ref, atol=1e-5, rtol=1e-5)
-    assert (layer.last_routing, layer.last_backend) == ("triton", "triton")
+    assert calls == [1]

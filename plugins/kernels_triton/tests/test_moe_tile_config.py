@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from keel.layers.fused_moe import tile_config as tc
-from keel.layers.fused_moe.tile_config import (
+from keel_kernels_triton.fused_moe import tile_config as tc
+from keel_kernels_triton.fused_moe.tile_config import (
     MoETileConfig,
     MoETileConfigError,
     config_file_name,
@@ -113,8 +112,8 @@ def test_shipped_files_are_valid_and_packaged():
     for path in sorted(tc.CONFIG_DIR.glob("*.json")):
         assert path.name.startswith("E=") and ",device_name=" in path.name
         assert read_tile_config_file(path)
-    # a non-editable install ships the folder: the core's package data names it
-    root = Path(__file__).resolve().parents[3]
-    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "configs/*.json" in data["keel.layers.fused_moe"]
+    # a non-editable install ships the folder: the plugin's package data names it
+    plugin = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((plugin / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "configs/*.json" in data["keel_kernels_triton.fused_moe"]
     assert (tc.CONFIG_DIR / "README.md").is_file()

@@ -1,19 +1,19 @@
 """Fused MoE in Triton: tokens sorted by expert, one grouped GEMM per projection, weighted combine.
 
-Called by `FusedMoE.forward` when the Triton path is selected (`triton_available()`): on CUDA devices,
-or anywhere under `TRITON_INTERPRET=1` (the interpreter runs kernels on CPU tensors; tests use it).
+`fused_experts_triton` is what kernels-triton's `fused_experts` custom op (ops.py) runs for a bound
+`FusedMoE` layer: on CUDA devices, or on the CPU under `TRITON_INTERPRET=1` (tests).
 
-1. `moe_align_block_size` sorts the (token, slot) pairs by expert and pads each expert's run to a
-   multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to exactly one expert. Experts
+1. `moe_align_block_size` (align.py) sorts the (token, slot) pairs by expert and pads each expert's run to
+   a multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to exactly one expert. Experts
    that received no tokens get no block at all. Sizes are upper bounds known without a host sync;
-   blocks past the real end exit immediately. Small steps do this in one kernel (align_triton.py).
+   blocks past the real end exit immediately.
 2. `_fused_moe_kernel` on w13: rows gathered from `hidden` by sorted id // top_k, times the block's
    expert weight -> gate_up [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
 3. `_fused_moe_kernel` on w2, multiplying each row by its routing weight -> [num_tokens * top_k, hidden].
    For silu the gated activation happens in this GEMM's A load (silu(gate) * up, rounded as the torch
    path rounds), so no intermediate tensor exists; other activations run in torch in between.
-4. `moe_sum` adds the top_k slots of each token (and optionally a residual such as the shared experts'
-   output) in one small kernel.
+4. `moe_sum` (moe_sum.py) adds the top_k slots of each token (and optionally a residual such as the
+   shared experts' output) in one small kernel.
 
 Tile sizes come from `tile_config.get_moe_tile_configs` (tuned JSON files per device and shape, else a
 heuristic); both GEMMs of a call use one block_m, the padding unit of step 1.
@@ -25,37 +25,20 @@ decoration time whether a function is compiled or interpreted.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from keel.layers.activation import get_act_and_mul_fn
-from keel.layers.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
+from keel_kernels_triton.fused_moe.align import moe_align_block_size
+from keel_kernels_triton.fused_moe.moe_sum import moe_sum
+from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
+from keel_kernels_triton.support import interpreter_enabled
 
-try:  # optional: the torch reference path needs no Triton
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without triton
-    triton = None
-    tl = None
-
-BLOCK_M = 16  # the default padding unit of moe_align_block_size (callers of the GEMMs pass their own)
 # Activations the w2 GEMM computes in its A load; the rest run in torch between the GEMMs.
 FUSED_ACTIVATIONS = ("silu", "swish")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def triton_available(device: torch.device) -> bool:
-    """Whether the Triton path can run for tensors on `device` (compiled on CUDA, or interpreted)."""
-    if triton is None:
-        return False
-    if _interpreting():
-        return True
-    return device.type == "cuda"
 
 
 def _fused_moe_kernel(
@@ -130,34 +113,6 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_n[None, :] < N))
 
 
-def _moe_sum_kernel(
-    down_ptr,  # [num_tokens, TOP_K, H]
-    out_ptr,  # [num_tokens, H], written
-    residual_ptr,  # [num_tokens, H] (read when HAS_RESIDUAL)
-    H,
-    stride_dt,
-    stride_dk,
-    stride_ot,
-    stride_rt,
-    TOP_K: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    # out[t] = sum_j down[t, j] (+ residual[t]); the sum is accumulated in float32 and rounded once, then
-    # the residual is added and rounded again: the roundings of torch's `.sum(1)` followed by `+`.
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.full((BLOCK_H,), 0.0, dtype=tl.float32)
-    for j in range(TOP_K):
-        acc += tl.load(down_ptr + t * stride_dt + j * stride_dk + offs, mask=mask, other=0.0).to(tl.float32)
-    out = acc.to(out_ptr.dtype.element_ty)
-    if HAS_RESIDUAL:
-        res = tl.load(residual_ptr + t * stride_rt + offs, mask=mask, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) + res).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_ot + offs, out, mask=mask)
-
-
 @functools.cache
 def _jitted(interpret: bool) -> Any:
     del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
@@ -167,94 +122,7 @@ def _jitted(interpret: bool) -> Any:
     return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens"])
 
 
-@functools.cache
-def _jitted_sum(interpret: bool) -> Any:
-    del interpret
-    return triton.jit(_moe_sum_kernel)
-
-
-def moe_sum(
-    down: torch.Tensor,  # [num_tokens, top_k, hidden]
-    out: torch.Tensor | None = None,  # [num_tokens, hidden], written; allocated when None
-    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
-) -> torch.Tensor:  # [num_tokens, hidden]: down.sum(1) (+ residual), dtype of down
-    """The top_k combine of `fused_experts_triton` in one launch, optionally adding `residual` (the
-    DeepSeek MoE block passes its shared experts' output). Rounds like `down.sum(1) + residual`."""
-    if down.dim() != 3 or down.stride(2) != 1:
-        raise ValueError(f"moe_sum needs down [tokens, top_k, hidden] with unit last stride, got {down.shape}")
-    num_tokens, top_k, hidden = down.shape
-    if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=down.dtype, device=down.device)
-    for name, t in (("out", out), ("residual", residual)):
-        if t is not None and (t.shape != (num_tokens, hidden) or t.stride(1) != 1):
-            raise ValueError(f"moe_sum {name} must be [{num_tokens}, {hidden}] with unit last stride, "
-                             f"got {tuple(t.shape)}")
-    if num_tokens == 0:
-        return out
-    interpret = _interpreting()
-    block_h = min(512 if not interpret else 64, triton.next_power_of_2(hidden))
-    res = residual if residual is not None else out
-    _jitted_sum(interpret)[(num_tokens, -(-hidden // block_h))](
-        down, out, res, hidden, down.stride(0), down.stride(1), out.stride(0), res.stride(0),
-        TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
-    )
-    return out
-
-
-def moe_align_block_size(
-    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
-    num_experts: int,
-    block_m: int = BLOCK_M,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_token_ids [max_padded] int32, expert_ids [max_padded // block_m] int32, total [1] int32).
-
-    sorted_token_ids lists flat (token * top_k + slot) indices grouped by expert (ascending within an
-    expert), each expert's run padded with the sentinel num_tokens * top_k to a multiple of block_m;
-    expert_ids[b] is the expert of block b. Entries past `total` are sentinels (rows) and 0 (experts);
-    their blocks do no work. One Triton launch where Triton runs and the step is small
-    (`align_triton_supported`), else the torch version; both give identical outputs.
-    """
-    # imported here: align_triton imports this module
-    from keel.layers.fused_moe.align_triton import align_triton_supported, moe_align_block_size_triton
-
-    if triton_available(topk_ids.device) and align_triton_supported(topk_ids.numel(), num_experts):
-        return moe_align_block_size_triton(topk_ids, num_experts, block_m)
-    return moe_align_block_size_torch(topk_ids, num_experts, block_m)
-
-
-def moe_align_block_size_torch(
-    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
-    num_experts: int,
-    block_m: int = BLOCK_M,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference `moe_align_block_size` in torch ops (any size, any device)."""
-    flat = topk_ids.reshape(-1).long()
-    num_valid = flat.numel()
-    device = flat.device
-    max_padded = num_valid + num_experts * (block_m - 1)
-    max_padded = -(-max_padded // block_m) * block_m
-    # No host sync anywhere (CUDA-graph capturable): counts by scatter-add, not bincount (which reads the
-    # max id back); block -> expert by searchsorted, not repeat_interleave (data-dependent output size).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)  # [E]
-    padded_start = padded_end - padded
-    count_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)  # flat indices grouped by expert
-    experts_sorted = flat[order]
-    rank = torch.arange(num_valid, device=device) - count_start[experts_sorted]
-    sorted_ids = torch.full((max_padded,), num_valid, dtype=torch.int32, device=device)
-    sorted_ids[padded_start[experts_sorted] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(max_padded // block_m, device=device) * block_m
-    owner = torch.searchsorted(padded_end, block_starts, right=True)  # [max_blocks]
-    # Blocks past the real ones (owner == E) do no work; they read expert 0.
-    expert_ids = torch.where(owner < num_experts, owner, 0).to(torch.int32)
-    total = padded.sum().reshape(1).to(torch.int32)
-    return sorted_ids, expert_ids, total
-
-
-def _invoke(
+def invoke_fused_moe_kernel(
     a: torch.Tensor,  # [rows_a, K], or [rows_a, 2 * K] gate_up with act_silu
     b: torch.Tensor,  # [E, N, K]
     c: torch.Tensor,  # [num_tokens * top_k, N], written
@@ -266,7 +134,7 @@ def _invoke(
     config: MoETileConfig,
     act_silu: bool = False,
 ) -> None:
-    interpret = _interpreting()
+    interpret = interpreter_enabled()
     kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
     if expert_ids.numel() * config.block_m != sorted_ids.numel():
@@ -308,17 +176,17 @@ def fused_experts_triton(
     hidden = hidden.contiguous()
     if tile_configs is None:
         tile_configs = get_moe_tile_configs(num_tokens, tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype,
-                                            hidden.device, _interpreting())
+                                            hidden.device, interpreter_enabled())
     c13, c2 = tile_configs
     if c13.block_m != c2.block_m:
         raise ValueError(f"both GEMMs of one MoE call need one block_m, got {c13.block_m} and {c2.block_m}")
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
     gate_up = torch.empty(rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _invoke(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
+    invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
     fuse = activation.lower() in FUSED_ACTIVATIONS
     inter = gate_up if fuse else get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
     down = torch.empty(rows, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _invoke(inter, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
+    invoke_fused_moe_kernel(inter, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
     return moe_sum(down.view(num_tokens, top_k, -1), residual=residual)

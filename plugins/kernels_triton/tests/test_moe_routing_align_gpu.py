@@ -8,21 +8,19 @@ import textwrap
 
 import pytest
 import torch
-from deepseek_test_utils import capture_cuda_graph, run_sm90_compile_script
+from keel_kernels_triton.fused_moe.align import moe_align_block_size_triton
+from keel_kernels_triton.fused_moe.routing import select_experts_triton
+from triton_test_utils import capture_cuda_graph, run_sm90_compile_script
 
-from keel.layers.fused_moe import RoutingConfig, select_experts
-from keel.layers.fused_moe.align_triton import moe_align_block_size_triton
-from keel.layers.fused_moe.routing_triton import select_experts_triton
-from keel.layers.fused_moe.triton_moe import moe_align_block_size_torch
+from keel.layers.fused_moe import RoutingConfig, moe_align_block_size_torch, select_experts
 
-pytest.importorskip("triton")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 COMPILE_SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from keel.layers.fused_moe import align_triton as A, routing_triton as R
+    from keel_kernels_triton.fused_moe import align as A, routing as R
 
     def compile_(fn, sig, consts):
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))

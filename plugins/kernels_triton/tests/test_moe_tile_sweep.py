@@ -8,8 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
-from keel.layers.fused_moe.tile_config import MoETileConfig
+from keel_kernels_triton.fused_moe.tile_config import MoETileConfig
 
 SWEEP = Path(__file__).resolve().parents[3] / "benchmarks" / "h200_moe_tiles.py"
 

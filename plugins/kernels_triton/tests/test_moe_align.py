@@ -1,4 +1,4 @@
-"""The one-kernel `moe_align_block_size` (keel.layers.fused_moe.align_triton) against the torch version.
+"""The one-kernel `moe_align_block_size` (kernels-triton's fused_moe/align.py) against the core's torch version.
 
 Interpreted on the CPU (TRITON_INTERPRET=1). The kernel promises the torch version's outputs entry for
 entry (a stable sort by expert), which is stronger than what the grouped GEMM needs (the same set of rows
@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from keel_kernels_triton.fused_moe import align as align_mod
+from keel_kernels_triton.fused_moe.align import (
+    align_triton_supported,
+    moe_align_block_size,
+    moe_align_block_size_triton,
+)
 
-from keel.layers.fused_moe import align_triton as align_mod
-from keel.layers.fused_moe import moe_align_block_size
-from keel.layers.fused_moe.align_triton import align_triton_supported, moe_align_block_size_triton
-from keel.layers.fused_moe.triton_moe import moe_align_block_size_torch
-
-pytest.importorskip("triton")
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+from keel.layers.fused_moe import moe_align_block_size_torch
 
 
 def _random_ids(tokens: int, top_k: int, experts: int, seed: int, used: int | None = None) -> torch.Tensor:
@@ -78,20 +74,17 @@ def test_every_output_entry_is_written(interpret):
         moe_align_block_size_triton(ids, 60, 16, out=(poisoned[0][:-16], poisoned[1], poisoned[2]))
 
 
-def test_dispatch_by_device_and_size(interpret, monkeypatch):
+def test_dispatch_by_size(interpret, monkeypatch):
     calls = []
     real = align_mod.moe_align_block_size_triton
     monkeypatch.setattr(align_mod, "moe_align_block_size_triton", lambda *a: calls.append(a) or real(*a))
     ids = _random_ids(4, 2, 8, seed=3)
-    ref = moe_align_block_size_torch(ids, 8)
-    for g, r in zip(moe_align_block_size(ids, 8), ref, strict=True):
+    ref = moe_align_block_size_torch(ids, 8, 16)
+    for g, r in zip(moe_align_block_size(ids, 8, 16), ref, strict=True):
         assert torch.equal(g, r)
     assert len(calls) == 1
     assert align_triton_supported(align_mod.ALIGN_TRITON_MAX_PAIRS, 256)
     assert not align_triton_supported(align_mod.ALIGN_TRITON_MAX_PAIRS + 1, 256)
     big = torch.zeros(align_mod.ALIGN_TRITON_MAX_PAIRS + 1, 1, dtype=torch.int64)
-    moe_align_block_size(big, 8)  # past the limit: torch, no kernel launch
-    assert len(calls) == 1
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU without the interpreter: torch
-    moe_align_block_size(ids, 8)
+    moe_align_block_size(big, 8, 16)  # past the limit: torch, no kernel launch
     assert len(calls) == 1

@@ -1,9 +1,9 @@
 """`moe_align_block_size` in one Triton kernel launch, for the small (decode) batches where the torch
 version's ~20 tiny kernels cost more than the grouped GEMMs they prepare.
 
-Called by `moe_align_block_size` (triton_moe.py) when Triton runs on the ids' device and the step has
-at most ALIGN_TRITON_MAX_PAIRS (token, slot) pairs; larger steps keep the torch version, which stays the
-reference. The output contract is the torch version's, entry for entry: sorted_token_ids lists the flat
+`moe_align_block_size` (called by the fused experts, grouped_gemm.py) takes the kernel when the step has
+at most ALIGN_TRITON_MAX_PAIRS (token, slot) pairs; larger steps keep the core's torch version
+(`keel.layers.fused_moe.align.moe_align_block_size_torch`), which stays the reference. The output contract is the torch version's, entry for entry: sorted_token_ids lists the flat
 (token * top_k + slot) indices grouped by expert in ascending flat order (a stable sort), each expert's
 run padded with the sentinel num_pairs to a multiple of block_m; expert_ids[b] is the expert of block b
 (0 past the end); total is the padded length. Buffers are sized from shapes alone (no host sync).
@@ -21,13 +21,11 @@ import functools
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-from keel.layers.fused_moe.triton_moe import _interpreting, triton
-
-try:  # optional: the torch alignment needs no Triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without triton
-    tl = None
+from keel.layers.fused_moe.align import moe_align_block_size_torch
+from keel_kernels_triton.support import interpreter_enabled
 
 # The kernel is one program looping over the pairs; past this many pairs the torch version (parallel
 # over pairs) is expected to win. A tuning knob: decode steps captured in CUDA graphs sit well below it.
@@ -113,7 +111,20 @@ def _jitted(interpret: bool) -> Any:
 
 def align_triton_supported(num_pairs: int, num_experts: int) -> bool:
     """Whether `moe_align_block_size` should use the kernel for this many pairs and experts."""
-    return triton is not None and num_pairs <= ALIGN_TRITON_MAX_PAIRS and num_experts <= ALIGN_TRITON_MAX_EXPERTS
+    return num_pairs <= ALIGN_TRITON_MAX_PAIRS and num_experts <= ALIGN_TRITON_MAX_EXPERTS
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids [max_padded] int32, expert_ids [max_padded // block_m] int32, total [1] int32), as
+    `moe_align_block_size_torch` defines them: one launch for small steps (`align_triton_supported`), the
+    torch version otherwise; both give identical outputs."""
+    if align_triton_supported(topk_ids.numel(), num_experts):
+        return moe_align_block_size_triton(topk_ids, num_experts, block_m)
+    return moe_align_block_size_torch(topk_ids, num_experts, block_m)
 
 
 def moe_align_block_size_triton(
@@ -143,7 +154,7 @@ def moe_align_block_size_triton(
                 f"{sorted_ids.numel()}, {expert_ids.numel()}, {total.numel()}"
             )
     block_e = _next_pow2(num_experts)
-    _jitted(_interpreting())[(1,)](
+    _jitted(interpreter_enabled())[(1,)](
         flat,
         sorted_ids,
         expert_ids,

@@ -1,8 +1,9 @@
 """MoE routing in one Triton kernel: scores, group limit, top-k, renormalization and scaling per token.
 
-`select_experts_triton` is what `FusedMoE.forward` calls instead of the torch `select_experts` when the
-Triton path runs and `routing_triton_supported` accepts the configuration. The torch routing (router.py)
-stays the reference and the fallback; this kernel reproduces it step for step in float32:
+`select_experts_triton` is what kernels-triton's `select_experts` custom op (ops.py) runs for a bound
+`FusedMoE` layer; the op declines layers whose routing `routing_triton_supported` rejects, which keep the
+core's torch routing (`keel.layers.fused_moe.router`, the reference). The kernel reproduces it step for
+step in float32:
 
 - scores: softmax over the experts (exp(x - max) / sum) or sigmoid; `choice` = scores (+ the correction
   bias when given). Experts are picked by `choice` and weighted by `scores`, as in `grouped_topk`.
@@ -26,14 +27,11 @@ import functools
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from keel.layers.fused_moe.router import RoutingConfig, RoutingConfigError
-from keel.layers.fused_moe.triton_moe import _interpreting, triton
-
-try:  # optional: the torch routing needs no Triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without triton
-    tl = None
+from keel_kernels_triton.support import interpreter_enabled
 
 # Largest expert tile one program holds (padded groups x padded experts per group), and the largest top-k
 # it unrolls; configurations beyond these keep the torch routing.
@@ -132,12 +130,12 @@ def _jitted(interpret: bool) -> Any:
 
 
 def routing_triton_supported(cfg: RoutingConfig) -> bool:
-    """Whether the routing kernel handles `cfg` (called by `FusedMoE.forward` before dispatching).
+    """Whether the routing kernel handles `cfg` (asked once per layer when the op is bound).
 
     Declines: expert tiles above MAX_EXPERT_TILE, top_k above MAX_TOP_K, and group-limited routing with a
     single expert per group (the torch path's top-2 group score is undefined there and raises).
     """
-    if triton is None or cfg.top_k > MAX_TOP_K:
+    if cfg.top_k > MAX_TOP_K:
         return False
     groups = cfg.num_expert_group if cfg.use_grouped_topk else 1
     assert groups is not None  # checked by RoutingConfig
@@ -180,7 +178,7 @@ def select_experts_triton(
     assert groups is not None  # checked by RoutingConfig
     group_size = num_experts // groups
     has_bias = e_score_correction_bias is not None
-    _jitted(_interpreting())[(num_tokens,)](
+    _jitted(interpreter_enabled())[(num_tokens,)](
         router_logits,
         e_score_correction_bias if has_bias else router_logits,
         weights,

@@ -1,6 +1,6 @@
 """Tile sizes of the fused MoE grouped GEMM: tuned per device and GEMM shape, or a heuristic.
 
-`fused_experts_triton` asks `get_moe_tile_configs` once per call (the answer is cached, so a decode step
+`fused_experts_triton` (grouped_gemm.py) asks `get_moe_tile_configs` once per call (the answer is cached, so a decode step
 pays a dict lookup per layer). Tuned tiles live in JSON files named like vLLM's,
 
     configs/E={num_experts},N={n},K={k},device_name={torch.cuda.get_device_name() with spaces as _}.json
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from keel_kernels_triton.support import interpreter_enabled
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_DIR_ENV = "KEEL_MOE_TILE_CONFIG_DIR"
@@ -150,7 +152,7 @@ def get_moe_tile_config(
     file's entry for this device and shape if there is one (16-bit dtypes, compiled), else the default.
     `interpret` defaults to whether TRITON_INTERPRET is set."""
     if interpret is None:
-        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        interpret = interpreter_enabled()
     return _lookup(num_tokens, num_experts, n, k, top_k, dtype, torch.device(device), interpret)
 
 

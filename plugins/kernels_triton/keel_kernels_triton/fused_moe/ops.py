@@ -1,0 +1,51 @@
+"""The MoE `custom_op` providers of kernels-triton: `select_experts` and `fused_experts`.
+
+Registered by the `kernels-triton` manifest; the worker instantiates each class once and binds the
+instance into every `FusedMoE` layer (contracts in `keel.layers.custom_op`). Compiled on CUDA, interpreted
+on the CPU under `TRITON_INTERPRET=1` (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keel.layers.fused_moe.router import RoutingConfig
+from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton
+from keel_kernels_triton.fused_moe.routing import routing_triton_supported, select_experts_triton
+from keel_kernels_triton.support import TritonOp
+
+
+class TritonSelectExperts(TritonOp):
+    """`select_experts(router_logits, routing, e_score_correction_bias) -> (weights, ids)` in one launch.
+
+    Declines (at bind time) layers whose routing the kernel does not implement; they keep torch routing.
+    """
+
+    def supports_layer(self, layer: torch.nn.Module) -> bool:
+        routing = getattr(layer, "routing", None)
+        return isinstance(routing, RoutingConfig) and routing_triton_supported(routing)
+
+    def __call__(
+        self,
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        routing: RoutingConfig,
+        e_score_correction_bias: torch.Tensor | None,  # [num_experts]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int32
+        return select_experts_triton(router_logits, routing, e_score_correction_bias)
+
+
+class TritonFusedExperts(TritonOp):
+    """`fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, residual) -> out`: alignment,
+    both grouped GEMMs (activation in the second one's operand load) and the combine."""
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden_size]
+        w2: torch.Tensor,  # [num_experts, hidden_size, intermediate]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+        activation: str,
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, activation, residual)

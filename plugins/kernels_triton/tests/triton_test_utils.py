@@ -1,0 +1,49 @@
+"""Test-only helpers of kernels-triton's tests: sm_90 compile checks without a GPU, CUDA-graph capture,
+and binding the plugin's MoE ops into a `FusedMoE` layer the way the worker does."""
+
+from __future__ import annotations
+
+import torch
+
+from keel.layers.custom_op import bind_custom_ops
+from keel.plugins.loader import load_plugins
+
+
+def bind_moe_ops(layer: torch.nn.Module, device_type: str = "cpu") -> dict[str, int]:
+    """Bind kernels-triton's providers into `layer` (and its children) through the core's binding step."""
+    registry = load_plugins(["kernels-triton"]).registry("custom_op")
+    return bind_custom_ops(layer, registry, device_type, layer.w13_weight.dtype)
+
+
+def run_sm90_compile_script(script: str) -> None:
+    """Run `script` (which lowers Triton kernels to sm_90 cubins and prints "compiled") in a fresh
+    interpreter without TRITON_INTERPRET; skip where Triton ships no ptxas."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                         check=False)
+    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
+        pytest.skip("triton has no ptxas here")
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def capture_cuda_graph(step):
+    """Run `step` once on a side stream (compiles, settles the allocator), then capture it; returns
+    (graph, the outputs of the captured call). CUDA only."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
