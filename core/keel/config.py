@@ -58,6 +58,9 @@ class ModelConfig:
     revision: str | None = None
     served_model_name: str | None = None  # defaults to `model`
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights (benchmarks)
+    # "auto": the model folder's generation_config.json (default sampling settings, extra EOS ids);
+    # "vllm" / "none": ignore it; or a folder holding a generation_config.json (vLLM's flag)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -69,6 +72,8 @@ class ModelConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"model.seed must be an integer, got {self.seed!r}")
         _positive("model", "max_model_len", self.max_model_len, allow_none=True)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError(f"model.generation_config must be auto, vllm or a folder, got {self.generation_config!r}")
         object.__setattr__(self, "tokenizer", self.tokenizer or self.model)
         object.__setattr__(self, "served_model_name", self.served_model_name or self.model)
 
@@ -83,6 +88,24 @@ class ModelConfig:
             )
         except Exception as exc:
             raise ConfigError(f"model.model: cannot load the config of {self.model!r}: {exc}") from exc
+
+    @cached_property
+    def generation_config_fields(self) -> dict[str, Any]:
+        """What keel uses of the generation config (`eos_token_id`, default sampling fields); {} if none."""
+        from keel.models.generation_config import GenerationConfigError, read_generation_config
+
+        model_dir = None
+        if self.generation_config == "auto":
+            from keel.models.loader import resolve_model_path
+
+            try:
+                model_dir = resolve_model_path(self.model, self.revision)
+            except Exception:  # a hub id without a network: the weights' loader reports that
+                return {}
+        try:
+            return read_generation_config(self.generation_config, model_dir)
+        except GenerationConfigError as exc:
+            raise ConfigError(f"model.generation_config: {exc}") from exc
 
     @property
     def torch_dtype(self) -> torch.dtype:

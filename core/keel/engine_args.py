@@ -30,7 +30,8 @@ from keel.config import (
 
 _SECTION_OF = {
     **dict.fromkeys(("model", "tokenizer", "dtype", "seed", "max_model_len", "skip_tokenizer_init",
-                     "trust_remote_code", "revision", "served_model_name", "load_format"), "model"),
+                     "trust_remote_code", "revision", "served_model_name", "load_format", "generation_config"),
+                    "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
@@ -86,6 +87,7 @@ class EngineArgs:
     revision: str | None = None
     served_model_name: str | None = None
     load_format: str | None = None  # "auto" or "dummy" (random weights, no checkpoint needed)
+    generation_config: str | None = None  # "auto" (the model's generation_config.json), "vllm", or a folder
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod

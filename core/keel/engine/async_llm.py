@@ -92,6 +92,7 @@ class AsyncLLM:
         self.processor = Processor(
             self.tokenizer, max_model_len=self._max_model_len, vocab_size=hf_config.vocab_size,
             eos_token_id=_eos_token_id(self.tokenizer, hf_config), seed=config.model.seed,
+            generation_config=config.model.generation_config_fields,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)

@@ -26,6 +26,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens); plain defaults where it sets none. As vLLM's."""
+        from keel.models.generation_config import default_sampling_overrides
+
+        return SamplingParams(**default_sampling_overrides(self.llm_engine.config.model.generation_config_fields))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -40,7 +47,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")

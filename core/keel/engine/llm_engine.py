@@ -67,6 +67,7 @@ class LLMEngine:
             vocab_size=hf_config.vocab_size,
             eos_token_id=_eos_token_id(self.tokenizer, hf_config),
             seed=config.model.seed,
+            generation_config=config.model.generation_config_fields,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0

@@ -27,8 +27,9 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, generation_config: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -90,6 +91,11 @@ class Processor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init")
         self.check_token_ids(params)
+        if self.generation_config.get("eos_token_id"):
+            # the model's extra end-of-turn ids stop it too (Llama-3.x / Qwen2.5 chat turns end on them);
+            # on a copy: the caller's params may serve other requests and engines
+            params = params.clone()
+            params.update_from_generation_config(self.generation_config, self.eos_token_id)
         requests = []
         for i in range(params.n):
             if params.seed is not None:
