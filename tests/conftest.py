@@ -51,3 +51,16 @@ def fake_plugins(tmp_path, monkeypatch):
 
     make.path = str(site)
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 1-layer random Llama (vocab 512) with the local test tokenizer, shared by the tests that only
+    need some real model behind the engine."""
+    from keel.testing.checkpoints import make_checkpoint
+    from keel.testing.tokenizer import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    make_checkpoint("llama", path, vocab_size=512, num_hidden_layers=1)
+    build_tokenizer(path)
+    return str(path)

@@ -177,25 +177,24 @@ class IncrementalDetokenizer:
             self.token_ids.append(skipped)
         return self._check_stop(stop_check_offset)
 
-    def finish(self) -> str | None:
+    def finish(self) -> None:
         """Flush what is still held for an incomplete character; called once the request has ended.
 
         A stream that ends mid-character decodes (as `tokenizer.decode` does) to U+FFFD; that text is
-        added now. Returns a stop string if the flushed text completes one. Idempotent;
-        `get_next_output_text(finished=True)` calls it.
+        added now, without looking for stop strings in it: the replacement characters stand for bytes
+        cut off by the end of the output, not for text the model produced, and the request has already
+        finished for another reason (a match here would cut text from a "length" completion).
+        Idempotent; `get_next_output_text(finished=True)` calls it.
         """
         if self._finished:
-            return None
+            return
         self._finished = True
         if self.stop_string is not None or self._read_offset >= len(self._ids):
-            return None
+            return
         prefix_text = self._window_prefix_text()
         window_text = self._decode(self._ids[self._prefix_offset :])
-        if len(window_text) <= len(prefix_text):
-            return None
-        offset = len(self._text)
-        self._text.append(window_text[len(prefix_text) :])
-        return self._check_stop(offset)
+        if len(window_text) > len(prefix_text):
+            self._text.append(window_text[len(prefix_text) :])
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text to hand out now: everything (`delta=False`) or only what is new since the last call.
