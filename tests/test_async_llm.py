@@ -8,15 +8,11 @@ import time
 
 import pytest
 
+from scripted_core import scripted
+
 from keel.config import EngineArgs
 from keel.engine.async_llm import AsyncLLM
-from keel.engine.core_output import EngineCoreOutput, SchedulerStats
-from keel.engine.engine_client import (
-    EngineClient,
-    EngineCoreClient,
-    EngineDeadError,
-    ThreadedEngineCoreClient,
-)
+from keel.engine.engine_client import EngineClient, EngineCoreClient, EngineDeadError
 from keel.engine.llm_engine import LLMEngine
 from keel.engine.output_processor import RequestOutputKind
 from keel.engine.processor import PromptTooLongError
@@ -31,56 +27,6 @@ def model_dir(tmp_path_factory):
     make_checkpoint("llama", path, vocab_size=512)
     build_tokenizer(path)
     return str(path)
-
-
-class ScriptedCore:
-    """Emits token `token` once per step for every request until max_tokens; records what it was told."""
-
-    def __init__(self, token: int = 262, fail_at_step: int | None = None, step_time: float = 0.0) -> None:
-        self.token, self.fail_at_step, self.step_time = token, fail_at_step, step_time
-        self.requests: dict[str, int] = {}
-        self.aborted: list[str] = []
-        self.steps = 0
-        self.thread: threading.Thread | None = None
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def add_request(self, request, max_tokens):
-        self.requests[request.request_id] = max_tokens
-
-    def abort_requests(self, ids):
-        for rid in ids:
-            if self.requests.pop(rid, None) is not None:
-                self.aborted.append(rid)
-        return []
-
-    def has_unfinished_requests(self):
-        return bool(self.requests)
-
-    def step(self):
-        self.thread = threading.current_thread()
-        self.gate.wait()
-        time.sleep(self.step_time)
-        self.steps += 1
-        if self.fail_at_step == self.steps:
-            raise RuntimeError("device lost")
-        outs = []
-        for rid in list(self.requests):
-            self.requests[rid] -= 1
-            done = self.requests[rid] == 0
-            outs.append(EngineCoreOutput(rid, [self.token], finish_reason="length" if done else None))
-            if done:
-                del self.requests[rid]
-        return outs
-
-    def get_stats(self):
-        return SchedulerStats(num_running_reqs=len(self.requests), kv_cache_usage=0.5 if self.requests else 0.0)
-
-
-def scripted(model_dir, **kw) -> tuple[AsyncLLM, ScriptedCore]:
-    core = ScriptedCore(**kw)
-    config = EngineArgs(model=model_dir, profile="cpu", max_model_len=64).create_engine_config()
-    return AsyncLLM(config, core_client=ThreadedEngineCoreClient(core)), core
 
 
 def test_protocols_are_implemented(model_dir):
@@ -216,6 +162,12 @@ def test_matches_the_synchronous_engine_and_frees_kv(model_dir, engine_core_proc
         await anext(gen)
         assert engine.get_metrics()["kv_cache_usage"] > 0
         await gen.aclose()
+        # An abort from another thread ends its consumer at once with vLLM's final "abort" output.
+        gen = engine.generate("Another", SamplingParams(max_tokens=100, ignore_eos=True, n=2), "long2")
+        await anext(gen)
+        threading.Thread(target=engine.abort_now, args=("long2",)).start()
+        rest = await asyncio.wait_for(_drain(gen), timeout=5)
+        assert rest[-1].finished and [c.finish_reason for c in rest[-1].outputs] == ["abort", "abort"]
         for _ in range(200):
             if engine.get_metrics()["kv_cache_usage"] == 0 and engine.get_metrics()["num_requests_running"] == 0:
                 break
@@ -227,7 +179,7 @@ def test_matches_the_synchronous_engine_and_frees_kv(model_dir, engine_core_proc
         assert texts == [expected[str(i)] for i in range(len(prompts))]
         m = engine.get_metrics()
         assert m["kv_cache_usage"] == 0 and m["num_requests_running"] == 0
-        assert m["request_success_total"].get("abort") == 1
+        assert m["request_success_total"].get("abort") == 3  # "long" and both children of "long2"
     finally:
         engine.shutdown()
 
@@ -245,13 +197,17 @@ def test_engine_core_process_startup_failure_and_death_are_reported(model_dir, t
         gen = engine.generate("Hello", SamplingParams(max_tokens=50, ignore_eos=True), "r")
         await anext(gen)
         engine.core_client._proc.kill()  # the core process dies mid-request
-        with pytest.raises(EngineDeadError):
-            async for _ in gen:
-                pass
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match="died .killed by signal SIGKILL"):
+            await asyncio.wait_for(_drain(gen), timeout=5)
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
             await engine.check_health()
+        assert not engine._collectors and not engine.output_processor.parents and not len(engine._request_stats)
 
     try:
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+async def _drain(gen) -> list:
+    return [out async for out in gen]

@@ -183,9 +183,18 @@ class ParallelConfig:
     # AsyncLLM (the server) runs the engine core in its own process instead of on a thread, so HTTP and
     # tokenizer work never share the GIL with scheduling and batch building.
     engine_core_process: bool = False
+    # AsyncLLM's step watchdog (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S): an engine core that finishes no
+    # step and sends no heartbeat for this long is declared dead (requests fail, /health is 503; a core
+    # process is killed). 0 turns it off. Offline LLM / LLMEngine step in the caller's thread: no watchdog.
+    engine_iteration_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive("parallel", "tensor_parallel_size", self.tensor_parallel_size)
+        t = self.engine_iteration_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < float("inf"):
+            raise ConfigError(
+                f"parallel.engine_iteration_timeout_s must be a number of seconds >= 0 (0: no watchdog), got {t!r}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -36,7 +36,7 @@ _SECTION_OF = {
                      "gpu_memory_utilization"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
                     "scheduler"),
-    **dict.fromkeys(("tensor_parallel_size", "engine_core_process"), "parallel"),
+    **dict.fromkeys(("tensor_parallel_size", "engine_core_process", "engine_iteration_timeout_s"), "parallel"),
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
@@ -82,6 +82,7 @@ class EngineArgs:
     profile: str | None = None  # profile name or path
     tensor_parallel_size: int | None = None
     engine_core_process: bool | None = None  # the server's engine core in its own process
+    engine_iteration_timeout_s: float | None = None  # the server's step watchdog (seconds; 0: off)
     speculative_config: dict[str, Any] | None = None  # {"method": ..., "num_speculative_tokens": ...}
     trust_remote_code: bool | None = None
     revision: str | None = None

@@ -67,8 +67,12 @@ class RequestOutputCollector:
 class AsyncLLM:
     """Implements `keel.engine.engine_client.EngineClient` for the API server.
 
-    All public coroutines run on one event loop; `add_request` validates before queuing, and a
-    consumer leaving `generate` early (client disconnect, cancellation) aborts its request at once.
+    All public coroutines run on one event loop (the one of the first `add_request`); `add_request`
+    validates before queuing, and a consumer leaving `generate` early (client disconnect, cancellation)
+    aborts its request at once. `abort` may come from any thread or task: it ends the request's
+    `generate` with a final output whose unfinished completions have finish_reason "abort" (vLLM's
+    behaviour). A dead or hung engine core (see `EngineCoreClient.check_health`) fails every pending
+    request with EngineDeadError, leaves no per-request state behind, and fails every later one.
     """
 
     def __init__(self, config: EngineConfig, *, core_client: EngineCoreClient | None = None,
@@ -87,7 +91,7 @@ class AsyncLLM:
 
             core = EngineCore(config)
             self._max_model_len = core.max_model_len
-            core_client = ThreadedEngineCoreClient(core)
+            core_client = ThreadedEngineCoreClient(core, config.parallel.engine_iteration_timeout_s)
         self.core_client = core_client
         self.processor = Processor(
             self.tokenizer, max_model_len=self._max_model_len, vocab_size=hf_config.vocab_size,
@@ -101,6 +105,7 @@ class AsyncLLM:
         self._request_stats = RequestStatsTracker()
         self._last_stats: Any = None
         self._output_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
 
     @classmethod
@@ -137,6 +142,7 @@ class AsyncLLM:
         Raises ValueError (PromptTooLongError for prompts over max_model_len) with nothing queued, or
         EngineDeadError.
         """
+        self._loop = asyncio.get_running_loop()
         self._check_alive()
         self._check_id(request_id)
         processed = await self.run_in_tokenizer_thread(self.processor.process_prompt, prompt)
@@ -149,9 +155,13 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, child_ids, processed, params, output_kind, time.time())
         self._collectors[request_id] = collector
         self._request_stats.add(child_ids, time.monotonic())
-        for r in core_requests:
-            self.core_client.add_request(r, max_tokens)
         self._ensure_output_loop()
+        try:
+            for r in core_requests:
+                self.core_client.add_request(r, max_tokens)
+        except EngineDeadError as exc:  # the core went away meanwhile: forget everything of the engine
+            self._fail(exc)
+            raise
         return collector
 
     async def generate(
@@ -180,14 +190,28 @@ class AsyncLLM:
         self.abort_now(request_id)
 
     def abort_now(self, request_id: str) -> None:
-        """Abort without awaiting (usable from `finally` blocks); unknown or finished ids are ignored."""
-        child_ids = self.output_processor.abort_request(request_id)
-        self._collectors.pop(request_id, None)
+        """Abort without awaiting (usable from `finally` blocks and from any thread); unknown or
+        finished ids are ignored. Its `generate` gets the final "abort" output and ends."""
+        loop = self._loop
+        if loop is not None and not _running_on(loop):
+            try:
+                loop.call_soon_threadsafe(self.abort_now, request_id)
+            except RuntimeError:  # that loop is closed: nothing of it is left to end
+                pass
+            return
+        child_ids, final = self.output_processor.abort_request(request_id)
+        collector = self._collectors.pop(request_id, None)
         now = time.monotonic()
         for cid in child_ids:
             self._request_stats.finish(cid, "abort", now)
+        if collector is not None and final is not None:
+            collector.put(final)
         if child_ids and self._dead is None:
-            self.core_client.abort_requests(child_ids)
+            try:
+                self.core_client.abort_requests(child_ids)
+            except EngineDeadError as exc:
+                self._fail(exc)
+                return
             logger.debug("aborted request %s", request_id)
 
     async def check_health(self) -> None:
@@ -211,6 +235,11 @@ class AsyncLLM:
     # -- internals -------------------------------------------------------------------------------------
 
     def _check_alive(self) -> None:
+        if self._dead is None:
+            try:
+                self.core_client.check_health()
+            except EngineDeadError as exc:
+                self._fail(exc)
         if self._dead is not None:
             raise self._dead
 
@@ -226,7 +255,7 @@ class AsyncLLM:
         while True:
             batch = await self.core_client.get_output_async()
             if batch.error is not None:
-                self._fail(EngineDeadError(f"the engine loop died: {batch.error}"))
+                self._fail(EngineDeadError(batch.error))
                 return
             now = time.monotonic()
             self._request_stats.observe_outputs(batch.outputs, now)
@@ -260,8 +289,22 @@ class AsyncLLM:
             collector.put(out)
 
     def _fail(self, error: EngineDeadError) -> None:
+        """The engine is gone: every pending request gets `error`; no per-request state stays behind."""
+        if self._dead is not None:
+            return
         self._dead = error
         logger.error("%s", error)
         for collector in self._collectors.values():
             collector.put(error)
         self._collectors.clear()
+        now = time.monotonic()
+        for request_id in list(self.output_processor.parents):
+            for cid in self.output_processor.abort_request(request_id)[0]:
+                self._request_stats.finish(cid, "abort", now)
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread
+        return False

@@ -102,7 +102,7 @@ class LLMEngine:
             self.core.add_request(r, max_tokens)
 
     def abort_request(self, request_id: str) -> None:
-        self.core.abort_requests(self.output_processor.abort_request(request_id))
+        self.core.abort_requests(self.output_processor.abort_request(request_id)[0])
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()

@@ -90,13 +90,21 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         return [cid for cid, (p, _) in self.child_to_parent.items() if p.request_id == request_id]
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forget a parent request; returns the engine request ids to abort in the core."""
+    def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+        """Forget a parent request. Returns the engine request ids to abort in the core and the request's
+        final output (its unfinished completions with finish_reason "abort", as vLLM's), or ([], None)
+        for an unknown or finished id."""
         ids = self.child_ids(request_id)
         for cid in ids:
             del self.child_to_parent[cid]
-        self.parents.pop(request_id, None)
-        return ids
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return ids, None
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        parent.metrics.finished_time = time.time()
+        return ids, self._make_output(parent)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs to hand out, engine request ids stopped here by a stop string)."""
