@@ -16,7 +16,9 @@ CUDA_TESTS="tests/test_cuda_platform.py tests/test_cuda_engine.py tests/test_cud
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    tests) timeout 400 python3 -m pytest -p no:cacheprovider -rfE $CUDA_TESTS >"$OUT/tests.log" 2>&1
+    # SIGINT, not timeout's SIGTERM: pytest stops like on Ctrl-C and still prints the summary (failures,
+    # counts, the test it was in); -k kills it if even that hangs.
+    tests) timeout -s INT -k 30 400 python3 -m pytest -p no:cacheprovider -rfE $CUDA_TESTS >"$OUT/tests.log" 2>&1
            tail -4 "$OUT/tests.log";;
     moe-tiles) timeout 170 python3 benchmarks/h200_moe_tiles.py --out "$OUT" >"$OUT/moe-tiles.log" 2>&1
            tail -16 "$OUT/moe-tiles.log";;

@@ -12,6 +12,17 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """No engine-core process outlives the run. multiprocessing's exit handler terminates and then
+    joins every child without a timeout, so one left behind by a failed test -- or stopped with SIGSTOP,
+    where SIGTERM waits for a SIGCONT -- would keep the interpreter from ever exiting."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
+
+
 @pytest.fixture
 def fake_plugins(tmp_path, monkeypatch):
     """Factory for fake installed plugins: `<dist>.dist-info/{METADATA,entry_points.txt}` plus a package

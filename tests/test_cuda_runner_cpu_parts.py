@@ -49,7 +49,8 @@ def test_dummy_weights_need_only_a_config(tmp_path):
     _config_only(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64))
+        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64,
+        platform="cpu"))
     model = engine.core.worker.runner.model
     params = dict(model.named_parameters())
     assert torch.all(params["model.norm.weight"] == 1.0)
@@ -66,7 +67,8 @@ def test_dummy_weights_need_only_a_config(tmp_path):
 def test_profile_run_returns_temporary_cache_bytes(tmp_path):
     _config_only(tmp_path)
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64))
+        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64,
+        platform="cpu"))
     runner = engine.core.worker.runner
     temp = runner.profile_run(num_tokens=150, max_num_seqs=8, max_model_len=64)  # requests 64 + 64 + 22
     blocks = 4 + 4 + 2 + 1  # block size 16, plus the null block
@@ -75,9 +77,10 @@ def test_profile_run_returns_temporary_cache_bytes(tmp_path):
 
 def test_warm_up_runs_every_power_of_two_step_size_on_device_platforms_only(tmp_path, monkeypatch):
     _config_only(tmp_path)
+    # Pinned: unpinned, a GPU machine auto-selects cuda, whose warm-up then runs where the CPU's must not.
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64,
-        max_num_batched_tokens=100))
+        max_num_batched_tokens=100, platform="cpu"))
     worker = engine.core.worker
     runs = []
     real_profile_run = worker.runner.profile_run
@@ -90,7 +93,8 @@ def test_warm_up_runs_every_power_of_two_step_size_on_device_platforms_only(tmp_
     # then a decode of each power-of-two context (split-K counts follow it), alone and in a mixed step
     decodes = [(n, 8, 64, (s,)) for s in (1, 2, 4, 8, 16, 32, 64) for n in (0, 16)]
     assert runs == prefills + decodes
-    monkeypatch.setattr(worker, "device", torch.device("meta"))  # any device platform
+    assert not worker.platform.use_startup_warm_up()
+    monkeypatch.setattr(worker.platform, "use_startup_warm_up", lambda: True)  # any device platform
     runs.clear()
     worker.warm_up()
     assert [n for n, _, _, d in runs if not d] == [1, 2, 4, 8, 16, 32, 64, 100]

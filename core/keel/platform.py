@@ -131,6 +131,13 @@ class Platform:
         startup (`keel.layers.custom_op.MissingCustomOpError`) instead of running the native path."""
         return ()
 
+    def use_startup_warm_up(self) -> bool:
+        """Called by the worker once, after the model is loaded: whether to run a dummy step of every
+        size a step can take (`Worker.warm_up`), so JIT-compiled kernels are built before serving. The
+        default follows the platform's own device type, never the device a tensor happens to be on:
+        platforms that run on the host (the CPU) compile nothing worth it."""
+        return self.device_type not in ("", "cpu")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, device_type={self.device_type!r})"
 

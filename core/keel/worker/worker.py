@@ -93,9 +93,10 @@ class Worker:
 
     def warm_up(self) -> None:
         """Called by the engine core after `load_model`, before the KV cache is sized: on device platforms,
-        compile the size-specialized kernels a step can select (see `ModelRunner.warm_up`). The CPU runs
-        no JIT-compiled kernels worth it (and interpreted Triton would only be slow)."""
-        if self.device.type == "cpu":
+        compile the size-specialized kernels a step can select (see `ModelRunner.warm_up`). The platform
+        decides (`Platform.use_startup_warm_up`): the CPU runs no JIT-compiled kernels worth it (and
+        interpreted Triton would only be slow)."""
+        if not self.platform.use_startup_warm_up():
             return
         sched = self.config.scheduler
         max_len = self.config.model.derived_max_model_len
