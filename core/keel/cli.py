@@ -193,6 +193,9 @@ _USER_ERRORS = {
     "keel.config": ("ConfigError",),
     "keel.models.registry": ("UnsupportedArchitectureError",),
     "keel.quantization": ("QuantizationError",),
+    "keel.models.weights": ("WeightLoadError",),
+    "keel.models.loader": ("ModelNotFoundError",),
+    "keel.engine.engine_client": ("EngineDeadError",),  # e.g. the engine core process failed to start
 }
 
 

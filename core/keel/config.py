@@ -82,12 +82,17 @@ class ModelConfig:
         """The checkpoint's transformers config, loaded on first use."""
         from transformers import AutoConfig
 
+        from keel.models.checkpoint_files import check_config_dir, local_model_dir, one_line
+
+        local = local_model_dir(self.model)
+        if local is not None:
+            check_config_dir(local)
         try:
             return AutoConfig.from_pretrained(
                 self.model, trust_remote_code=self.trust_remote_code, revision=self.revision
             )
         except Exception as exc:
-            raise ConfigError(f"model.model: cannot load the config of {self.model!r}: {exc}") from exc
+            raise ConfigError(f"model.model: cannot load the config of {self.model!r}: {one_line(exc)}") from exc
 
     @cached_property
     def generation_config_fields(self) -> dict[str, Any]:

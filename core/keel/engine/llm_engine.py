@@ -38,12 +38,19 @@ def load_tokenizer(config: EngineConfig):
         return None
     from transformers import AutoTokenizer
 
+    from keel.models.checkpoint_files import CheckpointError, check_tokenizer_dir, local_model_dir, one_line
     from keel.models.loader import resolve_model_path
 
     path = mc.tokenizer or mc.model
     if path == mc.model:
         path = str(resolve_model_path(mc.model, mc.revision))
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+    local = local_model_dir(path)
+    if local is not None:
+        check_tokenizer_dir(local)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 -- tokenizers' own errors are bare Exceptions
+        raise CheckpointError(f"cannot load the tokenizer from {path}: {one_line(exc)}") from exc
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:

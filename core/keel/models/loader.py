@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from keel.models.checkpoint_files import CheckpointError, check_json_file, local_model_dir, one_line
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import WeightLoadError
 
@@ -36,11 +37,9 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
     A Hub id is fetched with `huggingface_hub.snapshot_download` (weights, config, tokenizer files);
     a cached snapshot is used when offline.
     """
-    local = Path(model).expanduser()
-    if local.is_dir():
+    local = local_model_dir(model)
+    if local is not None:
         return local
-    if local.exists():
-        raise ModelNotFoundError(f"model path {model!r} is a file; pass the checkpoint directory")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -59,13 +58,15 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         except Exception as second:
             raise ModelNotFoundError(
                 f"could not find {model!r} locally or download it from the Hugging Face Hub "
-                f"({type(first).__name__}: {first}). If this machine is offline, download the model "
+                f"({one_line(first)}). If this machine is offline, download the model "
                 "elsewhere and pass its local directory."
             ) from second
         return Path(cached)
 
 
 def _weight_files(path: Path) -> list[Path]:
+    for index in (SAFE_INDEX, BIN_INDEX):
+        check_json_file(path / index)
     if (path / SAFE_INDEX).is_file():
         index = json.loads((path / SAFE_INDEX).read_text())
         return [path / f for f in sorted(set(index["weight_map"].values()))]
@@ -87,8 +88,6 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     `*.safetensors`; falls back to `*.bin` files (loaded with `weights_only=True`). Tensors are read
     one at a time so peak memory stays near one tensor beyond the model.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     files = _weight_files(path)
     if not files:
@@ -100,14 +99,26 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         )
     for file in files:
         if file.suffix == ".safetensors":
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                names = list(f.keys())
-                for name in names:
-                    yield name, f.get_tensor(name)
+            yield from _read_safetensors(file)
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 -- pickle, zip and torch errors alike
+                raise CheckpointError(f"{file}: not a readable PyTorch weights file ({one_line(exc)})") from None
             yield from state.items()
             del state
+
+
+def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            for name in names:
+                yield name, f.get_tensor(name)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{file}: not a valid safetensors file ({exc}); it is truncated or corrupt") from None
 
 
 @contextlib.contextmanager
