@@ -194,7 +194,6 @@ _USER_ERRORS = {
     "keel.models.registry": ("UnsupportedArchitectureError",),
     "keel.quantization": ("QuantizationError",),
     "keel.models.weights": ("WeightLoadError",),
-    "keel.models.loader": ("ModelNotFoundError",),
     "keel.engine.engine_client": ("EngineDeadError",),  # e.g. the engine core process failed to start
 }
 

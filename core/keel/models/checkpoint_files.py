@@ -22,6 +22,10 @@ class CheckpointError(ConfigError):
     """A checkpoint path or file is missing or broken; the message names it."""
 
 
+class ModelNotFoundError(CheckpointError, FileNotFoundError):
+    """The model is neither a local directory nor downloadable from the Hugging Face Hub."""
+
+
 def one_line(exc: BaseException) -> str:
     """`Type: message` with the message's whitespace (newlines of library errors) collapsed."""
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
@@ -36,9 +40,9 @@ def local_model_dir(model: str) -> Path | None:
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"model path {model!r} is a file; pass the checkpoint directory")
+        raise ModelNotFoundError(f"model path {model!r} is a file; pass the checkpoint directory")
     if model.startswith(("/", "./", "../", "~")) or not _REPO_ID.match(model):
-        raise CheckpointError(f"model path {model!r} does not exist (and it is not a Hugging Face repo id)")
+        raise ModelNotFoundError(f"model path {model!r} does not exist (and it is not a Hugging Face repo id)")
     return None
 
 

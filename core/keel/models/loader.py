@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from keel.models.checkpoint_files import CheckpointError, check_json_file, local_model_dir, one_line
+from keel.models.checkpoint_files import (
+    CheckpointError,
+    ModelNotFoundError,
+    check_json_file,
+    local_model_dir,
+    one_line,
+)
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import WeightLoadError
 
@@ -25,10 +31,6 @@ __all__ = ["ModelNotFoundError", "WeightLoadError", "init_dummy_weights", "itera
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model is neither a local directory nor downloadable from the Hugging Face Hub."""
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
