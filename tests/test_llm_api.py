@@ -137,6 +137,24 @@ def test_bad_input_raises_and_loses_nothing(llm):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+def test_extreme_but_valid_numbers_run_and_invalid_ones_name_the_field(llm):
+    """The largest values SamplingParams accepts fit every array of the engine step; one past them is a
+    ValueError naming the field (it used to be an OverflowError inside the step)."""
+    edge = SamplingParams(top_k=2**63 - 1, min_tokens=2**63 - 1, max_tokens=None, seed=2**64 - 1,
+                          temperature=3.4e38, repetition_penalty=3.4e38, logit_bias={5: 100.0, 6: -100.0},
+                          stop_token_ids=[0], logprobs=3)
+    out = llm.generate({"prompt_token_ids": [5] * 90}, edge, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    for kwargs, field in (({"top_k": 2**63}, "top_k"), ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens")):
+        with pytest.raises(ValueError, match=field) as err:
+            llm.generate("x", SamplingParams(**kwargs), use_tqdm=False)
+        assert err.value.param == field
+    with pytest.raises(ValueError, match="vocabulary") as err:
+        llm.generate({"prompt_token_ids": [2**64]}, use_tqdm=False)
+    assert err.value.param == "prompt"
+    assert len(llm.generate("still works", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs) == 1
+
+
 def test_chat_renders_template(llm):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -82,11 +82,38 @@ def test_update_from_generation_config() -> None:
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        # Past the engine's int64 / float32 arrays: an OverflowError inside a step used to stop the engine.
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"logprobs": 2**63}, "logprobs"),
+        ({"prompt_logprobs": 2**63}, "prompt_logprobs"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+        ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+        ({"logit_bias": {2**63: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 1e300}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"temperature": 1e39}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"top_p": None}, "top_p"),
+        ({"n": True}, "n"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field} "):
         SamplingParams(**kwargs)
+
+
+def test_range_errors_carry_the_field_and_describe_huge_values() -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(top_k=10**5000)  # repr() of it would raise
+    assert err.value.param == "top_k" and "bits" in str(err.value) and len(str(err.value)) < 200
+    assert SamplingParams(top_k=2**63 - 1, seed=2**64 - 1, min_tokens=2**63 - 1, max_tokens=None).top_k == 2**63 - 1
 
 
 def test_error_message_shows_the_value() -> None:

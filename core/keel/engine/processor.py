@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from keel.engine.limits import ParamError
 from keel.engine.request import EngineCoreRequest
 from keel.engine.sampling_params import SamplingParams
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(ParamError):
     """The prompt leaves no room to generate within max_model_len (HTTP 400 in the server)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("prompt", message)
 
 
 @dataclass
@@ -53,12 +58,16 @@ class Processor:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass prompt_token_ids")
             ids = self.tokenizer.encode(text)
+        # numpy / torch integers are fine (tokenizers return them); floats and bools are not.
+        if isinstance(ids, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                    for t in ids):
+            raise ParamError("prompt", "prompt token ids must be a list of integers")
         ids = [int(t) for t in ids]
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise ParamError("prompt", "the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} out of vocabulary range [0, {self.vocab_size})")
+            raise ParamError("prompt", f"prompt token id(s) {_ids(bad)} out of vocabulary range [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: it must be "
@@ -73,13 +82,11 @@ class Processor:
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
             if k is not None and k > self.vocab_size:
-                raise ValueError(f"{field} must be at most the vocabulary size {self.vocab_size}, got {k}")
+                raise ParamError(field, f"{field} must be at most the vocabulary size {self.vocab_size}, got {k}")
         for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
             bad = sorted(t for t in ids if not 0 <= int(t) < self.vocab_size)
             if bad:
-                raise ValueError(
-                    f"{field}: token id(s) {bad[:5]} out of vocabulary range [0, {self.vocab_size})"
-                )
+                raise ParamError(field, f"{field}: token id(s) {_ids(bad)} out of vocabulary range [0, {self.vocab_size})")
 
     def max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
@@ -114,3 +121,8 @@ class Processor:
                 )
             )
         return requests
+
+
+def _ids(bad: list[int]) -> str:
+    """The first offending ids for a message (an id of thousands of digits is not printed)."""
+    return "[" + ", ".join(str(t) if t.bit_length() <= 64 else f"<{t.bit_length()}-bit integer>" for t in bad[:5]) + "]"

@@ -10,9 +10,18 @@ from __future__ import annotations
 import copy
 import enum
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from keel.engine.limits import (
+    FLOAT32_MAX,
+    INT64_MAX,
+    LOGIT_BIAS_MAX,
+    ParamError,
+    check_float,
+    check_int,
+    is_int,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +79,21 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if self.top_k == -1:
+        if isinstance(self.stop_token_ids, (list, tuple, set)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        elif self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1 and is_int(self.top_k):
             self.top_k = 0
-        if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify_args()
         if _SAMPLING_EPS <= self.temperature < _MAX_TEMP:
             logger.warning(
                 "temperature %s is below %s and may overflow float32 logits; using %s",
                 self.temperature, _MAX_TEMP, _MAX_TEMP,
             )
             self.temperature = _MAX_TEMP
-
-        self._verify_args()
-
         if self.temperature < _SAMPLING_EPS:
             # Filters cannot change an argmax; resetting them lets the sampler skip their work.
             self.top_p = 1.0
@@ -97,56 +105,37 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify_args(self) -> None:
-        def _is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer of at least 1, got {self.n!r}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if not self.temperature >= 0.0 or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be non-negative and finite, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k!r}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}.")
+        """Types and ranges of every field (ParamError, a ValueError naming the field). Integers must fit
+        the int64 rows of the persistent batch, floats float32 logits (`keel.engine.limits`)."""
+        check_int("n", self.n, 1, what="an integer of at least 1")
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, what="in [-2, 2]")
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, what="in [-2, 2]")
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, lo_open=True,
+                    what=f"greater than zero and at most {FLOAT32_MAX:.4g}")
+        check_float("temperature", self.temperature, 0.0, FLOAT32_MAX,
+                    what=f"non-negative and finite (at most {FLOAT32_MAX:.4g})")
+        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True, what="in (0, 1]")
+        check_int("top_k", self.top_k, 0, what=f"0 or -1 (disable), or in [1, {INT64_MAX}]")
+        check_float("min_p", self.min_p, 0.0, 1.0, what="in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):  # any int: the engine keeps its low 64 bits
+            raise ParamError("seed", f"seed must be an integer or None, got {self.seed!r}.")
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, what=f"at least 1 (and at most {INT64_MAX})")
+        check_int("min_tokens", self.min_tokens, 0, what=f"greater than or equal to 0 (and at most {INT64_MAX})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}."
-            )
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}.")
-        if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
-        ):
-            raise ValueError(
-                f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}."
-            )
-        if any(not isinstance(s, str) or not s for s in self.stop or ()):
-            raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids or ()):
-            raise ValueError(
-                f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}."
-            )
+            raise ParamError("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                                           f"got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, what=f"a non-negative integer (at most {INT64_MAX}) or None")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ParamError("stop", f"stop must contain only non-empty strings, got {self.stop!r}.")
+        if not isinstance(self.stop_token_ids, list):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids", t, 0, what=f"a list of non-negative integers (at most {INT64_MAX})")
         if self.logit_bias is not None:
-            bad = [t for t in self.logit_bias if t < 0]
-            if bad or any(not math.isfinite(v) for v in self.logit_bias.values()):
-                raise ValueError(
-                    f"logit_bias must map non-negative token ids to finite floats, got {self.logit_bias!r}."
-                )
+            self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -185,3 +174,18 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy; the engine clones per child request when n > 1."""
         return copy.deepcopy(self)
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """`{token id: bias}` with int keys (strings of digits accepted, as from JSON) and biases in
+    [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]."""
+    what = f"a map of non-negative token ids to numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]"
+    if not isinstance(raw, dict):
+        raise ParamError("logit_bias", f"logit_bias must be {what}, got {type(raw).__name__}.")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        tid = int(key) if isinstance(key, str) and key.isdecimal() and len(key) <= 20 else key
+        check_int("logit_bias", tid, 0, what=what)
+        check_float("logit_bias", value, -LOGIT_BIAS_MAX, LOGIT_BIAS_MAX, what=what)
+        out[tid] = float(value)
+    return out
