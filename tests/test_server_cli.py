@@ -60,3 +60,25 @@ def test_keel_serve_process_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_server_flags_reach_the_server_config(monkeypatch):
+    from keel_endpoints.options import ServerConfig
+
+    from keel.config import EngineArgs
+
+    # build_parser reads the plugins to load from the argv of the last `main` (another test's here).
+    monkeypatch.setattr("keel.cli._argv", [])
+    argv = ["serve", "--model", "m", "--profile", "cpu", "--max-request-body-bytes", "2MiB",
+            "--trust-request-chat-template", "--chat-template-timeout-s", "0.5", "--chat-template-max-chars", "1000"]
+    ns = build_parser(argv).parse_args(argv)
+    config = ServerConfig.from_plugin_options(EngineArgs.from_cli_args(ns).plugin_options)
+    assert config.max_request_body_bytes == 2 << 20
+    limits = config.request_limits
+    assert (limits.trust_request_chat_template, limits.chat_template_timeout_s, limits.chat_template_max_chars) == (
+        True, 0.5, 1000)
+    default = ServerConfig.from_plugin_options(EngineArgs.from_cli_args(build_parser(argv[:5]).parse_args(argv[:5]))
+                                               .plugin_options)
+    assert default == ServerConfig() and not default.request_limits.trust_request_chat_template
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args([*argv[:5], "--max-request-body-bytes", "lots"])

@@ -29,5 +29,6 @@ def manifest() -> PluginManifest:
             # /metrics renders it; other front ends find it by key (`StatLogger(model_name)`).
             "stat_logger": {"prometheus": "keel_endpoints.prometheus:PrometheusStatLogger"},
         },
+        hooks=("keel_endpoints.options:hooks",),  # the `keel serve` flags of ServerConfig
         description="OpenAI-compatible HTTP server: completions, chat, models, tokenize, metrics",
     )

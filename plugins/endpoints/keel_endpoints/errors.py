@@ -17,7 +17,16 @@ from keel.engine.engine_client import EngineDeadError
 logger = logging.getLogger("keel.endpoints")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          503: "server_error"}
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting the request (a model name, a template
+    error) may hold text that UTF-8 cannot encode, and the error must still render."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class OpenAIError(Exception):
@@ -35,23 +44,14 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return ErrorResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(exc: Exception) -> OpenAIError:
     """A user error (ValueError and friends) as HTTP 400, keeping a `param` the exception names."""
     return OpenAIError(400, getattr(exc, "message", None) or str(exc) or type(exc).__name__,
                        param=getattr(exc, "param", None))
-
-
-async def read_json(request: Request) -> Any:
-    """The decoded body; malformed JSON is a 400, never a 500."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -79,4 +79,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in a request")
-        return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        # The server closes the connection after an unhandled error (Starlette re-raises it to
+        # uvicorn): saying so keeps a pooled keep-alive client from sending its next request into it.
+        return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}").response(
+            headers={"Connection": "close"})

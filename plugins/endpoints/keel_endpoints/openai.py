@@ -19,7 +19,8 @@ from keel.endpoint import EndpointContext
 from keel.engine.output_processor import RequestOutputKind
 from keel.engine.outputs import RequestOutput
 from keel.io import EnginePrompt
-from keel_endpoints.errors import OpenAIError, bad_request, read_json
+from keel_endpoints.body import body_spec, read_json
+from keel_endpoints.errors import OpenAIError, bad_request
 from keel_endpoints.streaming import SSEResponse, merge_async_iterators, run_until_disconnect, sse_event
 
 logger = logging.getLogger("keel.endpoints")
@@ -35,6 +36,13 @@ def engine_input(prompt: EnginePrompt) -> dict[str, Any]:
     if prompt.prompt_token_ids is not None:
         out["prompt_token_ids"] = list(prompt.prompt_token_ids)
     return out
+
+
+def json_body(proc: Any) -> dict[str, Any] | None:
+    """The route's body for /openapi.json: the IO processor's schema, if it publishes one (routes read
+    raw bodies, so FastAPI cannot see one)."""
+    schema = proc.request_schema() if hasattr(proc, "request_schema") else None
+    return body_spec(schema) if schema is not None else None
 
 
 def check_model(ctx: EndpointContext, model: str | None) -> None:
@@ -78,11 +86,11 @@ class OpenAIEndpoint:
             if key not in procs:
                 raise RuntimeError(f"the openai endpoint needs the {key!r} io_processor (plugin io-processors)")
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=json_body(procs["completion"]))
         async def completions(request: Request) -> Response:
             return await self.handle(request, ctx, procs["completion"])
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=json_body(procs["chat"]))
         async def chat_completions(request: Request) -> Response:
             return await self.handle(request, ctx, procs["chat"])
 

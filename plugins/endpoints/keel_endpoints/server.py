@@ -17,8 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from keel.endpoint import EndpointContext
+from keel.io import RequestLimits
 from keel.version import __version__
 from keel_endpoints.errors import OpenAIError, install_error_handlers
+from keel_endpoints.guard import RequestGuard
+from keel_endpoints.options import ServerConfig
 from keel_endpoints.utility import register_utility_routes
 
 logger = logging.getLogger("keel.endpoints")
@@ -29,18 +32,19 @@ PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 class APIKeyMiddleware:
     """Pure ASGI (no response buffering, so streams and disconnects pass through untouched): every
-    path but `PUBLIC_PATHS` needs `Authorization: Bearer <key>`, else 401."""
+    path but `PUBLIC_PATHS` needs `Authorization: Bearer <key>`, else 401. The scheme is
+    case-insensitive (RFC 6750 / RFC 9110), the key is not."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
             error = OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
                                 code="invalid_api_key")
             await error.response()(scope, receive, send)
@@ -48,28 +52,33 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _io_processors(plugin_set: Any, engine_client: Any, served_model_name: str) -> tuple[tuple[str, Any], ...]:
+def _io_processors(plugin_set: Any, engine_client: Any, served_model_name: str,
+                   limits: RequestLimits) -> tuple[tuple[str, Any], ...]:
     registry = plugin_set.registry("io_processor")
     out = []
     for key in registry:
         factory = registry.get(key)
         out.append((key, factory(tokenizer=engine_client.get_tokenizer(), served_model_name=served_model_name,
-                                 max_model_len=engine_client.max_model_len)))
+                                 max_model_len=engine_client.max_model_len, limits=limits)))
     return tuple(out)
 
 
 def build_app(engine_client: Any, config: Any, *, served_model_name: str | None = None,
-              api_key: str | None = None, plugin_set: Any = None) -> FastAPI:
+              api_key: str | None = None, plugin_set: Any = None, server_config: ServerConfig | None = None) -> FastAPI:
     """The app with every `endpoint` of the plugin set registered (the server's own routes first).
 
     `plugin_set` defaults to `config.plugin_set()`: the profile decides which endpoint plugins exist.
+    `server_config` defaults to the `keel serve` flags in `config.plugin_options`.
     """
     plugin_set = plugin_set if plugin_set is not None else config.plugin_set()
+    if server_config is None:
+        server_config = ServerConfig.from_plugin_options(getattr(config, "plugin_options", None))
     name = served_model_name or config.model.served_model_name
     app = FastAPI(title="keel", version=__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     ctx = EndpointContext(engine_client=engine_client, config=config, served_model_name=name,
-                          io_processors=_io_processors(plugin_set, engine_client, name))
+                          io_processors=_io_processors(plugin_set, engine_client, name,
+                                                                server_config.request_limits))
     endpoints = plugin_set.registry("endpoint")
     keys = ["api_server", *(k for k in endpoints if k != "api_server")]
     for key in keys:
@@ -78,7 +87,8 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
             endpoint = endpoint()
         endpoint.register(app, ctx)
         logger.info("registered endpoint %r from %s", key, endpoints.provider(key) if key in endpoints else "?")
-    if api_key:
+    app.add_middleware(RequestGuard, max_body_bytes=server_config.max_request_body_bytes)
+    if api_key:  # added last: outermost, so nobody without the key gets a body read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
 

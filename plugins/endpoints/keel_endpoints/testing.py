@@ -10,12 +10,13 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from keel.config import EngineArgs
 from keel.engine.async_llm import AsyncLLM
+from keel.engine.outputs import CompletionOutput, RequestOutput
 from keel_endpoints.server import build_app
 
 
@@ -70,6 +71,16 @@ def serve_in_thread(args: EngineArgs, *, api_key: str | None = None,
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def serve_tiny_model(directory: Any, *, served_model_name: str = "tiny", api_key: str | None = None,
+                     **engine_args: Any) -> Iterator[RunningServer]:
+    """`make_tiny_model(directory)` served on the CPU profile with `engine_args` (max_model_len, ...)."""
+    path = make_tiny_model(directory)
+    args = EngineArgs(model=str(path), profile="cpu", **engine_args)
+    with serve_in_thread(args, api_key=api_key, served_model_name=served_model_name) as server:
+        yield server
+
+
 def make_tiny_model(path: Any, vocab_size: int = 512, **config: Any) -> Any:
     """A tiny random Llama plus the local test tokenizer (with a ChatML template) in `path`."""
     from keel.testing.checkpoints import make_checkpoint
@@ -78,3 +89,39 @@ def make_tiny_model(path: Any, vocab_size: int = 512, **config: Any) -> Any:
     make_checkpoint("llama", path, vocab_size=vocab_size, **config)
     build_tokenizer(path, vocab_size=vocab_size)
     return path
+
+
+class StubEngine:
+    """An engine client without a model, for app tests: answers every request with the completion "ok"
+    (2 tokens); a prompt of "raise" makes `generate` fail as an engine bug would."""
+
+    max_model_len = 64
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.loggers: list[Any] = []
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_stat_logger(self, stat_logger: Any) -> None:
+        self.loggers.append(stat_logger)
+
+    async def run_in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, *, output_kind: Any) -> AsyncIterator[Any]:
+        if prompt.get("prompt") == "raise":
+            raise RuntimeError("stub engine failure")
+        ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])
+        yield RequestOutput(request_id, prompt.get("prompt"), list(ids), None,
+                            [CompletionOutput(i, "ok", [5, 6], None, None, "stop") for i in range(params.n)], True)
+
+
+class StubConfig:
+    class model:
+        model = "stub"
+        served_model_name = "stub"

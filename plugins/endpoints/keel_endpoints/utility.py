@@ -9,7 +9,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from keel.endpoint import EndpointContext
-from keel_endpoints.errors import OpenAIError, bad_request, read_json
+from keel.io import inline_refs
+from keel_endpoints.body import body_spec, read_json
+from keel_endpoints.errors import OpenAIError, bad_request
 
 
 class _Strict(BaseModel):
@@ -62,7 +64,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
             raise OpenAIError(400, "this server runs without a tokenizer (skip_tokenizer_init)")
         return tok
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_spec(inline_refs(TokenizeRequest.model_json_schema())))
     async def tokenize(request: Request) -> JSONResponse:
         req = _parse(TokenizeRequest, await read_json(request))
         _check_model(ctx, req.model)
@@ -85,7 +87,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
             raise bad_request(exc) from None
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_spec(inline_refs(DetokenizeRequest.model_json_schema())))
     async def detokenize(request: Request) -> JSONResponse:
         req = _parse(DetokenizeRequest, await read_json(request))
         _check_model(ctx, req.model)

@@ -7,50 +7,16 @@ from __future__ import annotations
 
 import textwrap
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from keel_endpoints.server import build_app
+from keel_endpoints.testing import StubConfig as Config
+from keel_endpoints.testing import StubEngine
 
-from keel.engine.outputs import CompletionOutput, RequestOutput
 from keel.plugins.loader import load_plugins
 from keel.profile import load_profile
 from keel.testing.tokenizer import build_tokenizer
-
-
-class StubEngine:
-    """Answers every request with the completion "ok" (2 tokens)."""
-
-    max_model_len = 64
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.loggers: list[Any] = []
-
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    def add_stat_logger(self, stat_logger: Any) -> None:
-        self.loggers.append(stat_logger)
-
-    async def run_in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
-        return fn(*args)
-
-    async def check_health(self) -> None:
-        return None
-
-    async def generate(self, prompt: Any, params: Any, request_id: str, *, output_kind: Any) -> AsyncIterator[Any]:
-        ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])
-        yield RequestOutput(request_id, prompt.get("prompt"), list(ids), None,
-                            [CompletionOutput(i, "ok", [5, 6], None, None, "stop") for i in range(params.n)], True)
-
-
-class Config:
-    class model:
-        model = "stub"
-        served_model_name = "stub"
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +107,17 @@ def test_metrics_logger_attached_and_health(client):
 def test_openai_endpoint_needs_the_io_processors(tokenizer):
     with pytest.raises(RuntimeError, match="io_processor"):
         build_app(StubEngine(tokenizer), Config, plugin_set=load_plugins(["endpoints"]))
+
+
+def test_openapi_describes_every_request_body(client):
+    spec = client.get("/openapi.json").json()
+    bodies = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
+              for path, ops in spec["paths"].items() if "post" in ops}
+    assert set(bodies) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    assert "prompt" in bodies["/v1/completions"]["required"] and "messages" in bodies["/v1/chat/completions"]["required"]
+    assert {"max_tokens", "top_k", "logit_bias", "stream_options"} <= set(bodies["/v1/completions"]["properties"])
+    top_k = bodies["/v1/completions"]["properties"]["top_k"]["anyOf"][0]
+    assert top_k["maximum"] == pytest.approx(2**63 - 1)  # the ranges clients may send, as the server checks them
+    assert "$defs" not in str(bodies)  # self-contained: every reference resolved
+    messages = bodies["/v1/chat/completions"]["properties"]["messages"]["items"]
+    assert "role" in messages["properties"] and "tokens" in bodies["/detokenize"]["properties"]
