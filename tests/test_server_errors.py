@@ -6,19 +6,16 @@ import httpx
 import openai
 import pytest
 
-from keel.config import EngineArgs
-
 pytest.importorskip("keel_endpoints")
-from keel_endpoints.testing import make_tiny_model, serve_in_thread
+from keel_endpoints.testing import serve_tiny_model
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("model"))
-    args = EngineArgs(model=str(path), profile="cpu", max_model_len=64, num_kv_blocks=64)
-    with serve_in_thread(args, served_model_name=MODEL) as s:
+    with serve_tiny_model(tmp_path_factory.mktemp("model"), served_model_name=MODEL, max_model_len=64,
+                          num_kv_blocks=64) as s:
         yield s
 
 
@@ -45,10 +42,37 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
     ("completions", {"prompt": "x", "stream_options": "yes"}, "stream_options"),
     ("completions", {"prompt": None}, "prompt"),
-    ("completions", {"prompt": [10**7]}, None),  # token id out of vocabulary
-    ("completions", {"prompt": "x", "logit_bias": {"999999": 1.0}}, None),  # would fail inside a step
-    ("completions", {"prompt": "x", "stop_token_ids": [10**7]}, None),
-    ("completions", {"prompt": "x", "prompt_logprobs": 10**6}, None),
+    ("completions", {"prompt": [10**7]}, "prompt"),  # token id out of vocabulary
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 1.0}}, "logit_bias"),  # would fail inside a step
+    ("completions", {"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 10**6}, "prompt_logprobs"),
+    # Numbers past what the engine's int64 / float32 arrays hold: each used to pass validation and
+    # overflow inside an engine step, killing the engine loop for every later request.
+    ("completions", {"prompt": "x", "top_k": 2**63}, "top_k"),
+    ("chat/completions", {**CHAT, "top_k": 2**64}, "top_k"),
+    ("completions", {"prompt": "x", "min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
+    ("chat/completions", {**CHAT, "min_tokens": 2**63}, "min_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 2**63}, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 2**70}, "max_completion_tokens"),
+    ("completions", {"prompt": "x", "seed": 2**63}, "seed"),
+    ("completions", {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    ("completions", {"prompt": "x", "n": 2**63}, "n"),
+    ("completions", {"prompt": "x", "best_of": 2**63}, "best_of"),
+    ("completions", {"prompt": "x", "logprobs": 2**63}, "logprobs"),
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2**63}, "top_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 2**63}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "stop_token_ids": [2**63]}, "stop_token_ids.0"),
+    ("completions", {"prompt": [2**64]}, "prompt"),
+    ("completions", {"prompt": [[1, 2], [-1]]}, "prompt"),
+    ("completions", {"prompt": "x", "logit_bias": {str(2**64): 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 1e300}}, "logit_bias"),  # inf once in float32
+    ("completions", {"prompt": "x", "temperature": 1e39}, "temperature"),
+    ("completions", {"prompt": "x", "repetition_penalty": 1e39}, "repetition_penalty"),
+    ("completions", {"prompt": "x", "presence_penalty": 1e308}, "presence_penalty"),
+    ("completions", {"prompt": "x", "min_p": -1e-9}, "min_p"),
+    ("completions", {"prompt": "x", "top_p": 1e-400}, "top_p"),  # 0.0 once parsed
     # prompt fits, prompt + max_tokens does not: OpenAI's 400, not a silently shorter completion
     ("completions", {"prompt": [5] * 60, "max_tokens": 10}, "max_tokens"),
     ("completions", {"prompt": [5] * 55}, "max_tokens"),  # the default max_tokens (16) counts too
@@ -62,7 +86,7 @@ BAD_BODIES = [
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
     ("chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("chat/completions", {**CHAT, "chat_template": "{% for %}"}, "messages"),  # template error
+    ("chat/completions", {**CHAT, "chat_template": "{% for %}"}, "chat_template"),  # not trusted
 ]
 
 
@@ -75,7 +99,17 @@ def test_bad_values_and_types_are_400(server, route, body, param):
 
 
 @pytest.mark.parametrize("route", ["completions", "chat/completions", "../tokenize"])
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b"\xff\xfe", b'"a string"'])
+@pytest.mark.parametrize("raw", [
+    b"{not json", b"[1, 2]", b"", b"\xff\xfe", b'"a string"',
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's 4,300-digit int limit
+    b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError in json
+    b'{"prompt": "x", "extra": ' + b"[" * 100 + b"]" * 100 + b"}",  # deeper than the server takes
+    b'{"prompt": "caf\xe9"}',  # Latin-1, not UTF-8
+    b'{"prompt": "\xed\xa0\x80"}',  # an encoded surrogate: invalid UTF-8
+    b'{"prompt": "\\ud800", "model": "\\udfff"}',  # escaped lone surrogates
+    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
+    b'\xef\xbb\xbf{"prompt": "x"}',  # a byte-order mark
+])
 def test_malformed_json_is_400(server, route, raw):
     _error(httpx.post(f"{server.base_url}/{route}", content=raw, headers={"Content-Type": "application/json"}), 400)
 

@@ -11,6 +11,7 @@ from keel.io import EnginePrompt
 from keel_io_processors.base import OpenAIProcessorBase, StreamBase, usage
 from keel_io_processors.logprobs import chat_logprobs
 from keel_io_processors.protocol import ChatCompletionRequest, InvalidRequestError, validate
+from keel_io_processors.template import RESERVED_VARIABLES, render_chat_template
 
 
 class ChatTemplateError(InvalidRequestError):
@@ -43,8 +44,15 @@ class ChatProcessor(OpenAIProcessorBase):
     `pre_process` runs the template and the tokenizer: callers run it off the event loop.
     """
 
+    request_model = ChatCompletionRequest
+
     def parse_request(self, payload: Any) -> ChatCompletionRequest:
         request = validate(ChatCompletionRequest, payload, "chatcmpl")
+        if request.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template in the request is refused: this server renders only the model's own chat "
+                "template (start it with --trust-request-chat-template to allow request templates)",
+                "chat_template")
         if request.top_logprobs is not None and request.top_logprobs > 0 and not request.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         for i, m in enumerate(request.messages):
@@ -71,21 +79,27 @@ class ChatProcessor(OpenAIProcessorBase):
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
+        variables = {**tok.special_tokens_map, **(request.chat_template_kwargs or {})}
+        reserved = sorted(set(request.chat_template_kwargs or ()) & RESERVED_VARIABLES)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {reserved}: the server sets them",
+                                      "chat_template_kwargs")
         try:
-            text = tok.apply_chat_template(
-                messages, chat_template=request.chat_template, tokenize=False,
+            source = tok.get_chat_template(request.chat_template)
+            text = render_chat_template(
+                source, messages, variables=variables, limits=self.limits,
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-                continue_final_message=request.continue_final_message,
-                **(request.chat_template_kwargs or {}),
-            )
+                continue_final_message=request.continue_final_message)
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # noqa: BLE001 -- a template error is the request's fault, not a 500
             raise ChatTemplateError(f"the chat template failed to render: {exc}", "messages") from None
         return text
 
     def pre_process(self, request: ChatCompletionRequest) -> list[EnginePrompt]:
         text = self.render(request)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        prompts = [EnginePrompt(prompt=text, prompt_token_ids=tuple(ids))]
+        ids = self.encode(text, add_special_tokens=False, param="messages")
+        prompts = [EnginePrompt(prompt=text, prompt_token_ids=ids)]
         self.check_room(prompts, request.max_completion_tokens or request.max_tokens,
                         "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return prompts

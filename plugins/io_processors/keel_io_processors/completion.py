@@ -18,6 +18,8 @@ class CompletionProcessor(OpenAIProcessorBase):
     """`prompt` may be a string, a list of strings, a list of token ids or a list of such lists; each
     prompt becomes one engine request, and choice `index` is `prompt_index * n + sample_index`."""
 
+    request_model = CompletionRequest
+
     def parse_request(self, payload: Any) -> CompletionRequest:
         request = validate(CompletionRequest, payload, "cmpl")
         if request.suffix is not None:
@@ -48,7 +50,7 @@ class CompletionProcessor(OpenAIProcessorBase):
     def _engine_prompt(self, p: str | list[int]) -> EnginePrompt:
         if not isinstance(p, str):
             return EnginePrompt(prompt_token_ids=tuple(p))
-        ids = tuple(self.tokenizer.encode(p)) if self.tokenizer is not None else None
+        ids = self.encode(p, add_special_tokens=True, param="prompt") if self.tokenizer is not None else None
         return EnginePrompt(prompt=p, prompt_token_ids=ids)
 
     def _prompt_text(self, output: RequestOutput) -> str:

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from keel.engine.limits import INT64_MAX, INT64_MIN
+
 MAX_LOGPROBS = 20
 
 
@@ -54,7 +56,10 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
+# Every integer a request carries must fit the engine's int64 rows (keel.engine.limits): bounded here
+# so that the 400 names the request's own field.
+NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+PosInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
 
 
 class SamplingFields(_Strict):
@@ -66,14 +71,14 @@ class SamplingFields(_Strict):
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -107,10 +112,10 @@ class SamplingFields(_Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: PosInt | None = 16
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
+    best_of: PosInt | None = None
     suffix: str | None = None
 
 
@@ -122,8 +127,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM extras for templating

@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from keel.engine.sampling_params import SamplingParams
 from keel_io_processors.protocol import InvalidRequestError, SamplingFields
-
-_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
-    if raw is None:
-        return None
-    out: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            out[int(key)] = float(value)
-        except ValueError:
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-    return out
 
 
 def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -46,11 +31,9 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
         "skip_special_tokens": request.skip_special_tokens,
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
-        "logit_bias": _logit_bias(request.logit_bias),
+        "logit_bias": request.logit_bias,  # string keys: SamplingParams turns them into token ids
     }
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
-        message = str(exc)
-        first = message.split(" ", 1)[0]
-        raise InvalidRequestError(message, first if first in _PARAM_NAMES else None) from None
+        raise InvalidRequestError(str(exc), getattr(exc, "param", None)) from None

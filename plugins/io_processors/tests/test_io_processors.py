@@ -9,7 +9,7 @@ from keel_io_processors.protocol import InvalidRequestError
 from transformers import AutoTokenizer
 
 from keel.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from keel.io import IOProcessor
+from keel.io import IOProcessor, RequestLimits
 from keel.plugins.loader import load_plugins
 from keel.testing.tokenizer import build_tokenizer
 
@@ -125,10 +125,16 @@ def test_chat_without_template_is_a_clear_400(tokenizer, tmp_path):
     with pytest.raises(ChatTemplateError, match="no chat template") as err:
         proc.pre_process(req)
     assert isinstance(err.value, InvalidRequestError)
-    # A template given in the request is used instead.
-    req = proc.parse_request({"messages": [{"role": "user", "content": "hi"}],
-                              "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"})
-    assert proc.pre_process(req)[0].prompt == "[hi]"
+    # A template given in the request is refused unless the server trusts request templates...
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
+    with pytest.raises(InvalidRequestError, match="trust-request-chat-template") as err:
+        proc.parse_request(body)
+    assert err.value.param == "chat_template"
+    # ...and then used instead.
+    trusting = ChatProcessor(tokenizer=bare, served_model_name="m",
+                             limits=RequestLimits(trust_request_chat_template=True))
+    assert trusting.pre_process(trusting.parse_request(body))[0].prompt == "[hi]"
 
 
 def _lp(tid, lp, rank, text):
