@@ -9,15 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.engine.limits import ParamError
+from keel.engine.prompt_bound import PromptBound, PromptTooLongError
 from keel.engine.request import EngineCoreRequest
 from keel.engine.sampling_params import SamplingParams
-
-
-class PromptTooLongError(ParamError):
-    """The prompt leaves no room to generate within max_model_len (HTTP 400 in the server)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("prompt", message)
 
 
 @dataclass
@@ -38,6 +32,7 @@ class Processor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self._bound = PromptBound(tokenizer, max_model_len)
         self._rng = random.Random(seed)
 
     def process_prompt(self, prompt: str | Mapping[str, Any] | list[int]) -> ProcessedPrompt:
@@ -57,7 +52,7 @@ class Processor:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass prompt_token_ids")
-            ids = self.tokenizer.encode(text)
+            ids = self._bound.encode(text)
         # numpy / torch integers are fine (tokenizers return them); floats and bools are not.
         if isinstance(ids, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                                     for t in ids):

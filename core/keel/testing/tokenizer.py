@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
@@ -172,3 +173,19 @@ def build_tokenizer(path: str | os.PathLike[str], vocab_size: int = 512):
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records the length of every text `encode` gets (tests of what a code path
+    tokenizes); everything else is delegated."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.encoded: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self.encoded.append(len(text))
+        return self.tokenizer.encode(text, **kwargs)

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from keel.endpoint import EndpointContext
+from keel.engine.prompt_bound import PromptBound
 from keel.io import inline_refs
 from keel_endpoints.body import body_spec, read_json
 from keel_endpoints.errors import OpenAIError, bad_request
@@ -58,6 +59,9 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
         engine.add_stat_logger(stat_logger)
     app.state.keel_stat_logger = stat_logger
 
+    # A prompt far past max_model_len is refused after a prefix, not tokenized whole on the shared thread.
+    bound = PromptBound(engine.get_tokenizer(), engine.max_model_len)
+
     def tokenizer() -> Any:
         tok = engine.get_tokenizer()
         if tok is None:
@@ -68,7 +72,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
     async def tokenize(request: Request) -> JSONResponse:
         req = _parse(TokenizeRequest, await read_json(request))
         _check_model(ctx, req.model)
-        tok = tokenizer()
+        tokenizer()  # 400 without one
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         try:
@@ -82,7 +86,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
                        for t in p.prompt_token_ids]
             else:
                 ids = await engine.run_in_tokenizer_thread(
-                    lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+                    lambda: bound.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})

@@ -15,12 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from keel.engine.outputs import RequestOutput
+from keel.engine.prompt_bound import PromptBound, PromptTooLongError
 from keel.io import EnginePrompt, RequestLimits, inline_refs
 from keel_io_processors.protocol import InvalidRequestError, SamplingFields
-
-# Tokens a prefix may hold beyond max_model_len before the prompt is refused: the cut may split a
-# word and so tokenize a little differently from the whole text.
-_PREFIX_MARGIN = 16
 
 
 class OpenAIProcessorBase:
@@ -32,7 +29,7 @@ class OpenAIProcessorBase:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.limits = limits if limits is not None else RequestLimits()
-        self._token_chars: int | None = None
+        self._bound = PromptBound(tokenizer, max_model_len)
 
     request_model: type[SamplingFields] = SamplingFields
 
@@ -47,32 +44,12 @@ class OpenAIProcessorBase:
         return self.served_model_name or request.model or ""
 
     def encode(self, text: str, *, add_special_tokens: bool, param: str) -> tuple[int, ...]:
-        """`text` as token ids, refusing a text far past max_model_len after tokenizing only a prefix.
-
-        No token covers more than `max_token_chars` characters, so the first
-        `(max_model_len + margin) * max_token_chars` characters of any prompt that fits cannot hold
-        more than max_model_len + margin tokens: if they do, the prompt cannot fit, and a 50 MB prompt
-        costs the tokenizer no more than that prefix. (A normalizer that deletes characters only makes
-        the prefix shorter in tokens, and then the whole text is tokenized as before.)"""
-        tok = self.tokenizer
-        if self.max_model_len is not None:
-            budget = self.max_model_len + _PREFIX_MARGIN
-            limit = budget * self._max_token_chars()
-            if len(text) > limit:
-                head = tok.encode(text[:limit], add_special_tokens=add_special_tokens)
-                if len(head) >= budget:
-                    raise InvalidRequestError(
-                        f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens, "
-                        f"but the prompt is longer: its first {limit} of {len(text)} characters already hold "
-                        f"{len(head)} tokens. Please reduce the length of the prompt.", param)
-        return tuple(tok.encode(text, add_special_tokens=add_special_tokens))
-
-    def _max_token_chars(self) -> int:
-        """The most characters one token can stand for (the longest vocabulary entry; byte-level BPE
-        entries hold one character per byte, and a byte is at most one character of text)."""
-        if self._token_chars is None:
-            self._token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
-        return self._token_chars
+        """`text` as token ids; a text far past max_model_len is refused (HTTP 400 naming `param`) after
+        tokenizing only a prefix (`keel.engine.prompt_bound`)."""
+        try:
+            return tuple(self._bound.encode(text, add_special_tokens=add_special_tokens, param=param))
+        except PromptTooLongError as exc:
+            raise InvalidRequestError(exc.message, exc.param) from None
 
     def check_room(self, prompts: Sequence[EnginePrompt], max_tokens: int | None, param: str) -> None:
         """OpenAI's (and vLLM's) rule: an explicit max_tokens that does not fit beside the prompt is a 400,
