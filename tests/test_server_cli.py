@@ -70,10 +70,11 @@ def test_server_flags_reach_the_server_config(monkeypatch):
     # build_parser reads the plugins to load from the argv of the last `main` (another test's here).
     monkeypatch.setattr("keel.cli._argv", [])
     argv = ["serve", "--model", "m", "--profile", "cpu", "--max-request-body-bytes", "2MiB",
-            "--trust-request-chat-template", "--chat-template-timeout-s", "0.5", "--chat-template-max-chars", "1000"]
+            "--trust-request-chat-template", "--chat-template-timeout-s", "0.5", "--chat-template-max-chars", "1000",
+            "--preprocess-threads", "2"]
     ns = build_parser(argv).parse_args(argv)
     config = ServerConfig.from_plugin_options(EngineArgs.from_cli_args(ns).plugin_options)
-    assert config.max_request_body_bytes == 2 << 20
+    assert config.max_request_body_bytes == 2 << 20 and config.preprocess_threads == 2
     limits = config.request_limits
     assert (limits.trust_request_chat_template, limits.chat_template_timeout_s, limits.chat_template_max_chars) == (
         True, 0.5, 1000)

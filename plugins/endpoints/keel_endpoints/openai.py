@@ -21,6 +21,7 @@ from keel.engine.outputs import RequestOutput
 from keel.io import EnginePrompt
 from keel_endpoints.body import body_spec, read_json
 from keel_endpoints.errors import OpenAIError, bad_request
+from keel_endpoints.preprocess import run_preprocess
 from keel_endpoints.streaming import SSEResponse, merge_async_iterators, run_until_disconnect, sse_event
 
 logger = logging.getLogger("keel.endpoints")
@@ -101,7 +102,7 @@ class OpenAIEndpoint:
             request = proc.parse_request(body)
             check_model(ctx, getattr(request, "model", None))
             params = proc.sampling_params(request)
-            prompts = await engine.run_in_tokenizer_thread(proc.pre_process, request)
+            prompts = await run_preprocess(raw, proc.pre_process, request)
         except USER_ERRORS as exc:
             raise bad_request(exc) from None
         stream = proc.is_stream(request)

@@ -26,12 +26,16 @@ class ServerConfig:
 
     # A larger body is refused with 413 before it is read (Content-Length) or as soon as it grows past.
     max_request_body_bytes: int = 16 * MiB
+    # Threads that parse, render and tokenize request bodies: a long tokenization or a template at
+    # its time budget holds one of them, never the engine's shared tokenizer thread.
+    preprocess_threads: int = 4
     # What IO processors may spend on one request (chat templates), handed to each of them.
     request_limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         limits = self.request_limits
         for name, value in (("max_request_body_bytes", self.max_request_body_bytes),
+                            ("preprocess_threads", self.preprocess_threads),
                             ("chat_template_max_chars", limits.chat_template_max_chars)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -65,6 +69,8 @@ class Hooks:
         group = parser.add_argument_group("API server (plugin endpoints)")
         group.add_argument("--max-request-body-bytes", type=_size, default=None, metavar="BYTES",
                            help="refuse larger request bodies with 413 (default 16MiB; suffixes KiB, MiB, ...)")
+        group.add_argument("--preprocess-threads", type=int, default=None, metavar="N",
+                           help="threads rendering and tokenizing requests, apart from the engine's (default 4)")
         group.add_argument("--trust-request-chat-template", action="store_true", default=None,
                            help="render a `chat_template` sent in a chat request (default: refused with 400)")
         group.add_argument("--chat-template-timeout-s", type=float, default=None, metavar="SECONDS",

@@ -22,6 +22,7 @@ from keel.version import __version__
 from keel_endpoints.errors import OpenAIError, install_error_handlers
 from keel_endpoints.guard import RequestGuard
 from keel_endpoints.options import ServerConfig
+from keel_endpoints.preprocess import install_preprocess_pool
 from keel_endpoints.utility import register_utility_routes
 
 logger = logging.getLogger("keel.endpoints")
@@ -87,6 +88,7 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
             endpoint = endpoint()
         endpoint.register(app, ctx)
         logger.info("registered endpoint %r from %s", key, endpoints.provider(key) if key in endpoints else "?")
+    install_preprocess_pool(app, server_config.preprocess_threads)
     app.add_middleware(RequestGuard, max_body_bytes=server_config.max_request_body_bytes)
     if api_key:  # added last: outermost, so nobody without the key gets a body read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -13,6 +13,7 @@ from keel.engine.prompt_bound import PromptBound
 from keel.io import inline_refs
 from keel_endpoints.body import body_spec, read_json
 from keel_endpoints.errors import OpenAIError, bad_request
+from keel_endpoints.preprocess import run_preprocess
 
 
 class _Strict(BaseModel):
@@ -82,11 +83,11 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
                 chat = procs["chat"]
                 body = {"messages": req.messages, "add_generation_prompt": req.add_generation_prompt}
                 parsed = chat.parse_request(body)
-                ids = [int(t) for p in await engine.run_in_tokenizer_thread(chat.pre_process, parsed)
+                ids = [int(t) for p in await run_preprocess(request, chat.pre_process, parsed)
                        for t in p.prompt_token_ids]
             else:
-                ids = await engine.run_in_tokenizer_thread(
-                    lambda: bound.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+                ids = await run_preprocess(
+                    request, lambda: bound.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
@@ -100,7 +101,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"token id(s) {bad[:5]} out of vocabulary range [0, {vocab})", param="tokens")
-        text = await engine.run_in_tokenizer_thread(tok.decode, req.tokens)
+        text = await run_preprocess(request, tok.decode, req.tokens)
         return JSONResponse({"prompt": text})
 
     @app.get("/metrics")
