@@ -73,6 +73,9 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "presence_penalty": 1e308}, "presence_penalty"),
     ("completions", {"prompt": "x", "min_p": -1e-9}, "min_p"),
     ("completions", {"prompt": "x", "top_p": 1e-400}, "top_p"),  # 0.0 once parsed
+    # a field the server does not act on is refused by name, never ignored
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 2**63}, "truncate_prompt_tokens"),
+    ("chat/completions", {**CHAT, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     # prompt fits, prompt + max_tokens does not: OpenAI's 400, not a silently shorter completion
     ("completions", {"prompt": [5] * 60, "max_tokens": 10}, "max_tokens"),
     ("completions", {"prompt": [5] * 55}, "max_tokens"),  # the default max_tokens (16) counts too

@@ -88,6 +88,8 @@ class SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: NonNegInt | None = None
+    # vLLM's prompt truncation: declared so that it is refused by name (400) rather than ignored.
+    truncate_prompt_tokens: int | None = None
 
     _request_id: str = PrivateAttr(default="")
     _created: int = PrivateAttr(default=0)

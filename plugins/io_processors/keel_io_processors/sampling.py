@@ -11,6 +11,9 @@ from keel_io_processors.protocol import InvalidRequestError, SamplingFields
 def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                           prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling parameters; `SamplingParams`' own range checks become 400s naming the field."""
+    if request.truncate_prompt_tokens is not None:
+        raise InvalidRequestError("truncate_prompt_tokens is not supported: send a prompt that fits "
+                                  "max_model_len", "truncate_prompt_tokens")
     kwargs: dict[str, Any] = {
         "n": request.n,
         "presence_penalty": request.presence_penalty or 0.0,
