@@ -17,7 +17,7 @@ def manifest() -> PluginManifest:
         name="core",
         version=__version__,
         core_api=f"=={CORE_API_VERSION}",
-        description="keel core built-ins (KV cache spec kinds, n-gram drafts)",
+        description="keel core built-ins (KV cache spec kinds, n-gram drafts, uni/mp executors)",
         provides={
             "kv_cache_spec": {
                 "full_attention": f"{_SINGLE_TYPE}:FullAttentionManager",
@@ -27,5 +27,10 @@ def manifest() -> PluginManifest:
             },
             # Model-free draft methods; model-specific ones (MTP) come from model plugins.
             "spec_decoder": {"ngram": "keel.spec_decode.ngram:NgramProposer"},
+            # How the engine core drives its workers; multi-host executors (ray) come from plugins.
+            "executor": {
+                "uni": "keel.distributed.uni_executor:UniProcExecutor",
+                "mp": "keel.distributed.mp_executor:MultiprocExecutor",
+            },
         },
     )

@@ -185,6 +185,13 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # MoE experts are sharded over the expert-parallel group (= the tensor-parallel ranks) instead of
+    # each expert being split by tensor parallelism (vLLM's name and meaning).
+    enable_expert_parallel: bool = False
+    # An `executor` registry key ("uni": the worker in the engine core's process; "mp": one process per
+    # rank; "ray": Ray actors). None: "uni" for one rank, else "mp".
+    distributed_executor_backend: str | None = None
     # AsyncLLM (the server) runs the engine core in its own process instead of on a thread, so HTTP and
     # tokenizer work never share the GIL with scheduling and batch building.
     engine_core_process: bool = False
@@ -200,10 +207,34 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.engine_iteration_timeout_s must be a number of seconds >= 0 (0: no watchdog), got {t!r}"
             )
+        _positive("parallel", "pipeline_parallel_size", self.pipeline_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError(f"parallel.enable_expert_parallel must be a boolean, got {self.enable_expert_parallel!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            raise ConfigError(f"parallel.distributed_executor_backend must be an executor key, got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"parallel.distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}: use 'mp' (or 'ray')"
+            )
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError(f"parallel.pipeline_parallel_size {self.pipeline_parallel_size}: pipeline "
+                              "parallelism is not implemented yet; use 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("parallel.enable_expert_parallel shards experts over the tensor-parallel ranks: "
+                              "set tensor_parallel_size > 1 (or turn it off)")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The `executor` registry key to use (the default resolved)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ _SECTION_OF = {
                      "gpu_memory_utilization"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
                     "scheduler"),
-    **dict.fromkeys(("tensor_parallel_size", "engine_core_process", "engine_iteration_timeout_s"), "parallel"),
+    **dict.fromkeys(("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+                     "distributed_executor_backend", "engine_core_process", "engine_iteration_timeout_s"),
+                    "parallel"),
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
@@ -81,6 +83,9 @@ class EngineArgs:
     plugins: list[str] | str | None = None  # entry-point names, or "auto"
     profile: str | None = None  # profile name or path
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    enable_expert_parallel: bool | None = None  # shard MoE experts over the TP ranks
+    distributed_executor_backend: str | None = None  # "uni", "mp", "ray" (an `executor` key); None: auto
     engine_core_process: bool | None = None  # the server's engine core in its own process
     engine_iteration_timeout_s: float | None = None  # the server's step watchdog (seconds; 0: off)
     speculative_config: dict[str, Any] | None = None  # {"method": ..., "num_speculative_tokens": ...}
@@ -222,6 +227,8 @@ def _finish(config: EngineConfig) -> EngineConfig:
     # pluggy returns results last-registered first; apply them in plugin load order.
     for patch in reversed(plugin_set.hooks.hook.keel_adjust_config(config=config)):
         config = config.with_patch(patch)
+    executor_cls = plugin_set.registry("executor").get(config.parallel.executor_backend)  # unknown: lists them
+    executor_cls.validate_config(config, platform)
     backend = config.device.attention_backend
     if backend != "auto":
         plugin_set.registry("attention_backend").ref(backend)  # unknown key: error listing the known

@@ -68,6 +68,16 @@ class Platform:
         the device in a way that breaks forking workers later."""
         raise NotImplementedError
 
+    def device_count(self) -> int:
+        """How many ranks this host can run (one per device); called by the `uni` and `mp` executors when
+        validating `tensor_parallel_size x pipeline_parallel_size` at startup. A larger world size is a
+        startup error, never a silent fallback."""
+        return 1
+
+    def configure_worker_process(self, local_rank: int, local_world_size: int) -> None:
+        """Called once in each worker process of a multi-rank executor, before the worker starts:
+        process-wide settings for sharing the host (e.g. the CPU platform splits the host's threads)."""
+
     def device(self, index: int = 0) -> torch.device:
         """The torch device of local rank `index`; called by the worker when it starts."""
         import torch

@@ -15,7 +15,6 @@ from keel.engine.request import EngineCoreRequest
 from keel.engine.scheduler import Scheduler
 from keel.kv_cache.manager import KVCacheManager
 from keel.platform import select_platform
-from keel.worker.worker import Worker
 
 logger = logging.getLogger("keel.engine")
 
@@ -28,12 +27,20 @@ class EngineCore:
         self.max_model_len = config.model.derived_max_model_len
         sched = config.scheduler
 
-        self.worker = Worker(config, self.plugins, self.platform)
-        self.worker.load_model()
-        self.worker.warm_up()
-        num_blocks = self.worker.determine_num_blocks(sched.max_num_seqs, self.max_model_len)
-        self.worker.initialize_kv_cache(num_blocks)
-        spec = self.worker.kv_cache_spec()
+        executor_cls = self.plugins.registry("executor").get(config.parallel.executor_backend)
+        self.executor = executor_cls(config, self.plugins, self.platform)
+        try:
+            rpc = self.executor.collective_rpc
+            rpc("load_model")
+            rpc("warm_up")
+            # Every rank sizes its own cache shard; the smallest count fits them all.
+            num_blocks = min(rpc("determine_num_blocks", (sched.max_num_seqs, self.max_model_len)))
+            rpc("initialize_kv_cache", (num_blocks,))
+            spec = rpc("kv_cache_spec", unique_reply_rank=0)[0]
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_kv_blocks = num_blocks
         managers = self.plugins.registry("kv_cache_spec")
         kv_manager = KVCacheManager(
             spec, num_blocks, enable_caching=config.cache.enable_prefix_caching,
@@ -41,7 +48,7 @@ class EngineCore:
         )
         self.async_scheduling = sched.async_scheduling
         if self.async_scheduling is None:
-            self.async_scheduling = self.worker.device.type != "cpu" and config.speculative is None
+            self.async_scheduling = self.platform.device_type != "cpu" and config.speculative is None
         self.scheduler = Scheduler(
             kv_manager,
             max_num_seqs=sched.max_num_seqs,
@@ -63,8 +70,12 @@ class EngineCore:
         )
 
     @property
-    def num_kv_blocks(self) -> int:
-        return self.worker.num_blocks
+    def worker(self):
+        """The in-process worker of the "uni" executor (tests and benchmarks inspect its runner)."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError(f"the {self.config.parallel.executor_backend!r} executor has no in-process worker")
+        return worker
 
     def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
         self.scheduler.add_request(request, max_tokens)
@@ -83,6 +94,7 @@ class EngineCore:
         """Idempotent; tells plugins (keel_shutdown) once."""
         if not self._shut_down:
             self._shut_down = True
+            self.executor.shutdown()
             self._hooks.keel_shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -99,11 +111,11 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 return []
             scheduler_output = self.scheduler.schedule()
-            return self._apply(scheduler_output, self.worker.execute_model(scheduler_output))
+            return self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
         launched = False
         if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            self._in_flight.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+            self._in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
             launched = not scheduler_output.is_empty
         if not self._in_flight or (launched and len(self._in_flight) < 2):
             return []  # the first step of a burst: launch the next one before waiting for it

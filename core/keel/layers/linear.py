@@ -2,8 +2,8 @@
 
 Each layer holds only this rank's shard; the parameters' `weight_loader` receives the *full* checkpoint
 tensor and narrows it, so checkpoints never need resharding offline. Column-parallel layers split the
-output dimension (dim 0 of the weight), row-parallel layers split the input dimension (dim 1). Only
-`tp_size=1` is exercised end to end today; the split logic is unit-tested with `tp_size=2`.
+output dimension (dim 0 of the weight), row-parallel layers split the input dimension (dim 1). The
+split logic is unit-tested with `tp_size=2`; multi-process fidelity runs in tests/test_distributed_tp.py.
 
 Quantization: given the build's `quant_config` (a `keel.quantization.QuantizationConfig`, or a single
 `QuantizationMethod` applied to every layer), a layer asks it for a method with its `LinearLayerSpec`;
@@ -20,19 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.distributed.communication_op import tensor_model_parallel_all_reduce
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs, shard_size
 from keel.quantization import LinearLayerSpec, QuantizationMethod
-
-
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    # Row-parallel partial sums need a reduction across the TP group; without a process group there
-    # is nothing to sum with, and silently returning a partial result would be wrong.
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("tensor-parallel RowParallelLinear needs an initialized torch.distributed group")
-    dist.all_reduce(x)
-    return x
 
 
 def _copy_rank_rows(dst: torch.Tensor, loaded_weight: torch.Tensor, full_rows: int, rank_index: int,
@@ -325,5 +315,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, input_size_per_partition]
         out = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size > 1:
-            out = _all_reduce(out)
+            out = tensor_model_parallel_all_reduce(out, self.tp_size)
         return out

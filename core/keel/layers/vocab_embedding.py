@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs
 
 
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local = torch.where(mask, 0, input_ids - self.vocab_start_index)
         out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
-        return _tp_all_reduce(out)
+        return tensor_model_parallel_all_reduce(out, self.tp_size)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"
@@ -74,24 +75,5 @@ def compute_logits(
     """
     local = F.linear(hidden, lm_head.weight)
     if lm_head.tp_size > 1:
-        local = _tp_all_gather(local)
+        local = tensor_model_parallel_all_gather(local, dim=-1, tp_size=lm_head.tp_size)
     return local[:, : lm_head.num_embeddings].float()
-
-
-def _tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("tensor-parallel embedding needs an initialized torch.distributed group")
-    dist.all_reduce(x)
-    return x
-
-
-def _tp_all_gather(x: torch.Tensor) -> torch.Tensor:  # [n, v_per_rank] -> [n, v_per_rank * tp]
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("tensor-parallel LM head needs an initialized torch.distributed group")
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)

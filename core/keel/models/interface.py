@@ -29,6 +29,11 @@ class ModelBuildContext:
     # (layer config, KV cache spec kind) -> backend class. Set by the worker so each distinct kind of
     # layer (standard, sliding window, MLA) gets a validated backend; None in unit tests.
     attention_selector: Callable[[Any, str], Any] | None = None
+    # This rank's place in the tensor-parallel group; layers shard themselves with these. Collectives
+    # go through `keel.distributed.get_tp_group()`, created by the worker before the model is built.
+    tp_size: int = 1
+    tp_rank: int = 0
+    enable_expert_parallel: bool = False  # MoE experts sharded over the TP ranks instead of split
 
     def backend_for(self, layer: Any, kv_cache_kind: str) -> Any:
         """Called by attention layers at construction: the backend class that will serve them."""

@@ -24,6 +24,7 @@ KINDS: tuple[str, ...] = (
     "kv_cache_spec",
     "spec_decoder",
     "custom_op",
+    "executor",
 )
 
 

@@ -1,7 +1,8 @@
-"""Worker: owns one device, the model, its KV cache tensors and the model runner.
+"""Worker: owns one device (one rank), the model's shard, its KV cache tensors and the model runner.
 
-The engine core (through an executor) calls, in order: `load_model`, `kv_cache_spec`,
-`determine_num_blocks`, `initialize_kv_cache`, then `execute_model` every step.
+Its executor calls, in order: `init_device` (device and process groups), then on behalf of the engine
+core `load_model`, `warm_up`, `determine_num_blocks`, `initialize_kv_cache`, `kv_cache_spec`, then
+`execute_model` every step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.layers.custom_op import bind_custom_ops
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
+from keel.models.capabilities import supports
 from keel.models.registry import ModelRegistry
 from keel.spec_decode.proposer import ProposerContext
 from keel.worker.async_output import AsyncModelRunnerOutput
@@ -35,25 +37,54 @@ class KVCacheSizeError(ValueError):
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, plugins, platform) -> None:
+    def __init__(self, config: EngineConfig, plugins, platform, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, local_world_size: int = 1) -> None:
         self.config = config
         self.plugins = plugins
         self.platform = platform
-        self.device = platform.device(0)
+        self.rank = rank
+        self.local_rank = local_rank
+        self.local_world_size = local_world_size  # ranks sharing this host
+        self.distributed_init_method = distributed_init_method
+        self.device = platform.device(local_rank)
+        self.dist = None  # keel.distributed.parallel_state.DistributedState, after init_device
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self._backends: dict = {}
 
+    def init_device(self) -> None:
+        """Called by the executor once, right after construction: join the rank grid (process groups
+        through the platform's communicator) before any model is built."""
+        from keel.distributed.grid import RankGrid
+        from keel.distributed.parallel_state import init_distributed_environment
+
+        grid = RankGrid.from_config(self.config.parallel)
+        self.dist = init_distributed_environment(grid, self.rank, self.platform.communicator(),
+                                                 self.distributed_init_method)
+
     def load_model(self) -> None:
-        self.plugins.hooks.hook.keel_worker_init(config=self.config, rank=0)
+        if self.dist is None:
+            self.init_device()
+        self.plugins.hooks.hook.keel_worker_init(config=self.config, rank=self.rank)
         mc = self.config.model
         hf_config = mc.hf_config
-        model_cls, arch = ModelRegistry(self.plugins).resolve_hf_config(hf_config, mc.model)
+        registry = ModelRegistry(self.plugins)
+        model_cls, arch = registry.resolve_hf_config(hf_config, mc.model)
+        tp = self.dist.tp
+        if tp.world_size > 1 and not supports(model_cls, "tensor_parallel"):
+            raise NotImplementedError(
+                f"{arch} ({model_cls.__module__}) does not support tensor parallelism yet: "
+                f"use tensor_parallel_size=1 (got {tp.world_size})"
+            )
+        if self.config.parallel.enable_expert_parallel and not supports(model_cls, "moe"):
+            raise NotImplementedError(f"enable_expert_parallel is set, but {arch} has no MoE layers to shard")
         dtype = mc.torch_dtype
         block_size = self.config.cache.block_size
         build = ModelBuildContext(
             hf_config=hf_config, dtype=dtype, device=self.device, block_size=block_size,
             attention_backend=None, attention_selector=self._select_backend,
+            tp_size=tp.world_size, tp_rank=tp.rank_in_group,
+            enable_expert_parallel=self.config.parallel.enable_expert_parallel,
         )
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=mc.load_format)
@@ -133,7 +164,8 @@ class Worker:
 
     def _default_budget_bytes(self) -> int:
         if self.device.type == "cpu":
-            return int(self.platform.free_memory() * _HOST_KV_FRACTION)
+            # Every local rank sizes its cache from the same host memory: split the share between them.
+            return int(self.platform.free_memory() * _HOST_KV_FRACTION / self.local_world_size)
         # Device platforms: what gpu_memory_utilization leaves after weights, other processes and the
         # activation peak of the largest step (measured by a dummy forward when the platform can).
         activation = self._profile_activation_bytes()

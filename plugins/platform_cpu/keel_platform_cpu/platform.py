@@ -40,10 +40,20 @@ class CpuPlatform(Platform):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supports_fp8: ClassVar[bool] = False
     supports_graph_capture: ClassVar[bool] = False
+    # CPU "devices" are gloo processes sharing the host's cores: any number would run, so the limit is
+    # explicit. Beyond it a tensor_parallel_size is a startup error, not a slow surprise.
+    max_ranks: ClassVar[int] = 8
 
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def device_count(self) -> int:
+        return self.max_ranks
+
+    def configure_worker_process(self, local_rank: int, local_world_size: int) -> None:
+        # Ranks share the host's cores; each taking all of them would oversubscribe every core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
     def device(self, index: int = 0) -> torch.device:
         # One host device: every local rank shares it.

@@ -36,6 +36,9 @@ class CudaPlatform(Platform):
         except Exception:  # noqa: BLE001 -- a broken driver means "not available", never a crash
             return False
 
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
     def device(self, index: int = 0) -> torch.device:
         count = torch.cuda.device_count()
         if not 0 <= index < count:
