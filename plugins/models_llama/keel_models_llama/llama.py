@@ -38,8 +38,7 @@ class LlamaVariant:
 
 
 def _tp(build: ModelBuildContext) -> tuple[int, int]:
-    # ModelBuildContext has no TP fields yet; when they are added the model shards without changes.
-    return getattr(build, "tp_size", 1), getattr(build, "tp_rank", 0)
+    return build.tp_size, build.tp_rank
 
 
 def head_dim_of(config: Any) -> int:
@@ -173,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
     Built by the model loader under the build's device/dtype; see `keel.models.interface.CausalLM`.
     """
 
+    supports_tensor_parallel: ClassVar[bool] = True  # every layer shards itself by build.tp_rank
     # (stacked param fragment, checkpoint fragment, shard id)
     stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
         (".qkv_proj", ".q_proj", "q"),
