@@ -51,7 +51,13 @@ class DeepseekV2MLAAttention(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, build: ModelBuildContext, prefix: str) -> None:
         super().__init__()
-        self.num_heads = h = config.num_attention_heads
+        tp_size, tp_rank = build.tp_size, build.tp_rank
+        total_heads = config.num_attention_heads
+        if total_heads % tp_size:
+            raise ValueError(f"num_attention_heads ({total_heads}) is not divisible by tensor parallel size {tp_size}")
+        # Heads are split across TP ranks; the latent (kv_a) path is shared by all heads, so every rank
+        # computes and caches the whole latent.
+        self.num_heads = h = total_heads // tp_size
         self.qk_nope_head_dim = n = config.qk_nope_head_dim
         self.qk_rope_head_dim = r = config.qk_rope_head_dim
         self.v_head_dim = v = config.v_head_dim
@@ -66,17 +72,21 @@ class DeepseekV2MLAAttention(nn.Module):
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(
-                self.q_lora_rank, h * (n + r), False, quant_config=quant, prefix=f"{prefix}.q_b_proj"
+                self.q_lora_rank, total_heads * (n + r), False, tp_size, tp_rank, quant_config=quant,
+                prefix=f"{prefix}.q_b_proj",
             )
         else:
-            self.q_proj = ColumnParallelLinear(hidden, h * (n + r), False, quant_config=quant, prefix=f"{prefix}.q_proj")
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * (n + r), False, tp_size, tp_rank,
+                                               quant_config=quant, prefix=f"{prefix}.q_proj")
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             hidden, lora + r, bias, quant_config=quant, prefix=f"{prefix}.kv_a_proj_with_mqa"
         )
         self.kv_a_layernorm = RMSNorm(lora, config.rms_norm_eps)
         # Not quantized: MLA reads its weight directly as W_UK / W_UV.
-        self.kv_b_proj = ColumnParallelLinear(lora, h * (n + v), False, prefix=f"{prefix}.kv_b_proj")
-        self.o_proj = RowParallelLinear(h * v, hidden, bias, quant_config=quant, prefix=f"{prefix}.o_proj")
+        self.kv_b_proj = ColumnParallelLinear(lora, total_heads * (n + v), False, tp_size, tp_rank,
+                                              prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(total_heads * v, hidden, bias, tp_size, tp_rank, quant_config=quant,
+                                        prefix=f"{prefix}.o_proj")
         rope = get_rope_parameters(config)
         self.rope_interleave = bool(getattr(config, "rope_interleave", True))
         self.rotary_emb = get_rope(r, config.max_position_embeddings, rope)

@@ -59,7 +59,8 @@ class DeepseekV2Model(DecoderStack):
     def __init__(self, build: ModelBuildContext, version: int) -> None:
         super().__init__()
         config = build.hf_config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, build.tp_size,
+                                                   build.tp_rank)
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(config, i, build, version, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
@@ -75,6 +76,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     """
 
     version: ClassVar[int] = 2
+    # MLA heads, dense MLPs and shared experts split over TP; routed experts split (TP) or sharded (EP).
+    supports_tensor_parallel: ClassVar[bool] = True
     skip_substrs: ClassVar[tuple[str, ...]] = (
         "rotary_emb.inv_freq",
         "rotary_emb.cos_cached",
@@ -84,17 +87,12 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, build: ModelBuildContext) -> None:
         super().__init__()
         self.config = config = build.hf_config
-        tp_size = getattr(build, "tp_size", 1)
-        if tp_size != 1:
-            raise UnsupportedDeepseekConfigError(
-                f"DeepSeek models run with tensor_parallel_size=1 for now (got {tp_size})"
-            )
         self.model = DeepseekV2Model(build, self.version)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, build.tp_size, build.tp_rank)
 
     def forward(
         self,

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.distributed.communication_op import tensor_model_parallel_all_reduce
 from keel.layers.activation import get_act_and_mul_fn
-from keel.layers.fused_moe import FusedMoE, RoutingConfig
+from keel.layers.fused_moe import FusedMoE, FusedMoEParallelConfig, RoutingConfig
 from keel.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import default_weight_loader, set_weight_attrs
@@ -24,14 +25,18 @@ from keel.models.weights import default_weight_loader, set_weight_attrs
 class DeepseekV2MLP(nn.Module):
     """Dense SwiGLU MLP (first_k_dense_replace layers, and the shared experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, build: ModelBuildContext, prefix: str):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, build: ModelBuildContext, prefix: str,
+                 reduce_results: bool = True):
         super().__init__()
         quant = build.quant_method
+        tp_size, tp_rank = build.tp_size, build.tp_rank
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, False, quant_config=quant, prefix=f"{prefix}.gate_up_proj"
+            hidden_size, [intermediate_size] * 2, False, tp_size, tp_rank, quant_config=quant,
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, False, quant_config=quant, prefix=f"{prefix}.down_proj"
+            intermediate_size, hidden_size, False, tp_size, tp_rank, reduce_results, quant_config=quant,
+            prefix=f"{prefix}.down_proj",
         )
         self.act_fn = get_act_and_mul_fn(act)
 
@@ -105,10 +110,14 @@ class DeepseekV2MoE(nn.Module):
             routing,
             activation=act,
             prefix=f"{prefix}.experts",
+            parallel=FusedMoEParallelConfig.make(build.tp_size, build.tp_rank, build.enable_expert_parallel),
         )
         n_shared = getattr(config, "n_shared_experts", None) or 0
+        # Under TP the shared and routed experts' partial sums are reduced together, once.
+        self.tp_size = build.tp_size
         self.shared_experts = (
-            DeepseekV2MLP(hidden, config.moe_intermediate_size * n_shared, act, build, f"{prefix}.shared_experts")
+            DeepseekV2MLP(hidden, config.moe_intermediate_size * n_shared, act, build, f"{prefix}.shared_experts",
+                          reduce_results=False)
             if n_shared
             else None
         )
@@ -116,4 +125,7 @@ class DeepseekV2MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden] -> [num_tokens, hidden]
         # The shared experts' output rides into the routed experts' combine (one kernel on the Triton path).
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, self.gate(x), self.gate.e_score_correction_bias, residual=shared)
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, residual=shared)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out, self.tp_size)
+        return out

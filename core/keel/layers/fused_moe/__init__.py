@@ -7,6 +7,7 @@ them for CUDA.
 
 from keel.layers.fused_moe.align import moe_align_block_size_torch
 from keel.layers.fused_moe.layer import FusedMoE
+from keel.layers.fused_moe.parallel import FusedMoEParallelConfig
 from keel.layers.fused_moe.router import (
     RoutingConfig,
     RoutingConfigError,
@@ -18,6 +19,7 @@ from keel.layers.fused_moe.torch_ref import fused_experts_torch
 
 __all__ = [
     "FusedMoE",
+    "FusedMoEParallelConfig",
     "RoutingConfig",
     "RoutingConfigError",
     "fused_experts_torch",

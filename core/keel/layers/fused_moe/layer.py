@@ -22,9 +22,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from keel.layers.fused_moe.parallel import FusedMoEParallelConfig
 from keel.layers.fused_moe.router import RoutingConfig, select_experts
 from keel.layers.fused_moe.torch_ref import fused_experts_torch
-from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs
+from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs, shard_size
 
 
 class FusedMoE(nn.Module):
@@ -46,8 +47,16 @@ class FusedMoE(nn.Module):
         *,
         activation: str = "silu",
         prefix: str = "",
+        parallel: FusedMoEParallelConfig | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel = parallel or FusedMoEParallelConfig()
+        what = f"{prefix or 'FusedMoE'}:"
+        self.local_num_experts = shard_size(num_experts, parallel.ep_size, f"{what} number of experts")
+        self.expert_start = parallel.ep_rank * self.local_num_experts
+        # This rank's slice of every expert's intermediate dimension (all of it without TP).
+        self.intermediate_size_per_partition = shard_size(intermediate_size, parallel.tp_size,
+                                                          f"{what} moe_intermediate_size")
         if routing.num_experts != num_experts:
             raise ValueError(f"routing is for {routing.num_experts} experts, layer has {num_experts}")
         self.num_experts = num_experts
@@ -56,13 +65,15 @@ class FusedMoE(nn.Module):
         self.routing = routing
         self.activation = activation
         self.prefix = prefix
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        e_local, i_part = self.local_num_experts, self.intermediate_size_per_partition
+        self.w13_weight = nn.Parameter(torch.empty(e_local, 2 * i_part, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(e_local, hidden_size, i_part))
+        local = range(self.expert_start, self.expert_start + e_local)
         for p, ids in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
             set_weight_attrs(
                 p,
                 weight_loader=self.weight_loader,
-                shard_ids=tuple((e, s) for e in range(num_experts) for s in ids),
+                shard_ids=tuple((e, s) for e in local for s in ids),
             )
 
     @staticmethod
@@ -87,21 +98,27 @@ class FusedMoE(nn.Module):
         return rows
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id in param.shard_ids):
+        """Receives one expert's full checkpoint tensor; keeps this rank's part (nothing for another
+        EP rank's expert: the tensor counts as consumed, so strict loading still sees every name)."""
+        ok = isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in ("w1", "w2", "w3")
+        if not ok or not 0 <= shard_id[0] < self.num_experts or (shard_id[1] == "w2") != (param is self.w2_weight):
             raise WeightLoadError(
                 f"{self.prefix or 'FusedMoE'}: expert weights need a shard id (expert, 'w1'|'w2'|'w3') "
                 f"valid for this parameter, got {shard_id!r}"
             )
         expert, shard = shard_id
-        i = self.intermediate_size
-        if shard == "w1":
-            dst = param.data[expert, :i]
-        elif shard == "w3":
-            dst = param.data[expert, i:]
-        else:
-            dst = param.data[expert]
-        check_shape(dst, loaded_weight, f"expert {expert} {shard}")
-        dst.copy_(loaded_weight)
+        local = expert - self.expert_start
+        if not 0 <= local < self.local_num_experts:
+            return
+        i, full, rank = self.intermediate_size_per_partition, self.intermediate_size, self.parallel.tp_rank
+        if shard == "w2":  # [hidden, intermediate]: this rank's columns
+            check_shape(torch.empty(self.hidden_size, full, device="meta"), loaded_weight, f"expert {expert} w2")
+            src, dst = loaded_weight.narrow(1, rank * i, i), param.data[local]
+        else:  # [intermediate, hidden]: this rank's rows, into the gate (w1) or up (w3) half
+            check_shape(torch.empty(full, self.hidden_size, device="meta"), loaded_weight, f"expert {expert} {shard}")
+            src = loaded_weight.narrow(0, rank * i, i)
+            dst = param.data[local, :i] if shard == "w1" else param.data[local, i:]
+        dst.copy_(src)
 
     def forward(
         self,
@@ -117,6 +134,8 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = route(router_logits, self.routing, e_score_correction_bias)
         else:
             topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
+        if self.parallel.use_ep:
+            topk_weights, topk_ids = self._keep_local_routes(topk_weights, topk_ids)
         experts = self.bound_ops.get("fused_experts")
         if experts is not None:
             return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
@@ -124,8 +143,19 @@ class FusedMoE(nn.Module):
         out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
         return out if residual is None else out + residual
 
+    def _keep_local_routes(
+        self,
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] global expert ids
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # local ids; routes to other ranks' experts weigh 0
+        # Dispatch under EP: a route to another rank's expert points at local expert 0 with weight 0,
+        # so it adds exactly nothing here and is computed where that expert lives (static shapes).
+        local = topk_ids - self.expert_start
+        mine = (local >= 0) & (local < self.local_num_experts)
+        return torch.where(mine, topk_weights, 0.0), torch.where(mine, local, 0).to(topk_ids.dtype)
+
     def extra_repr(self) -> str:
         return (
-            f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-            f"top_k={self.routing.top_k}, bound={sorted(self.bound_ops)}"
+            f"experts={self.num_experts} ({self.local_num_experts} here), hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, top_k={self.routing.top_k}, bound={sorted(self.bound_ops)}"
         )
