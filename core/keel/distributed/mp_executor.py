@@ -32,6 +32,8 @@ logger = logging.getLogger("keel.distributed")
 
 STARTUP_TIMEOUT_S = 900.0
 _POLL_S = 0.2
+# A worker's error can arrive before the death of the peer that caused it is visible.
+_DEATH_GRACE_S = 1.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,11 +111,17 @@ class MultiprocExecutor(Executor):
             conns[conn.recv()] = conn
         return [conns[r] for r in range(n)]
 
-    def _check_procs(self) -> None:
-        for rank, p in enumerate(self._procs):
-            code = p.poll()
-            if code is not None:
-                self._fail(WorkerDiedError(rank, f"worker rank {rank} (pid {p.pid}) {describe_exit(code)}"))
+    def _check_procs(self, grace_s: float = 0.0) -> None:
+        """Fail with WorkerDiedError if a rank has exited (looking for up to `grace_s` seconds)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, p in enumerate(self._procs):
+                code = p.poll()
+                if code is not None:
+                    self._fail(WorkerDiedError(rank, f"worker rank {rank} (pid {p.pid}) {describe_exit(code)}"))
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _fail(self, error: WorkerError) -> None:
         self._dead = error
@@ -132,11 +140,12 @@ class MultiprocExecutor(Executor):
                 try:
                     status, value, text = conn.recv()
                 except (EOFError, OSError):
-                    self._procs[rank].wait(timeout=5) if self._procs[rank].poll() is None else None
-                    code = self._procs[rank].poll()
+                    self._check_procs(grace_s=5.0)  # a closed connection is a process on its way out
                     self._fail(WorkerDiedError(rank, f"worker rank {rank} (pid {self._procs[rank].pid}) "
-                                                     f"{describe_exit(code)}"))
+                                                     "closed its connection"))
                 if status != "ok":
+                    # A peer that died makes the survivors' collectives fail too: report the cause.
+                    self._check_procs(grace_s=_DEATH_GRACE_S)
                     error = WorkerError(rank, f"worker rank {rank} failed:\n{text}")
                     if isinstance(value, BaseException):
                         value.add_note(f"(raised on worker rank {rank})")
