@@ -39,8 +39,6 @@ def test_settings_that_cannot_be_served_are_errors():
         _config(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(UnknownKeyError, match="mp"):
         _config(distributed_executor_backend="nonesuch")
-    with pytest.raises(ConfigError, match="pipeline parallelism is not implemented"):
-        _config(pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="enable_expert_parallel"):
         _config(enable_expert_parallel=True)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):

@@ -218,9 +218,6 @@ class ParallelConfig:
                 f"parallel.distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size x "
                 f"pipeline_parallel_size is {self.world_size}: use 'mp' (or 'ray')"
             )
-        if self.pipeline_parallel_size > 1:
-            raise ConfigError(f"parallel.pipeline_parallel_size {self.pipeline_parallel_size}: pipeline "
-                              "parallelism is not implemented yet; use 1")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ConfigError("parallel.enable_expert_parallel shards experts over the tensor-parallel ranks: "
                               "set tensor_parallel_size > 1 (or turn it off)")

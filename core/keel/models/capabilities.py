@@ -59,6 +59,13 @@ class SupportsTensorParallel(Protocol):
 
 
 @runtime_checkable
+class SupportsPipelineParallel(Protocol):
+    # Declared by a model that builds only ModelBuildContext's pipeline stage and takes / returns
+    # `keel.distributed.pipeline.IntermediateTensors` (forward's `intermediate_tensors` argument).
+    supports_pipeline_parallel: ClassVar[bool]
+
+
+@runtime_checkable
 class SupportsQuantization(Protocol):
     # Fused parameter -> the checkpoint modules it packs (e.g. "qkv_proj": ["q_proj", "k_proj",
     # "v_proj"]), so a QuantizationConfig can map per-module settings onto fused layers.
@@ -71,6 +78,7 @@ CAPABILITIES: dict[str, type] = {
     "moe": SupportsMoE,
     "mtp": SupportsMTP,
     "tensor_parallel": SupportsTensorParallel,
+    "pipeline_parallel": SupportsPipelineParallel,
     "quantization": SupportsQuantization,
 }
 

@@ -34,6 +34,9 @@ class ModelBuildContext:
     tp_size: int = 1
     tp_rank: int = 0
     enable_expert_parallel: bool = False  # MoE experts sharded over the TP ranks instead of split
+    # This rank's pipeline stage; a model declaring `supports_pipeline_parallel` builds only its layers.
+    pp_size: int = 1
+    pp_rank: int = 0
 
     def backend_for(self, layer: Any, kv_cache_kind: str) -> Any:
         """Called by attention layers at construction: the backend class that will serve them."""

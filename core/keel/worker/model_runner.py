@@ -34,8 +34,10 @@ logger = logging.getLogger("keel.worker")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
                  proposer: DraftProposer | None = None, num_speculative_tokens: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, pipeline=None) -> None:
         self.model = model
+        # keel.distributed.pipeline.PipelineStage under pipeline parallelism: only its last stage samples.
+        self.pipeline = pipeline
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -104,6 +106,9 @@ class ModelRunner:
 
         if not spec.supported or not spec.capturer or not spec.batch_sizes:
             return False
+        if self.pipeline is not None:
+            logger.info("decode CUDA graphs off: pipeline stages exchange tensors every step")
+            return False
         refusing = sorted({layer.backend.name for layer in self.attn_layers
                            if not getattr(layer.backend, "supports_cuda_graph", False)})
         if refusing:
@@ -164,9 +169,13 @@ class ModelRunner:
         ctx = ForwardContext(attn_metadata=[metas[b] for b in self._layer_builder], kv_caches=caches,
                              num_actual_tokens=common.num_actual_tokens)
         input_ids = torch.zeros(common.num_actual_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model(input_ids, pos.to(dev), ctx)
-        rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
-        self.model.compute_logits(hidden[rows]).softmax(dim=-1)  # the sampler's largest intermediate
+        if self.pipeline is None:
+            hidden = self.model(input_ids, pos.to(dev), ctx)
+        else:  # every stage alone, on stand-in inputs: the same shapes, no exchange
+            hidden = self.pipeline.forward_alone(self.model, input_ids, pos.to(dev), ctx)
+        if hidden is not None:
+            rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
+            self.model.compute_logits(hidden[rows]).softmax(dim=-1)  # the sampler's largest intermediate
         return sum(c.numel() * c.element_size() for c in caches)
 
     def warm_up(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -306,7 +315,10 @@ class ModelRunner:
                 kv_caches=self.kv_caches,
                 num_actual_tokens=num_tokens,
             )
-            hidden = self.model(input_ids, t["positions"], ctx)
+            if self.pipeline is None:
+                hidden = self.model(input_ids, t["positions"], ctx)
+            else:  # None on every stage but the last
+                hidden = self.pipeline.forward(self.model, input_ids, t["positions"], ctx)
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         launch = None
@@ -318,7 +330,7 @@ class ModelRunner:
                 launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
                                                out, staged=staged)
         query_start = step.query_start_loc.tolist()
-        if self._any_prompt_logprobs(states):
+        if hidden is not None and self._any_prompt_logprobs(states):
             self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
         result = self.in_flight.track(out, launch)
         if self.proposer is not None:
@@ -340,19 +352,15 @@ class ModelRunner:
         of `hidden` (device). Enqueues sampling and the copy of the tokens to the host; the tokens'
         values reach the input batch and `out` when the returned launch is committed.
         """
-        logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
-        vocab = logits.shape[-1]
-        if self.vocab_size is None:
-            self.vocab_size = vocab
-        elif vocab != self.vocab_size:
-            raise RuntimeError(f"the model's logits have {vocab} columns, expected {self.vocab_size}")
         batch = self.input_batch
-        meta = self.sampling_state.build(batch, sample_batch_rows, vocab, staged=staged)
-        result = self.sampler(logits, meta)
-        sampled = result.sampled_token_ids  # [S] int64, device
+        result = None if hidden is None else self._sample(hidden, sample_rows, sample_batch_rows, staged)
+        sampled = None if result is None else result.sampled_token_ids  # [S] int64, device
+        if self.pipeline is not None:  # every stage appends the last stage's tokens
+            sampled = self.pipeline.share_sampled(sampled, int(sample_batch_rows.shape[0]))
         positions = batch.advance(sample_batch_rows)
         self.sampling_state.record_sampled(batch, sample_batch_rows, sampled)
-        lps = None if result.logprobs is None else (result.logprob_token_ids, result.logprobs, result.ranks)
+        lps = None if result is None or result.logprobs is None else (
+            result.logprob_token_ids, result.logprobs, result.ranks)
         event = None
         if self.device.type == "cpu":
             sampled_host = sampled
@@ -373,6 +381,18 @@ class ModelRunner:
             num_logprobs=[states[i].sampling_params.logprobs for i in sampling_idx.tolist()],
             event=event,
         )
+
+    def _sample(self, hidden, sample_rows: torch.Tensor, sample_batch_rows: np.ndarray,
+                staged: dict[str, torch.Tensor] | None):
+        """Logits at `sample_rows` of `hidden` and the sampler's result for those batch rows."""
+        logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
+        vocab = logits.shape[-1]
+        if self.vocab_size is None:
+            self.vocab_size = vocab
+        elif vocab != self.vocab_size:
+            raise RuntimeError(f"the model's logits have {vocab} columns, expected {self.vocab_size}")
+        meta = self.sampling_state.build(self.input_batch, sample_batch_rows, vocab, staged=staged)
+        return self.sampler(logits, meta)
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:
         """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.

@@ -68,14 +68,21 @@ class Worker:
         self.plugins.hooks.hook.keel_worker_init(config=self.config, rank=self.rank)
         mc = self.config.model
         hf_config = mc.hf_config
-        registry = ModelRegistry(self.plugins)
-        model_cls, arch = registry.resolve_hf_config(hf_config, mc.model)
+        model_cls, arch = ModelRegistry(self.plugins).resolve_hf_config(hf_config, mc.model)
         tp = self.dist.tp
         if tp.world_size > 1 and not supports(model_cls, "tensor_parallel"):
             raise NotImplementedError(
                 f"{arch} ({model_cls.__module__}) does not support tensor parallelism yet: "
                 f"use tensor_parallel_size=1 (got {tp.world_size})"
             )
+        pp = self.dist.pp
+        if pp.world_size > 1 and not supports(model_cls, "pipeline_parallel"):
+            raise NotImplementedError(
+                f"{arch} ({model_cls.__module__}) does not support pipeline parallelism yet: "
+                f"use pipeline_parallel_size=1 (got {pp.world_size})"
+            )
+        if pp.world_size > 1 and self.config.speculative is not None:
+            raise NotImplementedError("speculative decoding with pipeline_parallel_size > 1 is not supported yet")
         if self.config.parallel.enable_expert_parallel and not supports(model_cls, "moe"):
             raise NotImplementedError(f"enable_expert_parallel is set, but {arch} has no MoE layers to shard")
         dtype = mc.torch_dtype
@@ -85,6 +92,7 @@ class Worker:
             attention_backend=None, attention_selector=self._select_backend,
             tp_size=tp.world_size, tp_rank=tp.rank_in_group,
             enable_expert_parallel=self.config.parallel.enable_expert_parallel,
+            pp_size=pp.world_size, pp_rank=pp.rank_in_group,
         )
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=mc.load_format)
@@ -95,8 +103,13 @@ class Worker:
             registry, required = self.plugins.registry("custom_op"), self.platform.required_custom_ops()
             for module in (model, *getattr(proposer, "draft_modules", tuple)()):
                 bind_custom_ops(module, registry, self.device.type, dtype, required=required)
+        stage = None
+        if pp.world_size > 1:
+            from keel.distributed.pipeline import PipelineStage
+
+            stage = PipelineStage(pp, hf_config.hidden_size, dtype, self.device)
         self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
-                                  max_model_len=mc.derived_max_model_len)
+                                  max_model_len=mc.derived_max_model_len, pipeline=stage)
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s) with attention backend(s) %s", mc.model, arch, dtype, names)
 

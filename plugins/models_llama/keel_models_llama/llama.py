@@ -18,7 +18,8 @@ from torch import nn
 from keel.forward_context import ForwardContext
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.attention import Attention
-from keel.layers.decoder import DecoderStack, PreNormDecoderLayer
+from keel.distributed.pipeline import IntermediateTensors, get_pp_indices
+from keel.layers.decoder import DecoderStack, PPMissingLayer, PreNormDecoderLayer
 from keel.layers.layernorm import RMSNorm
 from keel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from keel.layers.rotary import get_rope, get_rope_parameters
@@ -85,8 +86,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str
+        self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str,
+        kv_index: int | None = None,
     ) -> None:
+        """`kv_index`: the layer's index among this stage's attention layers (default `layer_idx`)."""
         super().__init__()
         tp_size, tp_rank = _tp(build)
         self.head_dim = head_dim_of(config)
@@ -116,7 +119,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if variant.qk_norm else None
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, get_rope_parameters(config))
         self.attn = Attention(
-            layer_idx,
+            layer_idx if kv_index is None else kv_index,
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             self.head_dim,
@@ -144,10 +147,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
-        self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str
+        self, config: Any, layer_idx: int, build: ModelBuildContext, variant: LlamaVariant, prefix: str,
+        kv_index: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, build, variant, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(config, layer_idx, build, variant, f"{prefix}.self_attn", kv_index)
         self.mlp = LlamaMLP(config, build, variant.mlp_bias, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -158,12 +162,17 @@ class LlamaModel(DecoderStack):
         super().__init__()
         config = build.hf_config
         tp_size, tp_rank = _tp(build)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size, tp_rank)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, build, variant, f"model.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        first, last = build.pp_rank == 0, build.pp_rank == build.pp_size - 1
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # The first stage embeds; with tied embeddings the last stage's LM head is the same weight.
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size, tp_rank)
+                             if first or (last and tied) else PPMissingLayer())
+        start = get_pp_indices(config.num_hidden_layers, build.pp_rank, build.pp_size)[0]
+        self.layers = self.make_layers(
+            config.num_hidden_layers, build.pp_rank, build.pp_size,
+            lambda i: LlamaDecoderLayer(config, i, build, variant, f"model.layers.{i}", kv_index=i - start),
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else PPMissingLayer()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -173,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     supports_tensor_parallel: ClassVar[bool] = True  # every layer shards itself by build.tp_rank
+    supports_pipeline_parallel: ClassVar[bool] = True  # builds only build.pp_rank's layers
     # (stacked param fragment, checkpoint fragment, shard id)
     stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
         (".qkv_proj", ".q_proj", "q"),
@@ -201,26 +211,32 @@ class LlamaForCausalLM(nn.Module):
         tp_size, tp_rank = _tp(build)
         self.model = LlamaModel(build, self.variant(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
+        if build.pp_rank != build.pp_size - 1:
+            self.lm_head: nn.Module = PPMissingLayer()
+        elif self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size, tp_rank)
+        # Checkpoint names of modules another pipeline stage holds (their tensors are not ours to load).
+        self._elsewhere = tuple(f"{name}." for name, m in self.named_modules() if isinstance(m, PPMissingLayer))
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         ctx: ForwardContext,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.model(input_ids, positions, ctx)
+        intermediate_tensors: IntermediateTensors | None = None,  # from the previous pipeline stage
+    ) -> torch.Tensor | IntermediateTensors:  # [num_tokens, hidden_size] (the next stage's inputs if any)
+        return self.model(input_ids, positions, ctx, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return compute_logits(self.lm_head, hidden)
 
     def attention_layers(self) -> list[Attention]:
         """The attention layers in layer-index order (the runner asks each for its kv_cache_spec)."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.local_layers()]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = self.skip_substrs + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        return load_mapped_weights(self, weights, self.stacked_params_mapping, skip)
+        ours = ((name, t) for name, t in weights if not name.startswith(self._elsewhere))
+        return load_mapped_weights(self, ours, self.stacked_params_mapping, skip)
