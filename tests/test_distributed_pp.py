@@ -8,9 +8,8 @@ import pytest
 
 from keel.config import ConfigError, EngineArgs
 from keel.distributed.pipeline import get_pp_indices
-from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
-from keel.testing.distributed import STRESS_ARGS, check_stress, run_stress, stress_prompts
+from keel.testing.distributed import check_stress, run_stress_engine
 
 
 def test_stage_layer_split():
@@ -22,14 +21,9 @@ def test_stage_layer_split():
 
 def test_pipeline_parallel_matches_transformers(tmp_path):
     path = make_checkpoint("llama", tmp_path / "llama", num_hidden_layers=3, tie_word_embeddings=True)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(path), pipeline_parallel_size=2, **STRESS_ARGS))
-    try:
-        assert engine.config.parallel.executor_backend == "mp"
-        prompts = stress_prompts(300)
-        results, metrics = run_stress(engine, prompts)
-    finally:
-        engine.shutdown()
-    check_stress(path, prompts, results, metrics)
+    run = run_stress_engine(path, 300, pipeline_parallel_size=2)
+    assert run.executor_backend == "mp"
+    check_stress(path, run.prompts, run.results, run.metrics)
 
 
 def test_pipeline_parallel_needs_a_multi_rank_executor():

@@ -14,7 +14,7 @@ from keel.config import EngineArgs
 from keel.distributed.executor import WorkerDiedError
 from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
-from keel.testing.distributed import STRESS_ARGS, check_stress, run_stress, stress_prompts
+from keel.testing.distributed import STRESS_ARGS, check_stress, run_stress_engine
 
 
 
@@ -26,23 +26,15 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank(llama):
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama), **STRESS_ARGS))
-    out = run_stress(engine, stress_prompts(300))
-    engine.shutdown()
-    return out
+    return run_stress_engine(llama, 300)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_matches_one_rank_and_transformers(llama, one_rank, tp):
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama), tensor_parallel_size=tp, **STRESS_ARGS))
-    try:
-        assert engine.config.parallel.executor_backend == "mp"
-        prompts = stress_prompts(300)
-        results, metrics = run_stress(engine, prompts)
-    finally:
-        engine.shutdown()
-    check_stress(llama, prompts, results, metrics, reference=one_rank[0])
-    assert metrics["num_preemptions_total"] == one_rank[1]["num_preemptions_total"]
+    run = run_stress_engine(llama, 300, tensor_parallel_size=tp)
+    assert run.executor_backend == "mp"
+    check_stress(llama, run.prompts, run.results, run.metrics, reference=one_rank.results)
+    assert run.metrics["num_preemptions_total"] == one_rank.metrics["num_preemptions_total"]
 
 
 def test_killed_worker_fails_the_engine_naming_its_rank(llama):

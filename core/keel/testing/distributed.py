@@ -5,6 +5,7 @@ the same run on one rank. Model plugins use it for their TP / EP / PP layouts on
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 from keel.testing.fidelity import assert_matches_hf, run_requests
@@ -32,6 +33,28 @@ def run_stress(engine: Any, prompts: list[list[int]]) -> tuple[dict[str, Any], d
     results = run_requests(engine, prompts[:5], params, stagger=1)
     results |= run_requests(engine, prompts[5:], params, prefix="hit")
     return results, engine.get_metrics()
+
+
+@dataclass(frozen=True)
+class StressRun:
+    prompts: list[list[int]]
+    results: dict[str, Any]  # request id -> final RequestOutput
+    metrics: dict[str, Any]  # the engine's metrics afterwards
+    executor_backend: str
+
+
+def run_stress_engine(model: Any, vocab_size: int, **engine_args: Any) -> StressRun:
+    """Start an `LLMEngine` on `model` with STRESS_ARGS and `engine_args`, run the scenario, shut it down."""
+    from keel.config import EngineArgs
+    from keel.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model), **{**STRESS_ARGS, **engine_args}))
+    try:
+        prompts = stress_prompts(vocab_size)
+        results, metrics = run_stress(engine, prompts)
+    finally:
+        engine.shutdown()
+    return StressRun(prompts, results, metrics, engine.config.parallel.executor_backend)
 
 
 def check_stress(path: Any, prompts: list[list[int]], results: dict[str, Any], metrics: dict[str, Any],

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 from deepseek_test_utils import DEEPSEEK_YARN, VOCAB, make_deepseek_checkpoint
 
-from keel.config import EngineArgs
-from keel.engine.llm_engine import LLMEngine
-from keel.testing.distributed import STRESS_ARGS, check_stress, run_stress, stress_prompts
+from keel.testing.distributed import check_stress, run_stress_engine
 
 CASES = {
     "v2-tp2": (2, {}, {}),
@@ -22,11 +20,5 @@ CASES = {
 def test_deepseek_parallel_matches_transformers(tmp_path, case):
     version, overrides, parallel = CASES[case]
     path = make_deepseek_checkpoint(version, tmp_path / case, **overrides)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(path), tensor_parallel_size=2, **parallel,
-                                                   **STRESS_ARGS))
-    try:
-        prompts = stress_prompts(VOCAB)
-        results, metrics = run_stress(engine, prompts)
-    finally:
-        engine.shutdown()
-    check_stress(path, prompts, results, metrics)
+    run = run_stress_engine(path, VOCAB, tensor_parallel_size=2, **parallel)
+    check_stress(path, run.prompts, run.results, run.metrics)
