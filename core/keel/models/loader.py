@@ -24,6 +24,7 @@ from keel.models.checkpoint_files import (
     one_line,
 )
 from keel.models.interface import ModelBuildContext
+from keel.models.lazy_tensor import LazySafetensor, dtype_of
 from keel.models.weights import WeightLoadError
 
 __all__ = ["ModelNotFoundError", "WeightLoadError", "init_dummy_weights", "iterate_safetensors", "load_model",
@@ -83,12 +84,20 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.bin"))
 
 
-def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _lazy(f: Any, name: str) -> Any:
+    source = f.get_slice(name)
+    dtype = dtype_of(source.get_dtype())
+    return f.get_tensor(name) if dtype is None else LazySafetensor.of(source, dtype)
+
+
+def iterate_safetensors(path: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, CPU tensor) for every tensor of the checkpoint in directory `path`.
 
     Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, or any
     `*.safetensors`; falls back to `*.bin` files (loaded with `weights_only=True`). Tensors are read
-    one at a time so peak memory stays near one tensor beyond the model.
+    one at a time so peak memory stays near one tensor beyond the model. With `lazy` (the model loader),
+    safetensors entries come as `LazySafetensor`s, valid until the next item: a weight loader narrowing
+    one to its rank's shard reads only that shard, and one nobody loads on this rank is never read.
     """
     path = Path(path)
     files = _weight_files(path)
@@ -101,7 +110,7 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         )
     for file in files:
         if file.suffix == ".safetensors":
-            yield from _read_safetensors(file)
+            yield from _read_safetensors(file, lazy)
         else:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True)
@@ -111,14 +120,14 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             del state
 
 
-def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(file: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names = list(f.keys())
             for name in names:
-                yield name, f.get_tensor(name)
+                yield name, _lazy(f, name) if lazy else f.get_tensor(name)
     except SafetensorError as exc:
         raise CheckpointError(f"{file}: not a valid safetensors file ({exc}); it is truncated or corrupt") from None
 
@@ -179,7 +188,7 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
     if load_format == "dummy":
         loaded = init_dummy_weights(model)
     else:
-        loaded = model.load_weights(iterate_safetensors(path))
+        loaded = model.load_weights(iterate_safetensors(path, lazy=True))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise WeightLoadError(
