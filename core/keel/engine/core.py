@@ -97,6 +97,11 @@ class EngineCore:
             self.executor.shutdown()
             self._hooks.keel_shutdown()
 
+    def check_health(self) -> None:
+        """Raises if a worker is gone (`WorkerDiedError` naming the rank); called by the idle core loop
+        between heartbeats."""
+        self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 

@@ -264,6 +264,10 @@ def run_core_loop(core: Any, receive: Callable[[float | None], tuple[str, Any] |
             if not core.has_unfinished_requests():
                 msg = receive(heartbeat_s)
                 if msg is None:
+                    # Workers can die between requests too: a dead rank fails the loop (and /health).
+                    check = getattr(core, "check_health", None)
+                    if check is not None:
+                        check()
                     if heartbeat is not None:
                         heartbeat()
                     continue
