@@ -15,6 +15,7 @@ configs (pruned per token count: block_m 32 from 16 tokens, 64 from 64 tokens):
   * both GEMMs of one call share block_m (the sorted rows are padded once), so per token count the best
     w13 and w2 configs are picked per block_m and the block_m with the least summed time wins.
 
+Tiles are swept on the one-slice path; the files leave split_k to the small-M rule (no "SPLIT_K").
 Writes `E=64,N=2816,K=2048,device_name=<gpu>.json` and `E=64,N=2048,K=1408,device_name=<gpu>.json` into
 kernels-triton's package folder keel_kernels_triton/fused_moe/configs/ (the repo's folder with an editable
 install, so an engine started afterwards uses them), copies them and a results JSON to --out, and prints per token count
@@ -25,6 +26,7 @@ measured copy bandwidth). Token counts the time budget leaves unmeasured get the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -78,10 +80,35 @@ def copy_bandwidth_GBps() -> float:
     return 2 * n / statistics.median(times) / 1e6
 
 
+def default_tiles(tokens: int, n: int, k: int) -> MoETileConfig:
+    """The built-in tiles on the one-slice path: the sweep tunes tiles, the small-M rule keeps deciding
+    split_k (entries are written without SPLIT_K; benchmarks/h200_moe_small_m.py times the split path)."""
+    return dataclasses.replace(default_moe_tile_config(tokens, E, n, k, TOP_K, torch.bfloat16), split_k=1)
+
+
+def graph_ms_per_layer(launch, layers: int, reps: int = 5) -> float:
+    """Capture launch(0) .. launch(layers - 1) in one CUDA graph (compile first); median replay ms / layers."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            launch(layer)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / layers)
+    return statistics.median(times)
+
+
 def candidates(tokens: int) -> list[MoETileConfig]:
     cfgs = {MoETileConfig(*c) for c in GRID} | {LEGACY}
     for n, k in GEMMS.values():
-        cfgs.add(default_moe_tile_config(tokens, E, n, k, TOP_K, torch.bfloat16))
+        cfgs.add(default_tiles(tokens, n, k))
     keep = [c for c in cfgs if (c.block_m < 32 or tokens >= 16) and (c.block_m < 64 or tokens >= 64)
             and (c.block_m > 16 or tokens <= 1024)]
     return sorted(keep, key=lambda c: (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages))
@@ -142,21 +169,7 @@ class Bench:
                     raise ValueError(f"output differs from the default config's by {err:.3g}")
                 self.checked.add(key)
             self.launch(gemm, cfg, inp, 0)  # compiles (once per config and GEMM) outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for layer in range(self.layers):
-                    self.launch(gemm, cfg, inp, layer)
-            graph.replay()
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / self.layers)
-            return statistics.median(times)
+            return graph_ms_per_layer(lambda layer: self.launch(gemm, cfg, inp, layer), self.layers)
         except Exception as e:  # noqa: BLE001 - any failing config is skipped, not fatal
             print(f"  skip {gemm} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             self.dead.add(key)
@@ -181,13 +194,13 @@ def main() -> None:
         if time.perf_counter() - start > args.budget_s:
             print(f"M={tokens}: not measured (time budget); default tiles")
             for g, (n, k) in GEMMS.items():
-                best[g][tokens] = default_moe_tile_config(tokens, E, n, k, TOP_K, torch.bfloat16)
+                best[g][tokens] = default_tiles(tokens, n, k)
             continue
         inp = bench.inputs(tokens)
         per_gemm: dict[str, dict[MoETileConfig, float]] = {}
         defaults = {}
         for g, (n, k) in GEMMS.items():
-            dflt = default_moe_tile_config(tokens, E, n, k, TOP_K, torch.bfloat16)
+            dflt = default_tiles(tokens, n, k)
             defaults[g] = dflt
             try:
                 ref = bench.output(g, dflt, inp)
@@ -233,7 +246,7 @@ def main() -> None:
     files = []
     for g, (n, k) in GEMMS.items():
         path = CONFIG_DIR / config_file_name(E, n, k, device)
-        write_tile_config_file(path, best[g])
+        write_tile_config_file(path, {m: dataclasses.replace(c, split_k=None) for m, c in best[g].items()})
         files.append(path)
         print(f"wrote {path}")
     if args.out is not None:

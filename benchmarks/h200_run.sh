@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install keel (no network), run the CUDA tests, then the H200 benchmarks.
-#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [moe-tiles] [tests] [llama] [dsv2-profile] [dsv2]
+#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [moe-tiles] [moe-small-m] [tests] [llama] [dsv2-profile] [dsv2]
 # Logs and results land in $OUT (each part has its own time limit so one slow part cannot eat the rest).
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -22,6 +22,8 @@ for part in $parts; do
            tail -4 "$OUT/tests.log";;
     moe-tiles) timeout 170 python3 benchmarks/h200_moe_tiles.py --out "$OUT" >"$OUT/moe-tiles.log" 2>&1
            tail -16 "$OUT/moe-tiles.log";;
+    moe-small-m) timeout 300 python3 benchmarks/h200_moe_small_m.py --out "$OUT/h200-moe-small-m.json" \
+             >"$OUT/moe-small-m.log" 2>&1; tail -32 "$OUT/moe-small-m.log";;
     llama) timeout 480 python3 benchmarks/h200_llama8b.py --out "$OUT/h200-llama8b.json" >"$OUT/llama.log" 2>&1
            tail -12 "$OUT/llama.log";;
     dsv2-profile) cp benchmarks/results/h200-dsv2lite.json "$OUT/" 2>/dev/null

@@ -12,26 +12,13 @@ from keel_kernels_triton.fused_moe.align import moe_align_block_size
 from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton, invoke_fused_moe_kernel
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
 from keel_kernels_triton.fused_moe.tile_config import MoETileConfig
-from triton_test_utils import bind_moe_ops
+from triton_test_utils import BF16_INTERPRETED_TOL, bind_moe_ops, random_moe
 
 from keel.layers.fused_moe import FusedMoE, RoutingConfig, fused_experts_torch
 
 pytestmark = pytest.mark.usefixtures("interpret")
 
 
-def _inputs(seed, tokens, hidden, inter, experts, top_k, dtype=torch.float32, used=None):
-    """Random weights and routing; only the experts in `used` (default: all) receive tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    w = torch.rand(tokens, top_k, generator=gen)
-    pool = torch.tensor(used if used is not None else range(experts))
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:top_k]] for _ in range(tokens)])
-    return x, w13, w2, w, ids
-
-
-BF16_INTERPRETED_TOL = 2e-2
 CONFIGS = [
     MoETileConfig(16, 32, 32, 4, 1),
     MoETileConfig(32, 64, 16, 4, 1),
@@ -42,7 +29,7 @@ CONFIGS = [
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}")
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (19, 3)])
 def test_explicit_tiles_match_torch(cfg, tokens, top_k):
-    x, w13, w2, w, ids = _inputs(tokens + cfg.block_m, tokens, 40, 24, 8, top_k, used=[1, 4, 5, 7])
+    x, w13, w2, w, ids = random_moe(tokens + cfg.block_m, tokens, 40, 24, 8, top_k, used=[1, 4, 5, 7])
     ref = fused_experts_torch(x, w13, w2, w, ids)
     out = fused_experts_triton(x, w13, w2, w, ids, tile_configs=(cfg, cfg))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -50,14 +37,14 @@ def test_explicit_tiles_match_torch(cfg, tokens, top_k):
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(7, 2, 8), (1, 1, 4), (19, 3, 6)])
 def test_triton_matches_torch_reference(tokens, top_k, experts):
-    x, w13, w2, w, ids = _inputs(tokens * 10 + top_k, tokens, 24, 20, experts, top_k)
+    x, w13, w2, w, ids = random_moe(tokens * 10 + top_k, tokens, 24, 20, experts, top_k)
     ref = fused_experts_torch(x, w13, w2, w, ids)
     out = fused_experts_triton(x, w13, w2, w, ids)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_triton_with_idle_experts_and_all_tokens_on_one_expert():
-    x, w13, w2, w, _ = _inputs(3, 18, 16, 12, 8, 2)
+    x, w13, w2, w, _ = random_moe(3, 18, 16, 12, 8, 2)
     ids = torch.tensor([[6, 2]] * 18)  # six experts receive nothing; 18 rows span two blocks each
     torch.testing.assert_close(
         fused_experts_triton(x, w13, w2, w, ids), fused_experts_torch(x, w13, w2, w, ids), atol=1e-5, rtol=1e-5
@@ -66,13 +53,13 @@ def test_triton_with_idle_experts_and_all_tokens_on_one_expert():
 
 
 def test_triton_bf16():
-    x, w13, w2, w, ids = _inputs(5, 9, 32, 16, 4, 2, dtype=torch.bfloat16)
+    x, w13, w2, w, ids = random_moe(5, 9, 32, 16, 4, 2, dtype=torch.bfloat16)
     ref = fused_experts_torch(x.float(), w13.float(), w2.float(), w, ids)
     torch.testing.assert_close(fused_experts_triton(x, w13, w2, w, ids).float(), ref, atol=5e-2, rtol=5e-2)
 
 
 def test_tile_pair_must_share_block_m():
-    x, w13, w2, w, ids = _inputs(0, 3, 16, 8, 4, 2)
+    x, w13, w2, w, ids = random_moe(0, 3, 16, 8, 4, 2)
     with pytest.raises(ValueError, match="one block_m"):
         fused_experts_triton(x, w13, w2, w, ids, tile_configs=(CONFIGS[0], CONFIGS[1]))
 
@@ -92,7 +79,7 @@ def _gemm_pair(gate_up, w2, ids, w, cfg, act_silu):
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"m{c.block_m}")
 def test_fused_silu_matches_torch_activation(dtype, cfg):
     tokens, top_k, inter = 13, 2, 24
-    _, _, w2, w, ids = _inputs(7, tokens, 32, inter, 6, top_k, dtype, used=[0, 2, 3])
+    _, _, w2, w, ids = random_moe(7, tokens, 32, inter, 6, top_k, dtype, used=[0, 2, 3])
     gen = torch.Generator().manual_seed(11)
     gate_up = (torch.randn(tokens * top_k, 2 * inter, generator=gen) * 3).to(dtype)  # silu's curved range
     fused = _gemm_pair(gate_up, w2, ids, w, cfg, act_silu=True)
@@ -108,7 +95,7 @@ def test_fused_silu_matches_torch_activation(dtype, cfg):
 
 
 def test_unfused_activation_keeps_torch_path():
-    x, w13, w2, w, ids = _inputs(3, 9, 24, 16, 6, 2, used=[1, 2, 5])
+    x, w13, w2, w, ids = random_moe(3, 9, 24, 16, 6, 2, used=[1, 2, 5])
     for act in ("gelu", "gelu_pytorch_tanh", "silu", "swish"):
         ref = fused_experts_torch(x, w13, w2, w, ids, act)
         torch.testing.assert_close(fused_experts_triton(x, w13, w2, w, ids, act), ref, atol=1e-5, rtol=1e-5)
@@ -154,7 +141,7 @@ def test_layer_residual_equals_separate_add(bound):
 
 
 def test_default_path_takes_tiles_from_lookup(monkeypatch):
-    x, w13, w2, w, ids = _inputs(5, 6, 24, 16, 8, 2)
+    x, w13, w2, w, ids = random_moe(5, 6, 24, 16, 8, 2)
     seen = {}
 
     def lookup(num_tokens, w13_shape, w2_shape, top_k, dtype, device, interpret):

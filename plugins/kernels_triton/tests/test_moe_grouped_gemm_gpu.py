@@ -1,7 +1,7 @@
 """The fused MoE GEMM and `moe_sum` compiled for real: lowered to sm_90 cubins without a GPU for every
-built-in tile config (checking they fit an H200's shared memory), and on a CUDA device run against torch
-in bf16 (the fused silu and the combine round exactly as the torch path does) and replayed from a CUDA
-graph with fresh inputs."""
+built-in tile config, the small-M (split-K) variants included (checking they fit an H200's shared memory),
+and on a CUDA device run against torch in bf16 (the fused silu and the combine round exactly as the torch
+path does) and replayed from a CUDA graph with fresh inputs."""
 
 from __future__ import annotations
 
@@ -34,31 +34,41 @@ COMPILE_SCRIPT = textwrap.dedent('''
         assert "cubin" in out.asm
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
-    names = ("A_ROW_DIV", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "BLOCK_M", "BLOCK_N",
-             "BLOCK_K")
+    names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K")
     for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        sig = {"a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "c_ptr": f"*{ty}", "topk_weights_ptr": "*fp32",
-               "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32",
-               "N": "i32", "K": "constexpr", "num_valid_tokens": "i32"}
-        sig.update({k: "i32" for k in ("stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
-                                       "stride_cm", "stride_cn")})
-        sig.update({k: "constexpr" for k in names})
         seen = set()
-        for tokens in (1, 64, 256, 4096):  # DeepSeek-V2-Lite: both GEMMs, every heuristic regime
+        for tokens in (1, 16, 64, 256, 4096):  # DeepSeek-V2-Lite: both GEMMs, every heuristic regime
             for n, k, w13 in ((2816, 2048, True), (2048, 1408, False)):
                 c = default_moe_tile_config(tokens, 64, n, k, 6, dtype)
-                if (c, w13) in seen:
+                # the w2 GEMM of a split call reads the w13 GEMM's float32 partials
+                a_splits = 1 if w13 else default_moe_tile_config(tokens, 64, 2816, 2048, 6, dtype).split_k
+                if (c, w13, a_splits) in seen:
                     continue
-                seen.add((c, w13))
-                consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, ACT_SILU=not w13, MUL_ROUTED_WEIGHT=not w13,
-                              DOT_PRECISION="ieee" if ty == "fp32" else "tf32", UPCAST_DOT=False,
+                seen.add((c, w13, a_splits))
+                c_ty = "fp32" if c.split_k > 1 else ty
+                sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}", "c_ptr": f"*{c_ty}",
+                       "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                       "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr", "num_valid_tokens": "i32"}
+                sig.update({s: "i32" for s in ("stride_am", "stride_ak", "stride_as", "stride_be", "stride_bn",
+                                               "stride_bk", "stride_cm", "stride_cn", "stride_cs")})
+                sig.update({name: "constexpr" for name in names})
+                per_split = -(-k // c.split_k)
+                k_slice = -(-per_split // c.block_k) * c.block_k  # as invoke_fused_moe_kernel
+                consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=not w13,
+                              MUL_ROUTED_WEIGHT=not w13, DOT_PRECISION="ieee" if ty == "fp32" else "tf32",
+                              UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
                               BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
                 compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
-        sum_sig = {"down_ptr": f"*{ty}", "out_ptr": f"*{ty}", "residual_ptr": f"*{ty}", "H": "i32",
-                   "stride_dt": "i32", "stride_dk": "i32", "stride_ot": "i32", "stride_rt": "i32",
-                   "TOP_K": "constexpr", "HAS_RESIDUAL": "constexpr", "BLOCK_H": "constexpr"}
-        for res in (False, True):
-            compile_(S._jitted_sum(False), sum_sig, {"TOP_K": 6, "HAS_RESIDUAL": res, "BLOCK_H": 512})
+        for splits in (1, 4):
+            d_ty = "fp32" if splits > 1 else ty
+            sum_sig = {"down_ptr": f"*{d_ty}", "out_ptr": f"*{ty}", "residual_ptr": f"*{ty}", "H": "i32",
+                       "stride_ds": "i32", "stride_dt": "i32", "stride_dk": "i32", "stride_ot": "i32",
+                       "stride_rt": "i32", "TOP_K": "constexpr", "SPLITS": "constexpr", "HAS_RESIDUAL": "constexpr",
+                       "BLOCK_H": "constexpr"}
+            for res in (False, True):
+                compile_(S._jitted_sum(False), sum_sig, {"TOP_K": 6, "SPLITS": splits, "HAS_RESIDUAL": res,
+                                                         "BLOCK_H": 512})
     print("compiled")
 ''')
 
@@ -82,8 +92,9 @@ def _inputs(tokens, hidden=256, inter=192, experts=64, top_k=6, seed=0, dtype=to
 
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-@pytest.mark.parametrize("cfg", [None, MoETileConfig(16, 32, 256, 4, 5), MoETileConfig(64, 128, 64, 8, 3)],
-                         ids=["default", "m16k256", "m64n128"])
+@pytest.mark.parametrize("cfg", [None, MoETileConfig(16, 32, 256, 4, 5), MoETileConfig(64, 128, 64, 8, 3),
+                                 MoETileConfig(16, 64, 64, 4, 4, split_k=3)],
+                         ids=["default", "m16k256", "m64n128", "small_m_split3"])
 def test_cuda_bf16_matches_torch(tokens, cfg):
     x, w13, w2, w, ids = _inputs(tokens, seed=tokens)
     ref = fused_experts_torch(x.float(), w13.float(), w2.float(), w, ids)
@@ -124,12 +135,14 @@ def test_cuda_fused_silu_and_sum_round_like_torch():
 
 
 @needs_cuda
-def test_cuda_graph_replay_with_fresh_routing():
+@pytest.mark.parametrize("split", [1, 4])
+def test_cuda_graph_replay_with_fresh_routing(split):
     x, w13, w2, w, ids = _inputs(4)
     res = torch.randn_like(x)
+    tiles = (MoETileConfig(16, 64, 64, 4, 4, split),) * 2
 
     def step():
-        return fused_experts_triton(x, w13, w2, w, ids, "silu", res)
+        return fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=tiles)
 
     graph, out = capture_cuda_graph(step)  # compiled outside the capture
     for seed in range(3):

@@ -55,23 +55,30 @@ def _fused_moe_kernel(
     num_valid_tokens,
     stride_am,
     stride_ak,
+    stride_as,  # between A's float32 partials (A_SPLITS > 1)
     stride_be,
     stride_bn,
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_cs,  # between C's float32 partials (SPLIT_K > 1)
     A_ROW_DIV: tl.constexpr,
+    A_SPLITS: tl.constexpr,  # A is the sum of this many float32 partials [A_SPLITS, rows, ...] (small-M path)
     ACT_SILU: tl.constexpr,  # A is gate_up [rows, 2 * K]; the GEMM reads silu(A[:, :K]) * A[:, K:]
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: program_id(2) takes one K slice and writes a float32 partial of C
+    K_SLICE: tl.constexpr,  # K per slice, a multiple of BLOCK_K (K itself when SPLIT_K == 1)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight)
+    # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight), or with
+    # SPLIT_K > 1 the same over the K slice of program_id(2), into that slice's float32 partial.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
     if pid_m * BLOCK_M >= num_tokens_post_padded:
         return
@@ -80,24 +87,38 @@ def _fused_moe_kernel(
     token_mask = offs_token < num_valid_tokens
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_s * K_SLICE
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = tl.where(token_mask, offs_token // A_ROW_DIV, 0).to(tl.int64)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
     # Only core builtins (tl.full, not tl.zeros / tl.cdiv): the jitted helpers of triton.language.standard
     # are bound to the mode (compiled or interpreted) triton was first imported in, which may not be ours.
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for k in range((K + BLOCK_K - 1) // BLOCK_K):
-        k_left = K - k * BLOCK_K
+    for k in range((K_SLICE + BLOCK_K - 1) // BLOCK_K):
+        k_left = K - k_start - k * BLOCK_K  # <= 0 past K: the tile is all masked
         a_mask = token_mask[:, None] & (offs_k[None, :] < k_left)
-        if ACT_SILU:
-            # Rounded twice to A's dtype, as torch's F.silu(gate) * up rounds each op's result.
-            gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-            up = tl.load(a_ptrs + K * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(a_ptr.dtype.element_ty).to(tl.float32)
-            a = (act * up).to(a_ptr.dtype.element_ty)
+        if A_SPLITS > 1:
+            # float32 partials of the previous GEMM, summed in a fixed order and rounded once to the
+            # activation dtype, as the one-slice path stores them
+            gate = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
+            up = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
+            for s in tl.static_range(A_SPLITS):
+                gate += tl.load(a_ptrs + s * stride_as, mask=a_mask, other=0.0)
+                if ACT_SILU:
+                    up += tl.load(a_ptrs + s * stride_as + K * stride_ak, mask=a_mask, other=0.0)
+            gate = gate.to(b_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(b_ptr.dtype.element_ty).to(tl.float32)
         else:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            if ACT_SILU:
+                up = tl.load(a_ptrs + K * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+        if ACT_SILU:
+            # Rounded twice to B's (the activation) dtype, as torch's F.silu(gate) * up rounds each result.
+            act = (gate / (1.0 + tl.exp(-gate))).to(b_ptr.dtype.element_ty).to(tl.float32)
+            a = (act * up).to(b_ptr.dtype.element_ty)
+        else:
+            a = gate.to(b_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
             a = a.to(tl.float32)
@@ -109,23 +130,33 @@ def _fused_moe_kernel(
         w = tl.load(topk_weights_ptr + tl.where(token_mask, offs_token, 0), mask=token_mask, other=0.0)
         acc = acc * w[:, None]
     c_rows = tl.where(token_mask, offs_token, 0).to(tl.int64)
-    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + pid_s * stride_cs + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_n[None, :] < N))
 
 
 @functools.cache
 def _jitted(interpret: bool) -> Any:
     del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
-    # num_valid_tokens (tokens x top-k) only bounds a mask: not specializing on its divisibility by 16
-    # keeps one compiled variant per tile config, so the startup warm-up's power-of-two token counts
-    # cover every count a step can have (an H200 run compiled two more variants in its first batch).
-    return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens"])
+    # num_valid_tokens (tokens x top-k) only bounds a mask, and the partials' strides grow with it: not
+    # specializing on their divisibility by 16 keeps one compiled variant per tile config, so the startup
+    # warm-up's power-of-two token counts cover every count a step can have (an H200 run compiled two
+    # more variants in its first batch).
+    return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens", "stride_as", "stride_cs"])
+
+
+def live_block_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks of block_m sorted rows that hold any pair: sum_e ceil(c_e / block_m) over the
+    n <= min(E, pairs) experts with c_e > 0 pairs is at most (pairs - n) // block_m + n, which grows
+    with n. At decode sizes this is far below the padded buffer's block count (1 token, top-6 of 64
+    experts: 6 of 61), and the programs past it would only exit."""
+    n = min(num_experts, num_pairs)
+    return (num_pairs - n) // block_m + n
 
 
 def invoke_fused_moe_kernel(
-    a: torch.Tensor,  # [rows_a, K], or [rows_a, 2 * K] gate_up with act_silu
+    a: torch.Tensor,  # [rows_a, K] or gate_up [rows_a, 2 * K] (act_silu); or [a_splits, ...] of those, float32
     b: torch.Tensor,  # [E, N, K]
-    c: torch.Tensor,  # [num_tokens * top_k, N], written
+    c: torch.Tensor,  # [num_tokens * top_k, N], written; [split_k, num_tokens * top_k, N] float32 when split
     topk_weights: torch.Tensor | None,  # [num_tokens * top_k] float32
     sorted_ids: torch.Tensor,  # [max_padded] int32, padded to config.block_m
     expert_ids: torch.Tensor,  # [max_padded // config.block_m] int32
@@ -134,22 +165,42 @@ def invoke_fused_moe_kernel(
     config: MoETileConfig,
     act_silu: bool = False,
 ) -> None:
+    """One grouped GEMM launch. `config.split_k` > 1 takes the small-M path: program_id(2) splits K and each
+    slice writes its float32 partial of `c` ([split_k, rows, N]); a 3-D float32 `a` holds the previous
+    GEMM's partials, summed in the A load."""
     interpret = interpreter_enabled()
     kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
+    split = config.split_k or 1
     if expert_ids.numel() * config.block_m != sorted_ids.numel():
         raise ValueError(f"sorted ids were padded for another block_m than the tile config's {config.block_m}")
-    grid = (expert_ids.numel(), -(-n // config.block_n))
+    a_splits = a.shape[0] if a.dim() == 3 else 1
+    if (a.dim() == 3 and a.dtype != torch.float32) or (split > 1 and (c.dim() != 3 or c.shape[0] != split
+                                                                      or c.dtype != torch.float32)):
+        raise ValueError(f"split GEMMs read and write float32 partials [splits, rows, N]; got a {tuple(a.shape)} "
+                         f"{a.dtype}, c {tuple(c.shape)} {c.dtype} for split_k={split}")
+    a2 = a[0] if a.dim() == 3 else a
+    c2 = c[0] if c.dim() == 3 else c
+    rows = c2.shape[0]
+    grid_m = min(expert_ids.numel(), live_block_bound(rows, b.shape[0], config.block_m))
+    per_split = -(-k // split)
+    k_slice = -(-per_split // config.block_k) * config.block_k  # whole BLOCK_K tiles per slice
+    grid = (grid_m, -(-n // config.block_n), split)
     kernel[grid](
-        a, b, c, topk_weights if topk_weights is not None else c, sorted_ids, expert_ids, total,
-        n, k, c.shape[0],
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a, b, c, topk_weights if topk_weights is not None else c2, sorted_ids, expert_ids, total,
+        n, k, rows,
+        a2.stride(0), a2.stride(1), a.stride(0) if a.dim() == 3 else 0,
+        b.stride(0), b.stride(1), b.stride(2),
+        c2.stride(0), c2.stride(1), c.stride(0) if c.dim() == 3 else 0,
         A_ROW_DIV=a_row_div,
+        A_SPLITS=a_splits,
         ACT_SILU=act_silu,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         # float32 must not silently drop to TF32 on GPUs: fidelity tests compare at 1e-4.
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=interpret and a.dtype != torch.float32,
+        DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=interpret and b.dtype != torch.float32,
+        SPLIT_K=split,
+        K_SLICE=k_slice if split > 1 else k,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -182,11 +233,20 @@ def fused_experts_triton(
         raise ValueError(f"both GEMMs of one MoE call need one block_m, got {c13.block_m} and {c2.block_m}")
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
-    gate_up = torch.empty(rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
+    gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2 * I] or [split, rows, 2 * I] float32
     invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
     fuse = activation.lower() in FUSED_ACTIVATIONS
-    inter = gate_up if fuse else get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
-    down = torch.empty(rows, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    if not fuse:
+        if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
+            gate_up = gate_up.sum(0).to(hidden.dtype)
+        gate_up = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
+    down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    invoke_fused_moe_kernel(inter, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
-    return moe_sum(down.view(num_tokens, top_k, -1), residual=residual)
+    invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
+    return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
+
+
+def _gemm_output(config: MoETileConfig, rows: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    if (config.split_k or 1) > 1:  # small-M path: one float32 partial per K slice, summed by the consumer
+        return torch.empty(config.split_k, rows, n, dtype=torch.float32, device=like.device)
+    return torch.empty(rows, n, dtype=like.dtype, device=like.device)

@@ -15,6 +15,12 @@ KEEL_MOE_TILE_CONFIG_DIR is searched before the package's own `configs/` (which
 `benchmarks/h200_moe_tiles.py` writes). Files describe 16-bit activations; float32 and interpreted runs
 always use the built-in tiles. The choice depends on the token count only, never on the routing, so a
 step captured in a CUDA graph replays with the launch shapes it was captured with.
+
+The path is part of the config: `split_k` (JSON "SPLIT_K") > 1 selects the small-M path of the grouped
+GEMM (grouped_gemm.py: K split over programs, float32 partials summed by the consumer). An entry without
+"SPLIT_K" leaves it to the small-M rule (`default_split_k`: steps of at most SMALL_M_MAX_TOKENS tokens
+split K; larger ones do not), so files tuned before the path existed get it at decode sizes, and a file
+can switch it off per token count with "SPLIT_K": 1.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_DIR_ENV = "KEEL_MOE_TILE_CONFIG_DIR"
 _JSON_KEYS = {"block_m": "BLOCK_SIZE_M", "block_n": "BLOCK_SIZE_N", "block_k": "BLOCK_SIZE_K",
               "num_warps": "num_warps", "num_stages": "num_stages"}
+_SPLIT_KEY = "SPLIT_K"  # optional: absent means the small-M rule decides
+# Steps of at most this many tokens take the small-M (split-K) path unless a tuned entry says otherwise:
+# at top-6 of 64 experts a 16-token step still leaves most experts with one or two rows.
+SMALL_M_MAX_TOKENS = 16
 
 
 class MoETileConfigError(ValueError):
@@ -43,13 +53,15 @@ class MoETileConfigError(ValueError):
 @dataclass(frozen=True)
 class MoETileConfig:
     """Launch parameters of one `_fused_moe_kernel` launch. `block_m` is also the padding unit of
-    `moe_align_block_size`, so both GEMMs of one MoE call share it."""
+    `moe_align_block_size`, so both GEMMs of one MoE call share it. `split_k` > 1: the small-M path with
+    that many K slices; None (read from a file entry without "SPLIT_K"): resolved by the lookup."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int | None = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -60,16 +72,24 @@ class MoETileConfig:
             raise MoETileConfigError(f"tl.dot needs tiles of at least 16, got {self}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise MoETileConfigError(f"num_stages must be a positive int, got {self.num_stages!r}")
+        if self.split_k is not None and (not isinstance(self.split_k, int) or not 1 <= self.split_k <= 64):
+            raise MoETileConfigError(f"split_k must be an int in 1..64, got {self.split_k!r}")
 
     def to_json(self) -> dict[str, int]:
-        return {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
+        body = {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
+        if self.split_k is not None:
+            body[_SPLIT_KEY] = self.split_k
+        return body
 
     @classmethod
     def from_json(cls, entry: dict) -> MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()})
+        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - {_SPLIT_KEY})
+        if unknown:
+            raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
+        return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
@@ -114,22 +134,35 @@ def pick_for_tokens(configs: dict[int, MoETileConfig], num_tokens: int) -> MoETi
     return configs[min(above) if above else max(configs)]
 
 
+def default_split_k(num_tokens: int, k: int, dtype: torch.dtype, interpret: bool = False) -> int:
+    """The small-M rule: K slices for a step of `num_tokens` tokens over a reduction of size `k`.
+
+    At decode sizes only the few routed experts' weights are read, by (live blocks x N tiles) programs --
+    a couple of waves on an H200's 132 SMs, with a long serial K loop each. Splitting K multiplies the
+    programs (more loads in flight, shorter tails) for a float32 partial per slice, which is tiny next to
+    the weights. Interpreted and float32 runs keep one slice (tests pick the path explicitly)."""
+    if interpret or dtype.itemsize > 2 or num_tokens > SMALL_M_MAX_TOKENS:
+        return 1
+    return 4 if k >= 1024 else 2 if k >= 512 else 1
+
+
 def default_moe_tile_config(
     num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, interpret: bool = False
 ) -> MoETileConfig:
     """Built-in tiles. Interpreted: small tiles (every program runs in Python). Compiled: at decode sizes
     (few rows per expert) the GEMM streams expert weights, so short M tiles, deep K tiles and several
-    stages keep many loads in flight; larger steps grow M and N tiles to reuse each weight tile."""
-    del k  # part of the signature so tuned and default lookups take the same arguments
+    stages keep many loads in flight (and K splits, `default_split_k`); larger steps grow M and N tiles to
+    reuse each weight tile."""
+    split = default_split_k(num_tokens, k, dtype, interpret)
     if interpret:
         return MoETileConfig(16, 64 if n >= 64 else 32, 32, 4, 1)
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     wide = dtype.itemsize <= 2  # float32 tiles take twice the shared memory
     if rows_per_expert <= 16:
-        return MoETileConfig(16, 64, 128 if wide else 64, 4, 4 if wide else 3)
+        return MoETileConfig(16, 64, 128 if wide else 64, 4, 4 if wide else 3, split)
     if rows_per_expert <= 64:
-        return MoETileConfig(32, 64, 128 if wide else 64, 4, 3)
-    return MoETileConfig(64, 128 if wide else 64, 64, 8, 3 if wide else 2)
+        return MoETileConfig(32, 64, 128 if wide else 64, 4, 3, split)
+    return MoETileConfig(64, 128 if wide else 64, 64, 8, 3 if wide else 2, split)
 
 
 def _device_name(device: torch.device) -> str | None:
@@ -165,7 +198,10 @@ def _lookup(
     if name is not None:
         tuned = _tuned(num_experts, n, k, name, tuple(_search_dirs()))
         if tuned:
-            return pick_for_tokens(tuned, num_tokens)
+            cfg = pick_for_tokens(tuned, num_tokens)
+            if cfg.split_k is None:
+                cfg = dataclasses.replace(cfg, split_k=default_split_k(num_tokens, k, dtype, interpret))
+            return cfg
     return default_moe_tile_config(num_tokens, num_experts, n, k, top_k, dtype, interpret)
 
 
