@@ -17,7 +17,7 @@ from keel.config import EngineArgs
 from keel.engine.async_llm import AsyncLLM
 from keel.io import RequestLimits
 
-BUDGET_S = 4.0
+BUDGET_S = 8.0  # long against the others' time: the render shares the GIL with them, so they run slower
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
@@ -57,4 +57,4 @@ def test_a_template_at_its_budget_does_not_hold_up_other_clients(url):
     assert slow["r"].status_code == 400 and "time budget" in slow["r"].json()["error"]["message"]
     assert BUDGET_S - 0.5 < slow["s"] < BUDGET_S + 3
     # Before, all of them waited behind the template on the one tokenizer thread (budget - 0.5 s at least).
-    assert others < BUDGET_S - 1.5, others
+    assert others < BUDGET_S / 2, others
