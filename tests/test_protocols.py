@@ -18,8 +18,9 @@ from keel.quantization import (
     LinearLayerSpec,
     QuantizationError,
     QuantizationMethod,
+    QuantizationRequest,
     UnquantizedLinearMethod,
-    get_quantization_config,
+    resolve_quantization,
 )
 
 
@@ -55,17 +56,38 @@ def test_quantization_config_lookup(fake_plugins):
             @classmethod
             def from_config(cls, config):
                 return cls(config)
+
+            @classmethod
+            def from_online(cls):
+                return cls({"online": True})
+
+            def validate(self, request):
+                return [] if request.device_type == "cpu" else ["needs the CPU"]
+
+        class GPTQConfig(Fp8Config):
+            name = "gptq"
+            from_online = None
     """
-    fake_plugins("quant-fake", provides={"quantization": {"fp8": "PKG.q:Fp8Config"}}, files={"q.py": quant})
+    fake_plugins("quant-fake", provides={"quantization": {"fp8": "PKG.q:Fp8Config", "gptq": "PKG.q:GPTQConfig"}},
+                 files={"q.py": quant})
     plugins = load_plugins(["quant-fake"])
 
     from types import SimpleNamespace
 
+    cpu = QuantizationRequest("cpu", "cpu", torch.float32)
     cfg = SimpleNamespace(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert get_quantization_config(cfg, plugins).raw["weight_block_size"] == [128, 128]
-    assert get_quantization_config(object(), plugins) is None
+    got = resolve_quantization(cfg, None, plugins, cpu, {"qkv_proj": ["q_proj"]})
+    assert got.raw["weight_block_size"] == [128, 128] and got.packed_modules_mapping == {"qkv_proj": ["q_proj"]}
+    assert resolve_quantization(object(), None, plugins, cpu) is None
+    assert resolve_quantization(object(), "fp8", plugins, cpu).raw == {"online": True}
     with pytest.raises(QuantizationError, match="did you mean 'fp8'"):
-        get_quantization_config(SimpleNamespace(quantization_config={"quant_method": "fp9"}), plugins)
+        resolve_quantization(SimpleNamespace(quantization_config={"quant_method": "fp9"}), None, plugins, cpu)
+    with pytest.raises(QuantizationError, match="requested but the checkpoint is quantized with 'fp8'"):
+        resolve_quantization(cfg, "gptq", plugins, cpu)
+    with pytest.raises(QuantizationError, match="'gptq' needs a checkpoint quantized with it"):
+        resolve_quantization(object(), "gptq", plugins, cpu)
+    with pytest.raises(QuantizationError, match="'fp8' cannot run on platform 'x'.*needs the CPU"):
+        resolve_quantization(cfg, None, plugins, QuantizationRequest("x", "xpu", torch.float32))
 
 
 def test_connector_both_sides_are_structural():

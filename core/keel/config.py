@@ -35,6 +35,7 @@ class ConfigError(ValueError):
 
 
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto",)
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                "bfloat16": "bfloat16"}
 
@@ -61,8 +62,13 @@ class ModelConfig:
     # "auto": the model folder's generation_config.json (default sampling settings, extra EOS ids);
     # "vllm" / "none": ignore it; or a folder holding a generation_config.json (vLLM's flag)
     generation_config: str = "auto"
+    # A `quantization` registry key. None: the checkpoint's `quantization_config` decides (unquantized
+    # without one); set on an unquantized checkpoint it asks for online quantization (e.g. "fp8").
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ConfigError(f"model.quantization must be a quantization method name, got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"model.load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.model, str) or not self.model:
@@ -147,8 +153,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV cache budget; else from memory profiling
     num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype (the only one served so far)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"cache.kv_cache_dtype {self.kv_cache_dtype!r} is not supported: keel stores the KV cache in "
+                f"the model dtype only ({', '.join(KV_CACHE_DTYPES)}); fp8 KV caches are not implemented yet"
+            )
         _positive("cache", "block_size", self.block_size)
         _positive("cache", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("cache", "num_kv_blocks", self.num_kv_blocks, allow_none=True)

@@ -30,10 +30,11 @@ from keel.config import (
 
 _SECTION_OF = {
     **dict.fromkeys(("model", "tokenizer", "dtype", "seed", "max_model_len", "skip_tokenizer_init",
-                     "trust_remote_code", "revision", "served_model_name", "load_format", "generation_config"),
+                     "trust_remote_code", "revision", "served_model_name", "load_format", "generation_config",
+                     "quantization"),
                     "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
-                     "gpu_memory_utilization"), "cache"),
+                     "gpu_memory_utilization", "kv_cache_dtype"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
                     "scheduler"),
     **dict.fromkeys(("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
@@ -94,6 +95,8 @@ class EngineArgs:
     served_model_name: str | None = None
     load_format: str | None = None  # "auto" or "dummy" (random weights, no checkpoint needed)
     generation_config: str | None = None  # "auto" (the model's generation_config.json), "vllm", or a folder
+    quantization: str | None = None  # a quantization method ("fp8", "gptq", ...); default: the checkpoint's
+    kv_cache_dtype: str | None = None  # "auto" (the model dtype)
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod
@@ -229,6 +232,13 @@ def _finish(config: EngineConfig) -> EngineConfig:
         config = config.with_patch(patch)
     executor_cls = plugin_set.registry("executor").get(config.parallel.executor_backend)  # unknown: lists them
     executor_cls.validate_config(config, platform)
+    quantization = config.model.quantization if config.model is not None else None
+    if quantization is not None and quantization not in plugin_set.registry("quantization"):
+        from keel.plugins.errors import UnknownKeyError
+        from keel.quantization import QuantizationError
+
+        known = UnknownKeyError("quantization", quantization, plugin_set.registry("quantization"))
+        raise QuantizationError(f"quantization={quantization!r}: {known}")
     backend = config.device.attention_backend
     if backend != "auto":
         plugin_set.registry("attention_backend").ref(backend)  # unknown key: error listing the known

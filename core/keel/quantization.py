@@ -1,10 +1,15 @@
 """Quantization: a config read from the checkpoint, and a per-layer method that owns the weights.
 
 A `QuantizationConfig` class is registered under the `quantization` kind with the key a checkpoint's
-`quantization_config["quant_method"]` carries ("fp8", "awq", ...). Lifecycle:
-1. `get_quantization_config(hf_config, plugins)` (model loader, startup) -> `cls.from_config(dict)`.
+`quantization_config["quant_method"]` carries ("fp8", "gptq", ...). Lifecycle:
+1. `resolve_quantization(model_config, plugins, request)` (config creation and the worker, at startup)
+   -> `cls.from_config(dict)` for a quantized checkpoint, or `cls.from_online()` when the user asks for
+   a method on an unquantized one; then `config.validate(request)` (platform, dtype) must return no
+   reasons. Every failure is a `QuantizationError` naming the method and the reason: never a silent
+   fallback to unquantized weights.
 2. `config.get_quant_method(layer)` once per linear layer while the model is built; None means the
-   layer stays unquantized (`UnquantizedLinearMethod`).
+   layer stays unquantized (the plain dense weight). A layer the method cannot serve raises
+   `QuantizationError` naming it.
 3. `method.create_weights(module, layer)` registers the parameters (each with a `weight_loader`).
 4. Weight loading fills them; then `method.process_weights_after_loading(module)` once.
 5. `method.apply(module, x, bias)` every forward.
@@ -35,6 +40,16 @@ class LinearLayerSpec:
     bias: bool = False
 
 
+@dataclass(frozen=True)
+class QuantizationRequest:
+    """Where a quantization method is asked to run. Frozen: fields are only ever added."""
+
+    platform: str  # the platform's registry key
+    device_type: str  # torch device type
+    dtype: Any  # the model (activation) dtype, a torch.dtype
+    supports_fp8: bool = False  # the platform computes in fp8 natively (else emulated or dequantized)
+
+
 @runtime_checkable
 class QuantizationMethod(Protocol):
     """Per-layer: creates, post-processes and applies the (quantized) weights."""
@@ -58,18 +73,26 @@ class QuantizationMethod(Protocol):
 
 
 class QuantizationConfig(Protocol):
-    """Registered class (not instance) under the `quantization` kind."""
+    """Registered class (not instance) under the `quantization` kind.
+
+    Optional members: `from_online()` (classmethod) for methods that quantize an unquantized checkpoint
+    at load; a method's `dequantize_weight(module) -> [out, in]` for layers that read their weight
+    directly (MLA absorbs kv_b_proj; see `dense_weight`).
+    """
 
     name: ClassVar[str]
+    # Fused parameter -> the checkpoint modules it packs (the model's `packed_modules_mapping`), set by
+    # `resolve_quantization`, so per-module settings (ignore lists) map onto fused layers.
+    packed_modules_mapping: dict[str, list[str]]
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
-        """Called once at startup with the checkpoint's `quantization_config`; raises ValueError
-        naming the field for a setting it does not support."""
+        """Called once at startup with the checkpoint's `quantization_config`; raises QuantizationError
+        naming the field for a setting it does not support (an unknown field included)."""
         ...
 
-    def supported_dtypes(self) -> tuple[Any, ...]:
-        """Activation dtypes it works with; checked against the model dtype at startup."""
+    def validate(self, request: QuantizationRequest) -> list[str]:
+        """Called once at startup: why this method cannot run there (empty when it can)."""
         ...
 
     def get_quant_method(self, layer: LinearLayerSpec) -> QuantizationMethod | None:
@@ -102,22 +125,101 @@ class UnquantizedLinearMethod:
 
 
 class QuantizationError(ValueError):
-    """The checkpoint asks for a quantization no loaded plugin provides, or a malformed config."""
+    """A quantization no loaded plugin provides, a malformed config, or one that cannot run here."""
 
 
-def get_quantization_config(hf_config: Any, plugins: PluginSet) -> QuantizationConfig | None:
-    """The checkpoint's quantization config object, or None for an unquantized checkpoint."""
+def dense_weight(module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
+    """A linear layer's weight as a dense tensor: its own, or its quantization method's dequantized one.
+
+    Called after loading by layers that consume the weight matrix itself instead of the forward.
+    """
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return module.weight
+    dequantize = getattr(method, "dequantize_weight", None)
+    if dequantize is None:
+        raise QuantizationError(
+            f"{getattr(module, 'prefix', type(module).__name__)}: quantization method "
+            f"{type(method).__name__} cannot dequantize its weight, which this layer reads directly"
+        )
+    return dequantize(module)
+
+
+def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's `quantization_config` as a dict, or None."""
     raw = getattr(hf_config, "quantization_config", None)
     if raw is None:
         return None
-    raw = dict(raw) if not isinstance(raw, dict) else raw
-    method = raw.get("quant_method")
-    if not isinstance(method, str) or not method:
-        raise QuantizationError(f"quantization_config has no 'quant_method' string: {raw!r}")
+    if not isinstance(raw, dict):
+        raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw)
+    return raw
+
+
+def resolve_quantization(
+    hf_config: Any, requested: str | None, plugins: PluginSet, request: QuantizationRequest,
+    packed_modules_mapping: dict[str, list[str]] | None = None,
+) -> QuantizationConfig | None:
+    """The quantization config to build the model with, or None for an unquantized model.
+
+    `requested` is the `quantization` engine argument. With a quantized checkpoint it must be None or
+    the checkpoint's method; on an unquantized checkpoint it asks for online quantization.
+    """
+    raw = checkpoint_quantization(hf_config)
+    method = None
+    if raw is not None:
+        method = raw.get("quant_method")
+        if not isinstance(method, str) or not method:
+            raise QuantizationError(f"quantization_config has no 'quant_method' string: {raw!r}")
+        if requested is not None and requested != method:
+            raise QuantizationError(
+                f"quantization={requested!r} was requested but the checkpoint is quantized with {method!r}; "
+                f"leave quantization unset or pass {method!r}"
+            )
+    elif requested is not None:
+        method = requested
+    if method is None:
+        return None
     registry = plugins.registry("quantization")
     if method not in registry:
         from keel.plugins.errors import UnknownKeyError
 
         known = UnknownKeyError("quantization", method, registry)
-        raise QuantizationError(f"checkpoint is quantized with {method!r}: {known}")
-    return registry.get(method).from_config(raw)
+        where = "the checkpoint is quantized with" if raw is not None else "quantization="
+        raise QuantizationError(f"{where} {method!r}, which no loaded plugin provides: {known}")
+    cls = registry.get(method)
+    if raw is not None:
+        config = cls.from_config(raw)
+    else:
+        online = getattr(cls, "from_online", None)
+        if online is None:
+            raise QuantizationError(
+                f"quantization {method!r} needs a checkpoint quantized with it (config.json "
+                "quantization_config); this checkpoint is not quantized and the method cannot quantize online"
+            )
+        config = online()
+    reasons = config.validate(request)
+    if reasons:
+        raise QuantizationError(
+            f"quantization {method!r} cannot run on platform {request.platform!r} "
+            f"({request.device_type}, {request.dtype}): " + "; ".join(reasons)
+        )
+    config.packed_modules_mapping = dict(packed_modules_mapping or {})
+    return config
+
+
+def quantization_for_model(config: Any, model_cls: type, platform: Any, dtype: Any) -> QuantizationConfig | None:
+    """The worker's call at model build: `resolve_quantization` for this engine config and model class,
+    which must declare the `quantization` capability (`packed_modules_mapping`) when quantized."""
+    from keel.models.capabilities import supports
+
+    mc = config.model
+    request = QuantizationRequest(platform=platform.name, device_type=platform.device_type, dtype=dtype,
+                                  supports_fp8=bool(getattr(platform, "supports_fp8", False)))
+    mapping = getattr(model_cls, "packed_modules_mapping", None)
+    quant = resolve_quantization(mc.hf_config, mc.quantization, config.plugin_set(), request, mapping)
+    if quant is not None and not supports(model_cls, "quantization"):
+        raise QuantizationError(
+            f"{model_cls.__name__} does not support quantization (it declares no packed_modules_mapping); "
+            f"cannot serve it with {quant.name!r}"
+        )
+    return quant

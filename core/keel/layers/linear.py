@@ -14,6 +14,7 @@ that method then creates the weights (each with its own `weight_loader`) and com
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,22 @@ def _copy_rank_rows(dst: torch.Tensor, loaded_weight: torch.Tensor, full_rows: i
     src = loaded_weight.narrow(0, rank_index * size, size)
     check_shape(dst, src, what)
     dst.copy_(src)
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Where one checkpoint tensor's slice lives along one dimension (rows for outputs, columns for inputs).
+
+    This rank holds `size` elements at `offset` of its own (stacked) parameter; they are slice number
+    `rank_index` (of `size` elements each) of the checkpoint tensor's `full_size`. `index` is the shard's
+    position in stacking order. Quantization methods scale these by their block or packing factors.
+    """
+
+    offset: int
+    size: int
+    full_size: int
+    rank_index: int
+    index: int = 0
 
 
 def _quant_method(quant_config: Any, spec: LinearLayerSpec) -> QuantizationMethod | None:
@@ -110,6 +127,11 @@ class LinearBase(nn.Module):
         return (self.output_size_per_partition,)
 
     @property
+    def shard_ids(self) -> tuple[Any, ...] | None:
+        """The checkpoint shard ids of a stacked layer, in stacking order; None when not stacked."""
+        return None
+
+    @property
     def output_size_per_partition(self) -> int:
         return self.output_size
 
@@ -117,9 +139,18 @@ class LinearBase(nn.Module):
     def input_size_per_partition(self) -> int:
         return self.input_size
 
-    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> ShardSlice:
+        """Where checkpoint shard `shard_id` (None: not stacked) goes along the output dimension."""
         if shard_id is not None:
             raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        return ShardSlice(0, self.output_size_per_partition, self.output_size, 0)
+
+    def input_shard(self) -> ShardSlice:
+        """This rank's slice of the input dimension."""
+        return ShardSlice(0, self.input_size_per_partition, self.input_size, 0)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        self.output_shard(shard_id)  # validates the shard id
         check_shape(param, loaded_weight)
         param.data.copy_(loaded_weight)
 
@@ -148,10 +179,15 @@ class ColumnParallelLinear(LinearBase):
     def output_size_per_partition(self) -> int:
         return shard_size(self.output_size, self.tp_size, f"{type(self).__name__} output size")
 
-    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> ShardSlice:
         if shard_id is not None:
             raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
-        _copy_rank_rows(param.data, loaded_weight, param.shape[0] * self.tp_size, self.tp_rank)
+        return ShardSlice(0, self.output_size_per_partition, self.output_size, self.tp_rank)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        s = self.output_shard(shard_id)
+        what = "" if shard_id is None else f"shard {shard_id}"
+        _copy_rank_rows(param.data.narrow(0, s.offset, s.size), loaded_weight, s.full_size, s.rank_index, what)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -182,25 +218,29 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             prefix=prefix,
         )
         for p in self._own_params():
-            set_weight_attrs(p, shard_ids=tuple(range(len(self.output_sizes))))
+            set_weight_attrs(p, shard_ids=self.shard_ids)
 
     @property
     def output_partition_sizes(self) -> tuple[int, ...]:
         return tuple(shard_size(s, self.tp_size, f"output {i}") for i, s in enumerate(self.output_sizes))
 
+    @property
+    def shard_ids(self) -> tuple[Any, ...] | None:
+        return tuple(range(len(self.output_sizes)))
+
     def shard_offset_size(self, shard_id: int) -> tuple[int, int]:
         """(offset, size) of logical output `shard_id` inside this rank's stacked output."""
-        sizes = [shard_size(s, self.tp_size, f"output {i}") for i, s in enumerate(self.output_sizes)]
-        return sum(sizes[:shard_id]), sizes[shard_id]
+        s = self.output_shard(shard_id)
+        return s.offset, s.size
 
-    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> ShardSlice:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise WeightLoadError(
                 f"{type(self).__name__} needs shard id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
             )
-        offset, size = self.shard_offset_size(shard_id)
-        _copy_rank_rows(param.data.narrow(0, offset, size), loaded_weight, self.output_sizes[shard_id],
-                        self.tp_rank, f"shard {shard_id}")
+        sizes = self.output_partition_sizes
+        return ShardSlice(sum(sizes[:shard_id]), sizes[shard_id], self.output_sizes[shard_id], self.tp_rank,
+                          shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -245,27 +285,28 @@ class QKVParallelLinear(ColumnParallelLinear):
             hidden_size, output_size, bias, tp_size, tp_rank, quant_config=quant_config, prefix=prefix
         )
         for p in self._own_params():
-            set_weight_attrs(p, shard_ids=("q", "k", "v"))
+            set_weight_attrs(p, shard_ids=self.shard_ids)
 
     @property
     def output_partition_sizes(self) -> tuple[int, ...]:
         return (self.q_size, self.kv_size, self.kv_size)
 
     @property
+    def shard_ids(self) -> tuple[Any, ...] | None:
+        return ("q", "k", "v")
+
+    @property
     def output_size_per_partition(self) -> int:
         return self.q_size + 2 * self.kv_size
 
-    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> ShardSlice:
         if shard_id == "q":
-            offset, size, rank_index, full = 0, self.q_size, self.tp_rank, self.total_num_heads
-        elif shard_id in ("k", "v"):
+            return ShardSlice(0, self.q_size, self.total_num_heads * self.head_size, self.tp_rank, 0)
+        if shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size, full = self.kv_size, self.total_num_kv_heads
-            rank_index = self.tp_rank // self.num_kv_head_replicas
-        else:
-            raise WeightLoadError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}")
-        _copy_rank_rows(param.data.narrow(0, offset, size), loaded_weight, full * self.head_size, rank_index,
-                        f"shard {shard_id}")
+            return ShardSlice(offset, self.kv_size, self.total_num_kv_heads * self.head_size,
+                              self.tp_rank // self.num_kv_head_replicas, 1 if shard_id == "k" else 2)
+        raise WeightLoadError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}")
 
     def split_qkv(
         self,
@@ -301,9 +342,11 @@ class RowParallelLinear(LinearBase):
     def input_size_per_partition(self) -> int:
         return shard_size(self.input_size, self.tp_size, f"{type(self).__name__} input size")
 
+    def input_shard(self) -> ShardSlice:
+        return ShardSlice(0, self.input_size_per_partition, self.input_size, self.tp_rank)
+
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            raise WeightLoadError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        self.output_shard(shard_id)  # validates the shard id
         if param.dim() == 2:  # the bias is not split
             n = param.shape[1]
             if loaded_weight.dim() != 2 or loaded_weight.shape[1] != n * self.tp_size:

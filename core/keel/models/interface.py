@@ -24,7 +24,7 @@ class ModelBuildContext:
     device: torch.device
     block_size: int
     attention_backend: Any  # the selected AttentionBackend class
-    quant_method: Any = None  # a QuantizationMethod, or None for unquantized
+    quant_method: Any = None  # a QuantizationConfig (or one QuantizationMethod for every layer); None: unquantized
     mla_backend: Any = None  # the selected MLA backend class, for models with MLA layers
     # (layer config, KV cache spec kind) -> backend class. Set by the worker so each distinct kind of
     # layer (standard, sliding window, MLA) gets a validated backend; None in unit tests.

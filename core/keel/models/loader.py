@@ -148,7 +148,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> set[str]:
     """Fill every floating-point parameter with random values (`load_format="dummy"`); returns their names.
 
     Scales keep activations O(1) through any depth (norm weights 1, biases 0, embeddings N(0, 1),
-    matrices N(0, 1/fan_in)), so a benchmark on dummy weights does the same work as on real ones.
+    matrices N(0, 1/fan_in), fp8 matrices too, with quantization scales 1), so a benchmark on dummy
+    weights does the same work as on real ones.
     """
     names: set[str] = set()
     gens: dict[torch.device, torch.Generator] = {}
@@ -156,7 +157,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> set[str]:
         if not p.dtype.is_floating_point:
             continue
         gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        if name.endswith("norm.weight"):
+        if name.endswith(("_scale", "_scale_inv")):  # quantization scales: weights keep their own scale
+            p.fill_(1.0)
+        elif p.element_size() == 1:  # fp8 storage: no random kernels; draw in float32
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * p.shape[-1] ** -0.5)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()

@@ -21,6 +21,7 @@ from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
 from keel.models.capabilities import supports
 from keel.models.registry import ModelRegistry
+from keel.quantization import quantization_for_model
 from keel.spec_decode.proposer import ProposerContext
 from keel.worker.async_output import AsyncModelRunnerOutput
 from keel.worker.model_runner import ModelRunner
@@ -87,9 +88,10 @@ class Worker:
             raise NotImplementedError(f"enable_expert_parallel is set, but {arch} has no MoE layers to shard")
         dtype = mc.torch_dtype
         block_size = self.config.cache.block_size
+        quant = quantization_for_model(self.config, model_cls, self.platform, dtype)
         build = ModelBuildContext(
             hf_config=hf_config, dtype=dtype, device=self.device, block_size=block_size,
-            attention_backend=None, attention_selector=self._select_backend,
+            attention_backend=None, attention_selector=self._select_backend, quant_method=quant,
             tp_size=tp.world_size, tp_rank=tp.rank_in_group,
             enable_expert_parallel=self.config.parallel.enable_expert_parallel,
             pp_size=pp.world_size, pp_rank=pp.rank_in_group,
@@ -111,7 +113,8 @@ class Worker:
         self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
                                   max_model_len=mc.derived_max_model_len, pipeline=stage)
         names = sorted({b.name for b in self._backends.values()})
-        logger.info("loaded %s (%s, %s) with attention backend(s) %s", mc.model, arch, dtype, names)
+        logger.info("loaded %s (%s, %s%s) with attention backend(s) %s", mc.model, arch, dtype,
+                    f", quantization {quant.name}" if quant is not None else "", names)
 
     def _make_proposer(self, model, build: ModelBuildContext, path) -> tuple[object | None, int]:
         spec = self.config.speculative

@@ -24,6 +24,7 @@ from keel.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParall
 from keel.layers.mla_attention import MLAAttention
 from keel.layers.rotary import get_rope, get_rope_parameters
 from keel.models.interface import ModelBuildContext
+from keel.quantization import dense_weight
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -82,9 +83,9 @@ class DeepseekV2MLAAttention(nn.Module):
             hidden, lora + r, bias, quant_config=quant, prefix=f"{prefix}.kv_a_proj_with_mqa"
         )
         self.kv_a_layernorm = RMSNorm(lora, config.rms_norm_eps)
-        # Not quantized: MLA reads its weight directly as W_UK / W_UV.
+        # MLA reads this weight directly as W_UK / W_UV (dequantized once if the checkpoint quantized it).
         self.kv_b_proj = ColumnParallelLinear(lora, total_heads * (n + v), False, tp_size, tp_rank,
-                                              prefix=f"{prefix}.kv_b_proj")
+                                              quant_config=quant, prefix=f"{prefix}.kv_b_proj")
         self.o_proj = RowParallelLinear(total_heads * v, hidden, bias, tp_size, tp_rank, quant_config=quant,
                                         prefix=f"{prefix}.o_proj")
         rope = get_rope_parameters(config)
@@ -94,7 +95,7 @@ class DeepseekV2MLAAttention(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Called by the model after loading: W_UK / W_UV go to the MLA backend."""
-        self.mla_attn.process_weights_after_loading(self.kv_b_proj.weight)
+        self.mla_attn.process_weights_after_loading(dense_weight(self.kv_b_proj))
 
     def forward(
         self,

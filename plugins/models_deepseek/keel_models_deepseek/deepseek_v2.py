@@ -78,6 +78,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     version: ClassVar[int] = 2
     # MLA heads, dense MLPs and shared experts split over TP; routed experts split (TP) or sharded (EP).
     supports_tensor_parallel: ClassVar[bool] = True
+    # Capability "quantization": fused parameter -> the checkpoint modules it packs.
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"gate_up_proj": ["gate_proj", "up_proj"]}
     skip_substrs: ClassVar[tuple[str, ...]] = (
         "rotary_emb.inv_freq",
         "rotary_emb.cos_cached",

@@ -180,11 +180,12 @@ class DeepSeekMTPProposer:
                 f"checkpoint {ctx.model_path} did not fill these MTP parameters (under {prefix}): {missing}",
                 missing=missing,
             )
-        self.layer.self_attn.process_weights_after_loading()
+        # Quantization methods first (as the model loader does): MLA then reads the processed kv_b_proj.
         for module in self.layer.modules():
             method = getattr(module, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(module)
+        self.layer.self_attn.process_weights_after_loading()
 
     def attention_layers(self) -> list[MLAAttention]:
         """Called by the model runner at construction: the MTP attention layer needing a KV cache."""

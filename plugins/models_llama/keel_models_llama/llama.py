@@ -191,6 +191,11 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     ]
+    # Capability "quantization": fused parameter -> the checkpoint modules it packs.
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     # Checkpoint entries that are derived state, not weights.
     skip_substrs: ClassVar[tuple[str, ...]] = (
         "rotary_emb.inv_freq",

@@ -1,0 +1,74 @@
+"""Quantization method "fp8": vLLM's FP8 checkpoint layout, and online FP8 of an unquantized checkpoint.
+
+config.json `quantization_config` fields:
+- `activation_scheme`: "dynamic" (default; per-token scales, per token and 128-input group with block
+  weights) or "static" (each layer's `input_scale`).
+- `weight_block_size`: [bn, bk] for block FP8 (DeepSeek-V3: [128, 128]; scales `weight_scale_inv`
+  [ceil(out/bn), ceil(in/bk)]); absent: `weight_scale` per tensor or per output channel.
+- `fmt`: "e4m3" (the only format served).
+- `ignored_layers` / `modules_to_not_convert`: modules left unquantized.
+
+`quantization="fp8"` on an unquantized checkpoint quantizes every linear layer at load (per output
+channel, dynamic per-token activations).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from keel.quantization import LinearLayerSpec, QuantizationError, QuantizationRequest
+from keel_quantization.config_fields import check_fields, float_dtype_reasons, is_layer_skipped
+from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
+
+
+def validate_fp8(request: QuantizationRequest) -> list[str]:
+    """Where FP8 layers can run: the reference path is plain torch (fp8 storage, dequantize, matmul), so any
+    device; activations in a float dtype."""
+    return float_dtype_reasons(request.dtype)
+
+
+class Fp8Config:
+    """Registered as `fp8` under the `quantization` kind."""
+
+    name: ClassVar[str] = "fp8"
+
+    def __init__(self, scheme: Fp8Scheme, ignored_layers: tuple[str, ...] = ()) -> None:
+        self.scheme = scheme
+        self.ignored_layers = ignored_layers
+        self.packed_modules_mapping: dict[str, list[str]] = {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
+        check_fields(cls.name, config, ("activation_scheme", "weight_block_size", "fmt", "ignored_layers",
+                                        "modules_to_not_convert"))
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise QuantizationError(f"fp8: quantization_config.fmt {fmt!r} is not served; only 'e4m3'")
+        activation = config.get("activation_scheme", "dynamic")
+        if activation not in ("static", "dynamic"):
+            raise QuantizationError(f"fp8: activation_scheme {activation!r} is not 'static' or 'dynamic'")
+        block = config.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, list | tuple) and len(block) == 2
+                    and all(isinstance(b, int) and b > 0 for b in block)):
+                raise QuantizationError(f"fp8: weight_block_size must be two positive integers, got {block!r}")
+            if activation != "dynamic":
+                raise QuantizationError("fp8: block-wise weights (weight_block_size) need activation_scheme 'dynamic'")
+            scheme = Fp8Scheme("dynamic_group", tuple(block), "weight_scale_inv")
+        else:
+            scheme = Fp8Scheme("static" if activation == "static" else "dynamic_token")
+        ignored = [*(config.get("ignored_layers") or ()), *(config.get("modules_to_not_convert") or ())]
+        return cls(scheme, tuple(ignored))
+
+    @classmethod
+    def from_online(cls) -> Fp8Config:
+        """`quantization="fp8"` on an unquantized checkpoint."""
+        return cls(Fp8Scheme("dynamic_token", serialized=False))
+
+    def validate(self, request: QuantizationRequest) -> list[str]:
+        return validate_fp8(request)
+
+    def get_quant_method(self, layer: LinearLayerSpec) -> Fp8LinearMethod | None:
+        if is_layer_skipped(self.name, layer.prefix, self.ignored_layers, self.packed_modules_mapping):
+            return None
+        return Fp8LinearMethod(self.scheme, self.name)

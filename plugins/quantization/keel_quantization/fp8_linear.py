@@ -1,0 +1,125 @@
+"""FP8 linear layers: weights stored in e4m3 with per-tensor, per-channel or block scales.
+
+One method serves every FP8 checkpoint layout (vLLM's "fp8", compressed-tensors' W8A8-FP8, online
+quantization); an `Fp8Scheme` says what the checkpoint holds:
+
+- per-tensor / per-channel weights: `weight` fp8 [out, in] and a scale that is a scalar per checkpoint
+  shard or one per output row. Both are kept as one float32 scale per row [out], so a fused layer's
+  shards keep their own scales exactly (no requantization to a shared maximum).
+- block weights (DeepSeek-V3): scales [ceil(out/bn), ceil(in/bk)] under `weight_scale_inv` (vLLM "fp8")
+  or `weight_scale` (compressed-tensors); a partial last block (576 rows in 128-row blocks) is allowed
+  where the dimension is not split or stacked.
+- activations: static per-tensor (`input_scale` per shard; a fused layer uses the largest, as vLLM),
+  dynamic per token, dynamic per token and `bk`-input group (block FP8), or none (weight-only).
+
+Forward (every device, the reference path): activations go through their fp8 quantization and back,
+the weight is dequantized, then one matmul -- the same numbers an fp8 GEMM computes, up to summation
+order. Dynamic scales are per token, never per batch, so a request's result does not depend on the
+other requests in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from keel.quantization import LinearLayerSpec, QuantizationError
+from keel_quantization import fp8_math
+from keel_quantization.loading import add_param, load_per_shard, load_row_scale, load_sharded
+
+ACTIVATIONS = ("static", "dynamic_token", "dynamic_group", "none")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    activation: str  # one of ACTIVATIONS
+    block: tuple[int, int] | None = None  # (rows, cols) per weight scale block; None: per tensor/channel
+    scale_name: str = "weight_scale"  # the weight scale's checkpoint name
+    serialized: bool = True  # False: the checkpoint is unquantized; quantize (per channel) after loading
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise QuantizationError(f"fp8 activation scheme {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.activation == "dynamic_group" and self.block is None:
+            raise QuantizationError("fp8 per-token-group activations need block weights")
+
+
+class Fp8LinearMethod:
+    """Created per layer by an FP8 config's `get_quant_method`; see the module docstring."""
+
+    def __init__(self, scheme: Fp8Scheme, method_name: str) -> None:
+        self.scheme = scheme
+        self.method_name = method_name
+        self.params_dtype = torch.float32
+
+    def _check_blocks(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
+        bn, bk = self.scheme.block
+        sizes = layer.output_partition_sizes
+        split_out = len(sizes) > 1 or module.tp_size > 1 and module.output_size_per_partition != module.output_size
+        if split_out and any(s % bn for s in sizes):
+            raise QuantizationError(
+                f"{self.method_name}: layer {layer.prefix} has output slices {sizes}, not all multiples of the "
+                f"weight block's {bn} rows; a partial block is possible only in an unsplit, unstacked layer"
+            )
+        if module.input_size_per_partition != module.input_size and layer.input_size % bk:
+            raise QuantizationError(
+                f"{self.method_name}: layer {layer.prefix} splits its {module.input_size} inputs into "
+                f"{layer.input_size} per rank, not a multiple of the weight block's {bk} columns"
+            )
+
+    def create_weights(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
+        self.params_dtype = layer.params_dtype
+        out, k = sum(layer.output_partition_sizes), layer.input_size
+        s = self.scheme
+        if not s.serialized:  # online: a dense weight now, fp8 after loading
+            add_param(module, "weight", torch.empty(out, k, dtype=layer.params_dtype), load_sharded, in_dim=1)
+            return
+        add_param(module, "weight", torch.empty(out, k, dtype=fp8_math.FP8), load_sharded, in_dim=1,
+                  dtype=fp8_math.FP8)
+        if s.block is not None:
+            self._check_blocks(module, layer)
+            bn, bk = s.block
+            scale = torch.empty(math.ceil(out / bn), math.ceil(k / bk), dtype=torch.float32)
+            add_param(module, s.scale_name, scale, load_sharded, in_dim=1, out_unit=bn, in_unit=bk)
+        else:
+            add_param(module, s.scale_name, torch.empty(out, dtype=torch.float32), load_row_scale)
+        if s.activation == "static":
+            add_param(module, "input_scale", torch.empty(len(layer.output_partition_sizes), dtype=torch.float32),
+                      load_per_shard)
+
+    def process_weights_after_loading(self, module: torch.nn.Module) -> None:
+        s = self.scheme
+        if not s.serialized:
+            q, scale = fp8_math.quantize_per_row(module.weight.data)
+            module.weight = torch.nn.Parameter(q, requires_grad=False)
+            module.register_parameter(s.scale_name, torch.nn.Parameter(scale, requires_grad=False))
+        if s.activation == "static":
+            scale = module.input_scale.data.amax().reshape(1)
+            module.input_scale = torch.nn.Parameter(scale, requires_grad=False)
+
+    def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
+        return fp8_math.dequantize(module.weight, getattr(module, self.scheme.scale_name), self.scheme.block,
+                                   self.params_dtype)
+
+    def quantize_input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # [t, k] -> [t, k]
+        act = self.scheme.activation
+        if act == "static":
+            return fp8_math.fake_quant_static(x, module.input_scale)
+        if act == "dynamic_token":
+            return fp8_math.fake_quant_per_token(x)
+        if act == "dynamic_group":
+            return fp8_math.fake_quant_per_token_group(x, self.scheme.block[1])
+        return x
+
+    def apply(
+        self,
+        module: torch.nn.Module,
+        x: torch.Tensor,  # [num_tokens, input_size]
+        bias: torch.Tensor | None = None,  # [output_size]
+    ) -> torch.Tensor:  # [num_tokens, output_size]
+        x2 = self.quantize_input(module, x.reshape(-1, x.shape[-1]))
+        out = F.linear(x2, self.dequantize_weight(module).to(x.dtype), bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,8 @@
+# The repo runs pytest with --import-mode=importlib, which does not put test directories on sys.path;
+# the helper module beside these tests is imported by name, so add this directory explicitly.
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)

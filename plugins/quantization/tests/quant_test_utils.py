@@ -1,0 +1,51 @@
+"""Test-only helpers: tiny checkpoints with clear greedy margins, engines, prompts."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel import SamplingParams
+from keel.config import EngineArgs
+from keel.engine.llm_engine import LLMEngine
+from keel.testing.checkpoints import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+# Transformers' top-2 logit margin above which the engine's greedy token must equal transformers'.
+MIN_MARGIN = 0.5
+
+
+def sharpen(path: Path, factor: float = 6.0) -> Path:
+    """Scale the checkpoint's lm_head so greedy choices have clear margins (random tiny models are flat:
+    300 logits of unit scale put the top two ~0.3 apart), then more steps test the token rule."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * factor
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return path
+
+
+def float_llama(path: Path, **overrides: Any) -> Path:
+    return sharpen(make_checkpoint("llama", path, **overrides))
+
+
+def make_engine(path: Path, **kw: Any) -> LLMEngine:
+    args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 4,
+            "max_model_len": 128, "seed": 0, **kw}
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def prompts_for(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 x @ w.T (+ bias), the reference the kernels and methods are checked against."""
+    out = x.double() @ w.double().T
+    return out if bias is None else out + bias.double()
