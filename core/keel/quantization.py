@@ -76,7 +76,7 @@ class QuantizationConfig(Protocol):
     """Registered class (not instance) under the `quantization` kind.
 
     Optional members: `from_online()` (classmethod) for methods that quantize an unquantized checkpoint
-    at load; a method's `dequantize_weight(module) -> [out, in]` for layers that read their weight
+    at load; `prepare_checkpoint(weights)` to rewrite the checkpoint's tensor stream; a method's `dequantize_weight(module) -> [out, in]` for layers that read their weight
     directly (MLA absorbs kv_b_proj; see `dense_weight`).
     """
 
@@ -143,6 +143,14 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the m
             f"{type(method).__name__} cannot dequantize its weight, which this layer reads directly"
         )
     return dequantize(module)
+
+
+def prepare_checkpoint(quant_config: Any, weights: Any) -> Any:
+    """The checkpoint's (name, tensor) stream as the model loads it. Called by the model loader and by
+    draft-model loaders: a config with a `prepare_checkpoint(weights)` member may rewrite tensors first
+    (fp8 dequantizes routed experts that no fused-MoE kernel reads yet)."""
+    hook = getattr(quant_config, "prepare_checkpoint", None)
+    return weights if hook is None else hook(weights)
 
 
 def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:

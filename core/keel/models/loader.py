@@ -26,6 +26,7 @@ from keel.models.checkpoint_files import (
 from keel.models.interface import ModelBuildContext
 from keel.models.lazy_tensor import LazySafetensor, dtype_of
 from keel.models.weights import WeightLoadError
+from keel.quantization import prepare_checkpoint
 
 __all__ = ["ModelNotFoundError", "WeightLoadError", "init_dummy_weights", "iterate_safetensors", "load_model",
            "resolve_model_path"]
@@ -193,7 +194,7 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
     if load_format == "dummy":
         loaded = init_dummy_weights(model)
     else:
-        loaded = model.load_weights(iterate_safetensors(path, lazy=True))
+        loaded = model.load_weights(prepare_checkpoint(build.quant_method, iterate_safetensors(path, lazy=True)))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise WeightLoadError(

@@ -44,6 +44,7 @@ from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, 
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import default_dtype, init_dummy_weights, iterate_safetensors
 from keel.models.weights import WeightLoadError, load_mapped_weights
+from keel.quantization import prepare_checkpoint
 from keel.spec_decode.proposer import DraftInput, ProposerContext
 from keel_models_deepseek.deepseek_v2 import DeepseekV2DecoderLayer
 
@@ -160,6 +161,7 @@ class DeepSeekMTPProposer:
 
     @torch.no_grad()
     def _load(self, ctx: ProposerContext, prefix: str) -> None:
+        build = ctx.build
         if ctx.load_format == "dummy":
             loaded = init_dummy_weights(self.layer)
         else:
@@ -167,7 +169,7 @@ class DeepSeekMTPProposer:
                 raise MTPConfigError("the mtp proposer needs ProposerContext.model_path to read its weights")
             model = ctx.model
             skip = tuple(getattr(model, "skip_substrs", ()))
-            tensors = list(_iter_prefixed(Path(ctx.model_path), prefix))
+            tensors = list(prepare_checkpoint(build.quant_method, _iter_prefixed(Path(ctx.model_path), prefix)))
             if not tensors:
                 raise MTPConfigError(
                     f"config.json declares num_nextn_predict_layers >= 1 but checkpoint {ctx.model_path} has no "

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from keel_attention_torch.mla import TorchMLABackend
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from keel.attention.metadata import CommonAttentionMetadata
@@ -42,6 +43,8 @@ TINY: dict[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+
+HIDDEN, NUM_LAYERS = TINY["hidden_size"], TINY["num_hidden_layers"]
 
 # DeepSeek's YaRN: scaled rope with mscale != mscale_all_dim (cos/sin scale) and mscale_all_dim (softmax).
 DEEPSEEK_YARN = {
@@ -91,6 +94,37 @@ def make_deepseek_checkpoint(version: int, path: str | Path, *, seed: int = 0, *
             b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     path = Path(path)
     model.save_pretrained(path)
+    return path
+
+
+def make_mtp_checkpoint(path, *, mtp: bool = True, extra: dict | None = None, drop: tuple[str, ...] = (),
+                        declare: int = 1, **overrides: Any) -> Path:
+    """A V3 checkpoint with `num_nextn_predict_layers=declare`; `mtp` writes model.layers.2.* tensors: the
+    last decoder layer copied, eh_proj mostly passing the token embedding, shared_head tied to the target's
+    norm and lm_head; every block's output damped (the model is close to a bigram model)."""
+    make_deepseek_checkpoint(3, path, num_nextn_predict_layers=declare, **overrides)
+    file = path / "model.safetensors"
+    w = load_file(str(file))
+    for name in list(w):  # damp every block's output: the residual stream stays near the embedding
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * 0.1
+    if mtp:
+        g = torch.Generator().manual_seed(7)
+        src, dst = f"model.layers.{NUM_LAYERS - 1}.", f"model.layers.{NUM_LAYERS}."
+        for name in [n for n in w if n.startswith(src)]:
+            w[dst + name[len(src):]] = w[name].clone()
+        noise = torch.randn(HIDDEN, HIDDEN, generator=g) * 0.1 / math.sqrt(HIDDEN)
+        w[dst + "eh_proj.weight"] = torch.cat((torch.eye(HIDDEN), noise), dim=1)
+        w[dst + "enorm.weight"] = torch.ones(HIDDEN)
+        w[dst + "hnorm.weight"] = torch.ones(HIDDEN)
+        w[dst + "shared_head.norm.weight"] = w["model.norm.weight"].clone()
+        w[dst + "shared_head.head.weight"] = w["lm_head.weight"].clone()
+        w[dst + "embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+        for name in drop:
+            del w[dst + name]
+        for name, t in (extra or {}).items():
+            w[dst + name] = t
+    save_file(w, str(file), metadata={"format": "pt"})
     return path
 
 

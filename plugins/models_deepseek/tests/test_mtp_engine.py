@@ -13,44 +13,11 @@ import math
 
 import pytest
 import torch
-from deepseek_test_utils import VOCAB, make_deepseek_checkpoint, random_prompts
-from safetensors.torch import load_file, save_file
+from deepseek_test_utils import NUM_LAYERS, VOCAB, make_mtp_checkpoint, random_prompts
 
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
-
-HIDDEN = 64
-NUM_LAYERS = 2
-
-
-def make_mtp_checkpoint(path, *, mtp: bool = True, extra: dict | None = None, drop: tuple[str, ...] = (),
-                        declare: int = 1):
-    """A V3 checkpoint with `num_nextn_predict_layers=declare`; `mtp` writes model.layers.2.* tensors."""
-    make_deepseek_checkpoint(3, path, num_nextn_predict_layers=declare)
-    file = path / "model.safetensors"
-    w = load_file(str(file))
-    for name in list(w):  # damp every block's output: the residual stream stays near the embedding
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name] = w[name] * 0.1
-    if mtp:
-        g = torch.Generator().manual_seed(7)
-        src, dst = f"model.layers.{NUM_LAYERS - 1}.", f"model.layers.{NUM_LAYERS}."
-        for name in [n for n in w if n.startswith(src)]:
-            w[dst + name[len(src):]] = w[name].clone()
-        noise = torch.randn(HIDDEN, HIDDEN, generator=g) * 0.1 / math.sqrt(HIDDEN)
-        w[dst + "eh_proj.weight"] = torch.cat((torch.eye(HIDDEN), noise), dim=1)
-        w[dst + "enorm.weight"] = torch.ones(HIDDEN)
-        w[dst + "hnorm.weight"] = torch.ones(HIDDEN)
-        w[dst + "shared_head.norm.weight"] = w["model.norm.weight"].clone()
-        w[dst + "shared_head.head.weight"] = w["lm_head.weight"].clone()
-        w[dst + "embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
-        for name in drop:
-            del w[dst + name]
-        for name, t in (extra or {}).items():
-            w[dst + name] = t
-    save_file(w, str(file), metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ def manifest() -> PluginManifest:
             "quantization": {
                 "fp8": "keel_quantization.fp8:Fp8Config",
                 "compressed-tensors": "keel_quantization.compressed_tensors:CompressedTensorsConfig",
+                "gptq": "keel_quantization.gptq:GPTQConfig",
+                "awq": "keel_quantization.awq:AWQConfig",
             }
         },
-        description="FP8 (per-tensor, per-channel, block; online) and compressed-tensors FP8.",
+        description="FP8 (per-tensor, per-channel, block; online), compressed-tensors FP8, GPTQ and AWQ int4.",
     )

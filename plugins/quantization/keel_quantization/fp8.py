@@ -14,10 +14,12 @@ channel, dynamic per-token activations).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from keel.quantization import LinearLayerSpec, QuantizationError, QuantizationRequest
 from keel_quantization.config_fields import check_fields, float_dtype_reasons, is_layer_skipped
+from keel_quantization.expert_dequant import dequantize_experts
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
 
 
@@ -67,6 +69,13 @@ class Fp8Config:
 
     def validate(self, request: QuantizationRequest) -> list[str]:
         return validate_fp8(request)
+
+    def prepare_checkpoint(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """Called by the model loaders on the checkpoint stream: FP8 routed experts are dequantized once
+        (logged; see `expert_dequant`). Online fp8 leaves experts as they are (dense)."""
+        if not self.scheme.serialized:
+            return weights
+        return dequantize_experts(weights, self.scheme, self.name)
 
     def get_quant_method(self, layer: LinearLayerSpec) -> Fp8LinearMethod | None:
         if is_layer_skipped(self.name, layer.prefix, self.ignored_layers, self.packed_modules_mapping):

@@ -9,7 +9,8 @@ come from running the float model (transformers) over a few random token sequenc
 Layouts: "fp8-tensor" (vLLM fp8, per-tensor weight scale, static input scale), "fp8-channel" (per
 output channel), "fp8-block" (DeepSeek-V3: [bn, bk] blocks, `weight_scale_inv`), "ct-fp8-channel"
 (compressed-tensors W8A8: per channel weights, dynamic per-token activations), "ct-fp8-tensor"
-(compressed-tensors, per-tensor weights and static activations), "ct-fp8-block".
+(compressed-tensors, per-tensor weights and static activations), "ct-fp8-block"; "gptq" (4-bit,
+`group_size`, `sym`, `desc_act` with g_idx) and "awq" (AutoAWQ GEMM, 4-bit with zero points).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from typing import Any
 import torch
 
 from keel_quantization import fp8_math
+from keel_quantization.quantizer_int4 import int4_config, int4_tensors
 
 # Linear weights the released formats quantize: every projection inside the decoder layers (DeepSeek's
 # experts included, when asked), never the router (`mlp.gate`), embeddings, heads or MTP's eh_proj.
 _LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
-LAYOUTS = ("fp8-tensor", "fp8-channel", "fp8-block", "ct-fp8-channel", "ct-fp8-tensor", "ct-fp8-block")
+LAYOUTS = ("fp8-tensor", "fp8-channel", "fp8-block", "ct-fp8-channel", "ct-fp8-tensor", "ct-fp8-block", "gptq",
+           "awq")
+INT4 = ("gptq", "awq")
 
 
 def quantizable(name: str, experts: bool = True) -> bool:
@@ -128,12 +132,15 @@ def quantize_checkpoint(
     experts: bool = True,
     skip: Callable[[str], bool] | None = None,
     weight_only: bool = False,
+    group_size: int = 128,
+    sym: bool = True,
+    desc_act: bool = False,
 ) -> Path:
     """Write `src` (a float safetensors checkpoint) to `dst` in `layout` (see LAYOUTS); returns `dst`.
 
     `experts=False` leaves routed-expert weights unquantized; `skip(name)` leaves more weights
     unquantized (listed in the config's ignore list). `weight_only` (compressed-tensors layouts): no
-    activation quantization. With `dequantized_to`, also write the float32 checkpoint of the
+    activation quantization. `group_size`, `sym`, `desc_act`: the 4-bit layouts'. With `dequantized_to`, also write the float32 checkpoint of the
     dequantized weights there (no quantization_config).
     """
     from keel.models.loader import iterate_safetensors
@@ -147,15 +154,25 @@ def quantize_checkpoint(
     amax = _calibrate_input_amax(src, chosen) if layout.endswith("tensor") and not weight_only else {}
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name in chosen:
+    for i, (name, t) in enumerate(tensors.items()):
+        if name in chosen and layout in INT4:
+            stored, deq = int4_tensors(layout, name, t, group_size=group_size, sym=sym, desc_act=desc_act, seed=i)
+            quantized.update(stored)
+            dequantized[name] = deq
+        elif name in chosen:
             stored, deq = _fp8_tensors(layout, name, t, block, amax.get(name[: -len(".weight")]))
             quantized.update(stored)
             dequantized[name] = deq
         else:
             quantized[name] = dequantized[name] = t
     config = json.loads((src / "config.json").read_text())
-    _write(src, dst, quantized, {**config, "quantization_config": _config(layout, block, ignored, weight_only)})
+    if layout in INT4:
+        within_block = sorted({n.split(".", 3)[3][: -len(".weight")] for n in chosen}) if ignored else None
+        qcfg = int4_config(layout, group_size=group_size, sym=sym, desc_act=desc_act, modules=within_block,
+                           ignore=ignored)
+    else:
+        qcfg = _config(layout, block, ignored, weight_only)
+    _write(src, dst, quantized, {**config, "quantization_config": qcfg})
     if dequantized_to is not None:
         _write(src, Path(dequantized_to), dequantized, config)
     return dst

@@ -12,6 +12,7 @@ from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
+from keel.testing.fidelity import assert_close_to_hf, run_requests
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 # Transformers' top-2 logit margin above which the engine's greedy token must equal transformers'.
@@ -49,3 +50,22 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     """float64 x @ w.T (+ bias), the reference the kernels and methods are checked against."""
     out = x.double() @ w.double().T
     return out if bias is None else out + bias.double()
+
+
+def check_layout(quantized: Path, reference: Path, tolerance: tuple[float, float]) -> dict[str, float]:
+    """The quantized checkpoint against transformers on its dequantized twin: plainly, then through chunked
+    prefill, preemption and prefix-cache hits. `tolerance`: (logprob atol, top-2 margin)."""
+    atol, margin = tolerance
+    prompts = prompts_for(11, [5, 17, 9, 30])
+    plain = run_requests(make_engine(quantized), prompts, GREEDY)
+    stats = assert_close_to_hf(reference, prompts, plain, atol=atol, min_margin=margin)
+    assert stats["near_ties"] < len(prompts) * 4  # most steps have a clear margin: the token rule is tested
+
+    shared = prompts_for(12, [16])[0]
+    stressed_prompts = [shared + p for p in prompts_for(13, [3, 7, 2, 9])]
+    engine = make_engine(quantized, max_num_batched_tokens=8, num_kv_blocks=14, max_model_len=40)
+    stressed = run_requests(engine, stressed_prompts, GREEDY, stagger=2)
+    metrics = engine.get_metrics()
+    assert metrics["num_preemptions_total"] > 0 and metrics["prefix_cache_hits_total"] > 0
+    assert_close_to_hf(reference, stressed_prompts, stressed, atol=atol, min_margin=margin)
+    return stats

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from keel_quantization.quantizer import quantize_checkpoint
-from quant_test_utils import GREEDY, MIN_MARGIN, float_llama, make_engine, prompts_for
+from quant_test_utils import GREEDY, MIN_MARGIN, check_layout, float_llama, make_engine, prompts_for
 
 from keel.testing.fidelity import assert_close_to_hf, run_requests
 
@@ -38,23 +38,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return float_llama(tmp_path_factory.mktemp("src") / "llama")
-
-
-def check_layout(quantized, reference, tolerance):
-    atol, margin = tolerance
-    prompts = prompts_for(11, [5, 17, 9, 30])
-    plain = run_requests(make_engine(quantized), prompts, GREEDY)
-    stats = assert_close_to_hf(reference, prompts, plain, atol=atol, min_margin=margin)
-    assert stats["near_ties"] < len(prompts) * 4  # most steps have a clear margin: the token rule is tested
-
-    shared = prompts_for(12, [16])[0]
-    stressed_prompts = [shared + p for p in prompts_for(13, [3, 7, 2, 9])]
-    engine = make_engine(quantized, max_num_batched_tokens=8, num_kv_blocks=14, max_model_len=40)
-    stressed = run_requests(engine, stressed_prompts, GREEDY, stagger=2)
-    metrics = engine.get_metrics()
-    assert metrics["num_preemptions_total"] > 0 and metrics["prefix_cache_hits_total"] > 0
-    assert_close_to_hf(reference, stressed_prompts, stressed, atol=atol, min_margin=margin)
-    return stats
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -130,3 +130,30 @@ def test_dummy_weights_fill_fp8_layers(ckpts):
     qkv = engine.core.worker.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and bool(torch.isfinite(qkv.weight.float()).all())
     assert bool((qkv.weight_scale_inv == 1).all())
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8 is not served"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size 100"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantized lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "zero_offset": 1}, r"does not act on: \['zero_offset'\]"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point=false"),
+])
+def test_int4_config_fields(raw, match):
+    from keel_quantization.awq import AWQConfig
+    from keel_quantization.gptq import GPTQConfig
+
+    cls = GPTQConfig if raw["quant_method"] == "gptq" else AWQConfig
+    with pytest.raises(QuantizationError, match=match):
+        cls.from_config(raw)
+
+
+@pytest.mark.parametrize("layout", ["gptq", "awq"])
+def test_int4_module_lists_leave_layers_dense(ckpts, tmp_path, layout):
+    # GPTQ names the quantized modules (modules_in_block_to_quantize), AWQ the others (modules_to_not_convert).
+    path = quantize_checkpoint(ckpts["src"], tmp_path / layout, layout, group_size=32, sym=False,
+                               skip=lambda n: ".down_proj." in n)
+    mlp = make_engine(path).core.worker.runner.model.model.layers[0].mlp
+    assert mlp.down_proj.quant_method is None and mlp.gate_up_proj.quant_method is not None

@@ -1,0 +1,132 @@
+"""Weight-only 4-bit linear layers (GPTQ and AWQ checkpoints), one runtime form for both.
+
+Loading keeps the checkpoint's tensors (see `int4_math` for the layouts); after loading both become
+`qweight` int32 [in / 8, out] packed along the input (GPTQ's order), `zeros` and `scales` [groups, out]
+in the model dtype (zeros already decoded) and `g_idx` int32 [in]. Forward: on a CUDA device the Triton
+kernel dequantizes tiles inside the GEMM (`int4_triton`); elsewhere the reference path dequantizes the
+weight and multiplies (CPU, or `backend="torch"`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from keel.quantization import LinearLayerSpec, QuantizationError
+from keel_quantization import int4_math
+from keel_quantization.loading import add_param, load_per_shard, load_sharded
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    method: str  # "gptq" | "awq"
+    group_size: int  # inputs per scale group; -1: one group over all inputs
+    zero_offset: int = 0  # added to stored zeros (GPTQ v1 checkpoints store zero - 1)
+    desc_act: bool = False  # GPTQ: inputs grouped by `g_idx` in activation order
+
+
+def _ints(module: torch.nn.Module, name: str, shape: tuple[int, ...], **kw) -> None:
+    add_param(module, name, torch.zeros(shape, dtype=torch.int32), load_sharded, dtype=torch.int32, **kw)
+
+
+class Int4LinearMethod:
+    """Created per layer by the GPTQ / AWQ configs' `get_quant_method`."""
+
+    def __init__(self, fmt: Int4Format, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise QuantizationError(f"int4 backend must be one of {BACKENDS}, got {backend!r}")
+        self.fmt = fmt
+        self.backend = backend
+        self.params_dtype = torch.float32
+        self.last_backend: str | None = None  # which path the latest forward took (tests)
+
+    def _group(self, k: int) -> int:
+        return k if self.fmt.group_size == -1 else self.fmt.group_size
+
+    def _check(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
+        f, k = self.fmt, layer.input_size
+        bad = [s for s in layer.output_partition_sizes if s % int4_math.PACK]
+        if bad:
+            raise QuantizationError(f"{f.method}: layer {layer.prefix} has output slices {layer.output_partition_sizes}, "
+                                    f"not all multiples of {int4_math.PACK} (packed 4-bit columns)")
+        split_in = module.input_size_per_partition != module.input_size
+        if k % int4_math.PACK or (split_in and k % self._group(module.input_size)):
+            raise QuantizationError(f"{f.method}: layer {layer.prefix} has {k} inputs per rank, not a multiple of "
+                                    f"{int4_math.PACK} and of the group size {f.group_size}")
+        if split_in and f.desc_act:
+            raise QuantizationError(f"{f.method}: desc_act checkpoints cannot split a layer's inputs across "
+                                    f"tensor-parallel ranks yet ({layer.prefix})")
+
+    def create_weights(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
+        self._check(module, layer)
+        self.params_dtype = layer.params_dtype
+        k, n = layer.input_size, sum(layer.output_partition_sizes)
+        group = self._group(module.input_size)
+        groups = math.ceil(k / group)
+        pack = int4_math.PACK
+        if self.fmt.method == "gptq":
+            _ints(module, "qweight", (k // pack, n), out_dim=1, in_dim=0, in_unit=pack)
+            add_param(module, "g_idx", torch.zeros(len(layer.output_partition_sizes), k, dtype=torch.int32),
+                      load_per_shard, in_dim=0)
+        else:
+            _ints(module, "qweight", (k, n // pack), out_dim=1, out_unit=pack, in_dim=0)
+        _ints(module, "qzeros", (groups, n // pack), out_dim=1, out_unit=pack, in_dim=0, in_unit=group)
+        add_param(module, "scales", torch.zeros(groups, n, dtype=torch.float16), load_sharded, out_dim=1, in_dim=0,
+                  in_unit=group)
+
+    def process_weights_after_loading(self, module: torch.nn.Module) -> None:
+        f = self.fmt
+        k = module.qweight.shape[0] * (int4_math.PACK if f.method == "gptq" else 1)
+        if f.method == "gptq":
+            g_idx = module.g_idx.data
+            if not bool((g_idx == g_idx[:1]).all()):
+                raise QuantizationError(f"gptq: the shards of fused layer {module.prefix} have different g_idx "
+                                        "(input orders); keel needs them equal")
+            g_idx = g_idx[0]
+            zeros = int4_math.unpack_cols(module.qzeros.data) + f.zero_offset
+            qweight = module.qweight.data
+        else:
+            g_idx = torch.arange(k, dtype=torch.int32, device=module.qweight.device) // self._group(k)
+            zeros = int4_math.unpack_cols(module.qzeros.data, int4_math.AWQ_ORDER)
+            qweight = int4_math.pack_rows(int4_math.unpack_cols(module.qweight.data, int4_math.AWQ_ORDER))
+        groups = module.scales.shape[0]
+        if f.method == "gptq" and module.input_size_per_partition != module.input_size:
+            g_idx = g_idx - module.input_shard().rank_index * groups  # checkpoint groups -> this rank's
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise QuantizationError(f"{f.method}: {module.prefix}.g_idx names groups outside 0..{groups - 1}")
+        del module.qzeros
+        if hasattr(module, "g_idx"):
+            del module.g_idx
+        frozen = lambda t: torch.nn.Parameter(t.contiguous(), requires_grad=False)
+        module.qweight = frozen(qweight)
+        module.g_idx = frozen(g_idx.to(torch.int32))
+        module.zeros = frozen(zeros.to(self.params_dtype))
+        module.scales = frozen(module.scales.data.to(self.params_dtype))
+
+    def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
+        q = int4_math.unpack_rows(module.qweight)
+        return int4_math.dequantize_int4(q, module.zeros, module.scales, module.g_idx, self.params_dtype).T
+
+    def apply(
+        self,
+        module: torch.nn.Module,
+        x: torch.Tensor,  # [num_tokens, input_size]
+        bias: torch.Tensor | None = None,  # [output_size]
+    ) -> torch.Tensor:  # [num_tokens, output_size]
+        x2 = x.reshape(-1, x.shape[-1])
+        use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        if use_triton:
+            from keel_quantization.int4_triton import int4_gemm
+
+            self.last_backend = "triton"
+            out = int4_gemm(x2, module.qweight, module.scales, module.zeros, module.g_idx)
+            if bias is not None:
+                out = out + bias
+        else:
+            self.last_backend = "torch"
+            out = torch.nn.functional.linear(x2, self.dequantize_weight(module).to(x.dtype), bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
