@@ -121,6 +121,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("m,k,n,group,desc_act", [(1, 64, 64, 32, False), (5, 96, 40, 32, True),
                                                  (33, 128, 72, 64, False), (17, 64, 24, -1, True)])
 def test_triton_int4_gemm_matches_reference(m, k, n, group, desc_act):
+    pytest.importorskip("triton")
     from keel_quantization.int4_triton import int4_gemm
 
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -136,6 +137,7 @@ def test_triton_int4_gemm_matches_reference(m, k, n, group, desc_act):
 
 
 def test_int4_method_runs_the_kernel_when_asked():
+    pytest.importorskip("triton")
     layer = ReplicatedLinear(64, 32, True, quant_config=Int4LinearMethod(AWQ, backend="triton"))
     g = torch.Generator().manual_seed(3)
     tensors, deq = quantized(AWQ, torch.randn(32, 64, generator=g))
