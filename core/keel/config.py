@@ -35,7 +35,9 @@ class ConfigError(ValueError):
 
 
 LOAD_FORMATS = ("auto", "dummy")
-KV_CACHE_DTYPES = ("auto",)
+# "auto": the model dtype. "fp8" / "fp8_e4m3": e4m3 storage with unit scales (vLLM's names); e5m2 and
+# per-layer checkpoint scales are not served yet.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                "bfloat16": "bfloat16"}
 
@@ -153,13 +155,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV cache budget; else from memory profiling
     num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype (the only one served so far)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "fp8" / "fp8_e4m3"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
-                f"cache.kv_cache_dtype {self.kv_cache_dtype!r} is not supported: keel stores the KV cache in "
-                f"the model dtype only ({', '.join(KV_CACHE_DTYPES)}); fp8 KV caches are not implemented yet"
+                f"cache.kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)} "
+                "(fp8 means e4m3; e5m2 is not served)"
             )
         _positive("cache", "block_size", self.block_size)
         _positive("cache", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
@@ -167,6 +169,12 @@ class CacheConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
             raise ConfigError(f"cache.gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+    def torch_kv_cache_dtype(self) -> torch.dtype | None:
+        """The KV cache's storage dtype, or None for the model dtype."""
+        import torch
+
+        return None if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,11 @@ class AttentionLayerConfig:
     use_mla: bool = False
     logits_soft_cap: float | None = None
     extra: tuple[tuple[str, Any], ...] = ()
+    kv_cache_dtype: torch.dtype | None = None  # the cache's storage dtype when it differs from `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class BackendCapabilities:
     supports_encoder: bool = False
     supports_soft_cap: bool = False
     extra: tuple[str, ...] = field(default=())
+    kv_cache_dtypes: tuple[torch.dtype, ...] = ()  # cache storage dtypes besides the model dtype (fp8)
 
 
 def default_validate(caps: BackendCapabilities, request: BackendRequest) -> list[str]:
@@ -88,6 +94,9 @@ def default_validate(caps: BackendCapabilities, request: BackendRequest) -> list
         reasons.append("sliding window not supported")
     if not layer.causal and not caps.supports_encoder:
         reasons.append("non-causal (encoder) attention not supported")
+    if layer.cache_dtype != layer.dtype and layer.cache_dtype not in caps.kv_cache_dtypes:
+        reasons.append(f"KV cache dtype {layer.cache_dtype} not supported (only the model dtype"
+                       + (f" or {caps.kv_cache_dtypes})" if caps.kv_cache_dtypes else ")"))
     if layer.logits_soft_cap is not None and not caps.supports_soft_cap:
         reasons.append("logits soft cap not supported")
     # Shape facts every backend relies on, whatever it declares.

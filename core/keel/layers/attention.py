@@ -37,6 +37,7 @@ class Attention(nn.Module):
             dtype=build.dtype,
             block_size=build.block_size,
             sliding_window=sliding_window,
+            kv_cache_dtype=build.kv_cache_dtype,
         )
         self.backend = build.backend_for(self.config, self.kv_cache_spec().kind)
         self.impl = self.backend.get_impl(self.config)
@@ -44,8 +45,8 @@ class Attention(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config
         if c.sliding_window is not None:
-            return SlidingWindowSpec(c.block_size, c.dtype, c.num_kv_heads, c.head_size, c.sliding_window)
-        return FullAttentionSpec(c.block_size, c.dtype, c.num_kv_heads, c.head_size)
+            return SlidingWindowSpec(c.block_size, c.cache_dtype, c.num_kv_heads, c.head_size, c.sliding_window)
+        return FullAttentionSpec(c.block_size, c.cache_dtype, c.num_kv_heads, c.head_size)
 
     def forward(
         self,

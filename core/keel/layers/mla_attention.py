@@ -116,6 +116,7 @@ class MLAAttention(nn.Module):
                 ("qk_rope_head_dim", qk_rope_head_dim),
                 ("v_head_dim", v_head_dim),
             ),
+            kv_cache_dtype=build.kv_cache_dtype,
         )
         self.backend = build.backend_for(self.config, self.kv_cache_spec().kind)
         self.impl: MLAAttentionImpl = self.backend.get_impl(self.config)
@@ -123,7 +124,7 @@ class MLAAttention(nn.Module):
     def kv_cache_spec(self) -> MLALatentSpec:
         c = self.config
         return MLALatentSpec(
-            c.block_size, c.dtype, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
+            c.block_size, c.cache_dtype, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
         )
 
     def process_weights_after_loading(

@@ -37,6 +37,7 @@ class ModelBuildContext:
     # This rank's pipeline stage; a model declaring `supports_pipeline_parallel` builds only its layers.
     pp_size: int = 1
     pp_rank: int = 0
+    kv_cache_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: the model dtype
 
     def backend_for(self, layer: Any, kv_cache_kind: str) -> Any:
         """Called by attention layers at construction: the backend class that will serve them."""

@@ -95,6 +95,7 @@ class Worker:
             tp_size=tp.world_size, tp_rank=tp.rank_in_group,
             enable_expert_parallel=self.config.parallel.enable_expert_parallel,
             pp_size=pp.world_size, pp_rank=pp.rank_in_group,
+            kv_cache_dtype=self.config.cache.torch_kv_cache_dtype(),
         )
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=mc.load_format)

@@ -36,6 +36,7 @@ class TorchPagedAttentionBackend:
         supports_mla=False,
         supports_sliding_window=True,
         supports_encoder=False,
+        kv_cache_dtypes=(torch.float8_e4m3fn,),
         supports_soft_cap=False,
     )
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from keel.attention.backend import AttentionLayerConfig
+from keel_attention_torch.cache_ops import store_slots
 from keel_attention_torch.metadata import AttentionPlan, TorchPagedAttentionMetadata
 
 
@@ -72,8 +73,8 @@ class TorchPagedAttentionImpl:
             k, v = k[:n], v[:n]
         else:
             k, v = k.index_select(0, md.write_rows), v.index_select(0, md.write_rows)
-        key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
-        value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
+        store_slots(key_cache, slots, k)
+        store_slots(value_cache, slots, v)
 
     def _decode(
         self,

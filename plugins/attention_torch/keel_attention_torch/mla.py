@@ -24,6 +24,7 @@ from keel.attention.backend import (
 )
 from keel.kv_cache.spec import KVCacheSpec
 from keel_attention_torch.backend import UnsupportedLayerError
+from keel_attention_torch.cache_ops import store_slots
 from keel_attention_torch.metadata import TorchPagedAttentionMetadata, TorchPagedMetadataBuilder
 
 
@@ -35,6 +36,7 @@ class TorchMLABackend:
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         kv_cache_kinds=("mla_latent",),
         supports_mla=True,
+        kv_cache_dtypes=(torch.float8_e4m3fn,),
     )
 
     @classmethod
@@ -135,7 +137,7 @@ class TorchMLAImpl:
         slots = md.write_slots
         latent = torch.cat((kv_c, k_pe), dim=-1)  # [T, L + R]
         latent = latent[: slots.shape[0]] if md.write_rows is None else latent.index_select(0, md.write_rows)
-        cache.index_copy_(0, slots, latent.to(cache.dtype))
+        store_slots(cache, slots, latent)
 
     def _decode_absorbed(
         self,

@@ -77,3 +77,14 @@ def test_block_fp8_deepseek_v3_serves_close_to_transformers(checkpoints, caplog)
     stats = assert_close_to_hf(ref, prompts, results, atol=0.6, min_margin=0.5)
     assert stats["near_ties"] < 12
     print(f"block-FP8 DeepSeek-V3 vs transformers on dequantized weights: {stats}")
+
+
+def test_block_fp8_deepseek_v3_with_an_fp8_latent_cache(checkpoints):
+    q, ref = checkpoints
+    engine = make_engine(q, kv_cache_dtype="fp8", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    runner = engine.core.worker.runner
+    assert all(c.dtype == torch.float8_e4m3fn for c in runner.kv_caches)  # the MTP layer's latent cache too
+    prompts = random_prompts([9, 18], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    stats = assert_close_to_hf(ref, prompts, run_requests(engine, prompts, params), atol=0.6, min_margin=0.5)
+    print(f"block-FP8 DeepSeek-V3, fp8 latent cache, vs transformers on dequantized weights: {stats}")

@@ -52,18 +52,20 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias.double()
 
 
-def check_layout(quantized: Path, reference: Path, tolerance: tuple[float, float]) -> dict[str, float]:
+def check_layout(quantized: Path, reference: Path, tolerance: tuple[float, float], **engine_kw: Any
+                 ) -> dict[str, float]:
     """The quantized checkpoint against transformers on its dequantized twin: plainly, then through chunked
-    prefill, preemption and prefix-cache hits. `tolerance`: (logprob atol, top-2 margin)."""
+    prefill, preemption and prefix-cache hits. `tolerance`: (logprob atol, top-2 margin); `engine_kw` go to
+    both engines."""
     atol, margin = tolerance
     prompts = prompts_for(11, [5, 17, 9, 30])
-    plain = run_requests(make_engine(quantized), prompts, GREEDY)
+    plain = run_requests(make_engine(quantized, **engine_kw), prompts, GREEDY)
     stats = assert_close_to_hf(reference, prompts, plain, atol=atol, min_margin=margin)
     assert stats["near_ties"] < len(prompts) * 4  # most steps have a clear margin: the token rule is tested
 
     shared = prompts_for(12, [16])[0]
     stressed_prompts = [shared + p for p in prompts_for(13, [3, 7, 2, 9])]
-    engine = make_engine(quantized, max_num_batched_tokens=8, num_kv_blocks=14, max_model_len=40)
+    engine = make_engine(quantized, max_num_batched_tokens=8, num_kv_blocks=14, max_model_len=40, **engine_kw)
     stressed = run_requests(engine, stressed_prompts, GREEDY, stagger=2)
     metrics = engine.get_metrics()
     assert metrics["num_preemptions_total"] > 0 and metrics["prefix_cache_hits_total"] > 0
