@@ -126,17 +126,19 @@ def test_small_m_rule_and_its_overrides(monkeypatch, tmp_path):
         MoETileConfig.from_json({**base, "SPLITK": 2})
 
 
-def test_shipped_h200_files_take_the_small_m_path_at_decode_sizes(monkeypatch):
+def test_shipped_h200_files_keep_the_one_slice_tiles_they_were_measured_with(monkeypatch):
+    """The tuned H200 tiles were measured with one K slice; the small-M path is unmeasured on the GPU
+    (benchmarks/h200_moe_small_m.py decides), so the files pin SPLIT_K 1 until a measurement says more."""
     monkeypatch.setattr(tc, "_device_name", lambda device: "NVIDIA H200" if device.type == "cuda" else None)
     monkeypatch.delenv(tc.CONFIG_DIR_ENV, raising=False)
     tc.clear_tile_config_cache()
     cuda = torch.device("cuda", 0)
-    for tokens, want in ((1, 4), (16, 4), (32, 1), (512, 1)):
+    for tokens, want in ((1, 1), (16, 1), (32, 1), (512, 1)):
         c13, c2 = tc.get_moe_tile_configs(tokens, (64, 2816, 2048), (64, 2048, 1408), 6, torch.bfloat16, cuda,
                                           False)
         assert (c13.split_k, c2.split_k) == (want, want)
         shipped = tc.read_tile_config_file(tc.CONFIG_DIR / tc.config_file_name(64, 2816, 2048, "NVIDIA H200"))
-        assert dataclasses.replace(c13, split_k=None) == tc.pick_for_tokens(shipped, tokens)
+        assert c13 == tc.pick_for_tokens(shipped, tokens)
     tc.clear_tile_config_cache()
 
 

@@ -62,11 +62,11 @@ def test_tuned_file_is_used_for_its_device_and_shape(fake_h200):
 
 
 def test_missing_file_falls_back_to_heuristic(fake_h200):
-    small = get_moe_tile_config(1, 64, 2816, 2048, 6, torch.bfloat16, CUDA, False)
-    assert small == default_moe_tile_config(1, 64, 2816, 2048, 6, torch.bfloat16)
+    small = get_moe_tile_config(1, 64, 3072, 2048, 6, torch.bfloat16, CUDA, False)
+    assert small == default_moe_tile_config(1, 64, 3072, 2048, 6, torch.bfloat16)
     # memory-bound decode: short M tiles, deeper K than the interpreter's 32, several stages
     assert small.block_m == 16 and small.block_k >= 128 and small.num_stages >= 3
-    big = get_moe_tile_config(2048, 64, 2816, 2048, 6, torch.bfloat16, CUDA, False)
+    big = get_moe_tile_config(2048, 64, 3072, 2048, 6, torch.bfloat16, CUDA, False)
     assert big.block_m == 64 and big.block_n >= small.block_n
     # interpreted: today's small tiles, whatever the size
     assert get_moe_tile_config(2048, 64, 2816, 2048, 6, torch.bfloat16, CUDA, True) == MoETileConfig(16, 64, 32, 4, 1)
