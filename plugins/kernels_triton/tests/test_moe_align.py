@@ -1,4 +1,4 @@
-"""The one-kernel `moe_align_block_size` (kernels-triton's fused_moe/align.py) against the core's torch version.
+"""The Triton `moe_align_block_size` (one launch, or two past ALIGN_SINGLE_MAX_PAIRS pairs) (kernels-triton's fused_moe/align.py) against the core's torch version.
 
 Interpreted on the CPU (TRITON_INTERPRET=1). The kernel promises the torch version's outputs entry for
 entry (a stable sort by expert), which is stronger than what the grouped GEMM needs (the same set of rows
@@ -61,8 +61,19 @@ def test_idle_experts_and_one_hot_expert(interpret):
     _check_against_torch(torch.zeros(0, 2, dtype=torch.int64), 8, 16)  # empty step: all padding
 
 
-def test_every_output_entry_is_written(interpret):
-    ids = _random_ids(5, 6, 60, seed=2)
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(300, 6, 64, 16), (290, 6, 64, 64), (600, 4, 256, 16),
+                                                         (129, 2, 8, 4)])
+def test_many_programs_match_torch(interpret, tokens, top_k, experts, block_m):
+    """Steps past ALIGN_SINGLE_MAX_PAIRS: the two-launch path over several programs, same stable order."""
+    assert tokens * top_k > align_mod.ALIGN_SINGLE_MAX_PAIRS
+    ids = _random_ids(tokens, top_k, experts, seed=tokens + experts)
+    _check_against_torch(ids.to(torch.int32), experts, block_m)
+    _check_against_torch(_random_ids(tokens, top_k, experts, seed=7, used=3), experts, block_m)  # crowded experts
+
+
+@pytest.mark.parametrize("tokens", [5, 100])  # one launch; two launches over 10 programs
+def test_every_output_entry_is_written(interpret, tokens):
+    ids = _random_ids(tokens, 6, 60, seed=2)
     max_padded = -(-(ids.numel() + 60 * 15) // 16) * 16
     poisoned = (
         torch.full((max_padded,), -123, dtype=torch.int32),
@@ -83,8 +94,7 @@ def test_dispatch_by_size(interpret, monkeypatch):
     for g, r in zip(moe_align_block_size(ids, 8, 16), ref, strict=True):
         assert torch.equal(g, r)
     assert len(calls) == 1
-    assert align_triton_supported(align_mod.ALIGN_TRITON_MAX_PAIRS, 256)
-    assert not align_triton_supported(align_mod.ALIGN_TRITON_MAX_PAIRS + 1, 256)
-    big = torch.zeros(align_mod.ALIGN_TRITON_MAX_PAIRS + 1, 1, dtype=torch.int64)
-    moe_align_block_size(big, 8, 16)  # past the limit: torch, no kernel launch
+    limit = align_mod.ALIGN_TRITON_MAX_EXPERTS
+    assert align_triton_supported(10**6, limit) and not align_triton_supported(1, limit + 1)
+    moe_align_block_size(torch.zeros(3, 1, dtype=torch.int64), limit + 1, 16)  # too many experts: torch
     assert len(calls) == 1

@@ -47,6 +47,16 @@ COMPILE_SCRIPT = textwrap.dedent('''
             block_e = 1 << (experts - 1).bit_length()
             compile_(A._jitted(False), align, {"NUM_EXPERTS": experts, "BLOCK_M": 16, "BLOCK_E": block_e,
                                                "CHUNK": A._CHUNK, "TAIL": A._TAIL})
+            count = {"ids_ptr": ids_ty, "counts_ptr": "*i32", "num_pairs": "i32", "PAIRS": "constexpr",
+                     "NUM_EXPERTS": "constexpr", "BLOCK_E": "constexpr", "CHUNK": "constexpr"}
+            compile_(A._jitted(False, "count"), count, {"PAIRS": 64, "NUM_EXPERTS": experts, "BLOCK_E": block_e,
+                                                        "CHUNK": A._CHUNK})
+            scatter = {**align, "counts_ptr": "*i32", "PAIRS": "constexpr"}
+            scatter = {k: scatter[k] for k in ("ids_ptr", "counts_ptr", "sorted_ptr", "expert_ids_ptr", "total_ptr",
+                                               "num_pairs", "max_padded", "PAIRS", "NUM_EXPERTS", "BLOCK_M",
+                                               "BLOCK_E", "CHUNK", "TAIL")}
+            compile_(A._jitted(False, "scatter"), scatter, {"PAIRS": 64, "NUM_EXPERTS": experts, "BLOCK_M": 16,
+                                                            "BLOCK_E": block_e, "CHUNK": A._CHUNK, "TAIL": A._TAIL})
     print("compiled")
 ''')
 
@@ -68,7 +78,7 @@ CONFIGS = [
 
 @needs_cuda
 @pytest.mark.parametrize("cfg,with_bias", CONFIGS)
-@pytest.mark.parametrize("tokens", [1, 4, 37, 300])
+@pytest.mark.parametrize("tokens", [1, 4, 37, 300, 2000])
 def test_cuda_routing_and_align_match_torch(cfg, with_bias, tokens):
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn(tokens, cfg.num_experts, device="cuda", generator=gen) * 2
@@ -84,8 +94,8 @@ def test_cuda_routing_and_align_match_torch(cfg, with_bias, tokens):
 
 @needs_cuda
 @pytest.mark.parametrize("cfg,with_bias", CONFIGS)
-def test_cuda_graph_replay_with_fresh_logits(cfg, with_bias):
-    tokens = 3
+@pytest.mark.parametrize("tokens", [3, 300])  # one align launch; two (the many-program path)
+def test_cuda_graph_replay_with_fresh_logits(cfg, with_bias, tokens):
     logits = torch.randn(tokens, cfg.num_experts, device="cuda")
     bias = torch.randn(cfg.num_experts, device="cuda") * 0.3 if with_bias else None
 

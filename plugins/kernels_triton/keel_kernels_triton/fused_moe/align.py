@@ -1,8 +1,9 @@
-"""`moe_align_block_size` in one Triton kernel launch, for the small (decode) batches where the torch
-version's ~20 tiny kernels cost more than the grouped GEMMs they prepare.
+"""`moe_align_block_size` in Triton: one launch for small (decode) batches, two for big ones, where the
+torch version's ~20 tiny kernels (a radix sort among them) cost more than the grouped GEMMs they prepare
+(at a batch of 256 DeepSeek-V2-Lite decode tokens: 63 us per layer in torch, 1.65 ms of a 15.2 ms step).
 
-`moe_align_block_size` (called by the fused experts, grouped_gemm.py) takes the kernel when the step has
-at most ALIGN_TRITON_MAX_PAIRS (token, slot) pairs; larger steps keep the core's torch version
+`moe_align_block_size` (called by the fused experts, grouped_gemm.py) takes the kernels for up to
+ALIGN_TRITON_MAX_EXPERTS experts; more experts keep the core's torch version
 (`keel.layers.fused_moe.align.moe_align_block_size_torch`), which stays the reference. The output contract is the torch version's, entry for entry: sorted_token_ids lists the flat
 (token * top_k + slot) indices grouped by expert in ascending flat order (a stable sort), each expert's
 run padded with the sentinel num_pairs to a multiple of block_m; expert_ids[b] is the expert of block b
@@ -13,6 +14,12 @@ entry is written exactly once (no zero-fill followed by a racing scatter): count
 sums over chunks of pairs; padded offsets by a cumulative sum over experts; then each pair's slot
 (= its expert's padded start + pairs of that expert before it), each expert's padding tail, the tail past
 `total`, and each expert's block ids.
+
+Past ALIGN_SINGLE_MAX_PAIRS pairs one program would loop too long, so the work is split over programs of
+`pairs_per_program` pairs each (a number fixed by the shape, so CUDA graphs capture it): `_count_kernel`
+writes each program's per-expert counts; `_scatter_kernel` (same grid) sums the rows before its own to
+find where its pairs go -- the same stable order -- and the programs share the padding, block-id and
+tail stores, each entry still written by exactly one program.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ import triton.language as tl
 from keel.layers.fused_moe.align import moe_align_block_size_torch
 from keel_kernels_triton.support import interpreter_enabled
 
-# The kernel is one program looping over the pairs; past this many pairs the torch version (parallel
-# over pairs) is expected to win. A tuning knob: decode steps captured in CUDA graphs sit well below it.
-ALIGN_TRITON_MAX_PAIRS = 1024
+# Up to this many pairs one program loops over them all (one launch); past it, two launches over
+# programs of `pairs_per_program(num_pairs)` pairs. A tuning knob.
+ALIGN_SINGLE_MAX_PAIRS = 256
 # Expert vectors one program holds; more experts keep the torch version.
 ALIGN_TRITON_MAX_EXPERTS = 1024
 _CHUNK = 32  # pairs per loop iteration: a [_CHUNK, experts] one-hot tile
@@ -103,15 +110,106 @@ def _align_kernel(
                  mask=tail & (pos % BLOCK_M == 0))
 
 
+def _count_kernel(
+    ids_ptr,  # [num_pairs] int, flat (token, slot) -> expert
+    counts_ptr,  # [num_programs, BLOCK_E] int32, written: each program's pairs per expert
+    num_pairs,
+    PAIRS: tl.constexpr,  # pairs per program
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    c_idx = tl.arange(0, CHUNK)
+    real_expert = e_idx[None, :] < NUM_EXPERTS
+    counts = tl.full((BLOCK_E,), 0, dtype=tl.int32)
+    for c in range(0, PAIRS, CHUNK):
+        pair = pid * PAIRS + c + c_idx
+        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+        onehot = ((ids[:, None] == e_idx[None, :]) & real_expert).to(tl.int32)  # [CHUNK, BLOCK_E]
+        counts += tl.reduce(onehot, 0, tl.standard._sum_combine)
+    tl.store(counts_ptr + pid * BLOCK_E + e_idx, counts)
+
+
+def _scatter_kernel(
+    ids_ptr,  # [num_pairs] int
+    counts_ptr,  # [num_programs, BLOCK_E] int32, from _count_kernel
+    sorted_ptr,  # [max_padded] int32, written
+    expert_ids_ptr,  # [max_padded // BLOCK_M] int32, written
+    total_ptr,  # [1] int32, written
+    num_pairs,
+    max_padded,
+    PAIRS: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    c_idx = tl.arange(0, CHUNK)
+    real_expert = e_idx[None, :] < NUM_EXPERTS
+    counts = tl.full((BLOCK_E,), 0, dtype=tl.int32)
+    before = tl.full((BLOCK_E,), 0, dtype=tl.int32)  # pairs per expert in earlier programs
+    for r in range(0, num_programs):
+        row = tl.load(counts_ptr + r * BLOCK_E + e_idx)
+        counts += row
+        before += tl.where(r < pid, row, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_start = tl.associative_scan(padded, 0, tl.standard._sum_combine) - padded
+    total = tl.reduce(padded, 0, tl.standard._sum_combine)
+
+    seen = padded_start + before
+    for c in range(0, PAIRS, CHUNK):
+        pair = pid * PAIRS + c + c_idx
+        live = pair < num_pairs
+        ids = tl.load(ids_ptr + pair, mask=live, other=-1).to(tl.int32)
+        onehot = ((ids[:, None] == e_idx[None, :]) & real_expert).to(tl.int32)  # [CHUNK, BLOCK_E]
+        base = tl.reduce(onehot * seen[None, :], 1, tl.standard._sum_combine)  # [CHUNK]
+        earlier = (ids[:, None] == ids[None, :]) & (c_idx[None, :] < c_idx[:, None])  # [CHUNK, CHUNK]
+        rank = tl.reduce(earlier.to(tl.int32), 1, tl.standard._sum_combine)
+        tl.store(sorted_ptr + base + rank, pair, mask=live & (ids >= 0) & (ids < NUM_EXPERTS))
+        seen += tl.reduce(onehot, 0, tl.standard._sum_combine)
+
+    if pid == 0:
+        tl.store(total_ptr, total)
+        m_idx = tl.arange(0, BLOCK_M)
+        pad_pos = (padded_start + counts)[:, None] + m_idx[None, :]  # [BLOCK_E, BLOCK_M]
+        tl.store(sorted_ptr + pad_pos, tl.full((BLOCK_E, BLOCK_M), 0, tl.int32) + num_pairs,
+                 mask=m_idx[None, :] < (padded - counts)[:, None])
+    # Each expert's blocks (block nth of every expert by program nth % num_programs), then the tail.
+    first_block = padded_start // BLOCK_M
+    num_blocks = padded // BLOCK_M
+    for nth in range(pid, tl.cdiv(num_pairs, BLOCK_M), num_programs):
+        tl.store(expert_ids_ptr + first_block + nth, e_idx, mask=nth < num_blocks)
+    t_idx = tl.arange(0, TAIL)
+    for p in range(pid * TAIL, max_padded, num_programs * TAIL):
+        pos = p + t_idx
+        tail = (pos >= total) & (pos < max_padded)
+        tl.store(sorted_ptr + pos, tl.full((TAIL,), 0, tl.int32) + num_pairs, mask=tail)
+        tl.store(expert_ids_ptr + pos // BLOCK_M, tl.full((TAIL,), 0, tl.int32),
+                 mask=tail & (pos % BLOCK_M == 0))
+
+
 @functools.cache
-def _jitted(interpret: bool) -> Any:
+def _jitted(interpret: bool, kernel: str = "align") -> Any:
     del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
-    return triton.jit(_align_kernel)
+    return triton.jit({"align": _align_kernel, "count": _count_kernel, "scatter": _scatter_kernel}[kernel])
+
+
+def pairs_per_program(num_pairs: int) -> int:
+    """Pairs one program of the two-launch path takes: a power of two >= 64, at most ~128 programs (each
+    scatter program reads every program's counts row)."""
+    return max(64, _next_pow2(-(-num_pairs // 128)))
 
 
 def align_triton_supported(num_pairs: int, num_experts: int) -> bool:
-    """Whether `moe_align_block_size` should use the kernel for this many pairs and experts."""
-    return num_pairs <= ALIGN_TRITON_MAX_PAIRS and num_experts <= ALIGN_TRITON_MAX_EXPERTS
+    """Whether `moe_align_block_size` should use the kernels for this many pairs and experts."""
+    del num_pairs  # any step size: one launch up to ALIGN_SINGLE_MAX_PAIRS, two past it
+    return num_experts <= ALIGN_TRITON_MAX_EXPERTS
 
 
 def moe_align_block_size(
@@ -154,6 +252,18 @@ def moe_align_block_size_triton(
                 f"{sorted_ids.numel()}, {expert_ids.numel()}, {total.numel()}"
             )
     block_e = _next_pow2(num_experts)
+    warps = 4 if block_e <= 256 else 8
+    if num_pairs > ALIGN_SINGLE_MAX_PAIRS:
+        pairs = pairs_per_program(num_pairs)
+        grid = (-(-num_pairs // pairs),)
+        counts = torch.empty((grid[0], block_e), dtype=torch.int32, device=device)
+        interp = interpreter_enabled()
+        _jitted(interp, "count")[grid](flat, counts, num_pairs, PAIRS=pairs, NUM_EXPERTS=num_experts,
+                                       BLOCK_E=block_e, CHUNK=_CHUNK, num_warps=warps)
+        _jitted(interp, "scatter")[grid](flat, counts, sorted_ids, expert_ids, total, num_pairs, max_padded,
+                                         PAIRS=pairs, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
+                                         CHUNK=_CHUNK, TAIL=_TAIL, num_warps=warps)
+        return sorted_ids, expert_ids, total
     _jitted(interpreter_enabled())[(1,)](
         flat,
         sorted_ids,
@@ -166,6 +276,6 @@ def moe_align_block_size_triton(
         BLOCK_E=block_e,
         CHUNK=_CHUNK,
         TAIL=_TAIL,
-        num_warps=4 if block_e <= 256 else 8,
+        num_warps=warps,
     )
     return sorted_ids, expert_ids, total

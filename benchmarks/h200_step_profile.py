@@ -1,0 +1,125 @@
+"""Where a big engine step's GPU time goes: per-kernel CUPTI profile of steady-state decode steps at a
+batch of B running requests (CUDA graphs replayed), and of one full prefill step, for the shapes of the
+keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py), with the same engine limits.
+
+    python benchmarks/h200_step_profile.py --arch dsv2lite|llama8b [--model-dir DIR] [--batch 256,64]
+        [--out FILE.json]
+
+Per batch: the wall time of `engine.step()` (median of 30 consecutive decode steps, every request past
+its prompt), the GPU time the profiler saw per step (kernels, graph replays included), their difference
+(host time not hidden behind the GPU), kernels per category and the top kernels. Dummy weights unless
+`--model-dir` names a checkpoint (for an MoE model the router then reads the same experts as vLLM did).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import h200_vs_vllm as vs  # noqa: E402  (shapes, limits, config writer)
+from h200_dsv2lite import profile_kernels  # noqa: E402
+
+
+def make_engine(model_dir: str, dummy: bool):
+    from keel.config import EngineArgs
+    from keel.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=model_dir, profile=os.environ.get("KEEL_PROFILE", "cuda"), dtype="bfloat16",
+        load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, seed=0, **vs.LIMITS))
+
+
+def decode_profile(engine, batch: int, vocab: int, seed: int) -> dict:
+    from keel.engine.sampling_params import SamplingParams
+
+    sched = engine.core.scheduler
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i, p in enumerate(vs.prompts(batch, vocab, seed)):
+        engine.add_request(f"d{seed}-{i}", {"prompt_token_ids": p}, params)
+    steps = 0
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        engine.step()
+        steps += 1
+    for _ in range(4):  # past the step that samples the last prompt's first token
+        engine.step()
+    walls = []
+    for _ in range(30):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    prof = profile_kernels(engine.step, steps=10)
+    wall_ms = statistics.median(walls) * 1e3
+    for r in list(sched.running):
+        engine.abort_request(r.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "running": batch, "prefill_steps": steps, "step_wall_ms_median": round(wall_ms, 3),
+            "step_wall_ms_min": round(min(walls) * 1e3, 3), "tok_s_at_this_batch": round(batch / wall_ms * 1e3),
+            "gpu_ms_per_step": round(prof.get("total_gpu_ms", 0.0), 3),
+            "host_not_hidden_ms": round(wall_ms - prof.get("total_gpu_ms", 0.0), 3), **prof}
+
+
+def prefill_profile(engine, vocab: int) -> dict:
+    """One step scheduling max_num_batched_tokens prompt tokens (64 prompts of 128)."""
+    from keel.engine.sampling_params import SamplingParams
+
+    n = vs.LIMITS["max_num_batched_tokens"] // vs.PROMPT_LEN
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    state = {"k": 0}
+
+    def one_prefill_step():
+        state["k"] += 1
+        for i, p in enumerate(vs.prompts(n, vocab, 1000 + state["k"])):
+            engine.add_request(f"p{state['k']}-{i}", {"prompt_token_ids": p}, params)
+        engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    walls = []
+    for _ in range(3):
+        t = time.perf_counter()
+        one_prefill_step()
+        walls.append(time.perf_counter() - t)
+    prof = profile_kernels(one_prefill_step, steps=2)
+    return {"tokens": n * vs.PROMPT_LEN, "wall_ms_median": round(statistics.median(walls) * 1e3, 2), **prof}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", choices=["llama8b", "dsv2lite"], default="dsv2lite")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--batch", default="256,64")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    model_dir = a.model_dir
+    if model_dir is None:
+        model_dir = tempfile.mkdtemp()
+        vs.write_config(Path(model_dir), a.arch)
+    vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
+    t = time.perf_counter()
+    engine = make_engine(model_dir, dummy=a.model_dir is None)
+    result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint",
+              "limits": vs.LIMITS, "commit": os.environ.get("KEEL_COMMIT", "?"),
+              "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
+    try:
+        for i, b in enumerate(int(x) for x in a.batch.split(",")):
+            result["decode"].append(decode_profile(engine, b, vocab, seed=500 + i))
+            print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "top_kernels"}), flush=True)
+        result["prefill"] = prefill_profile(engine, vocab)
+    finally:
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=1))
+        engine.shutdown()
+    print(json.dumps({"prefill_wall_ms": result["prefill"]["wall_ms_median"],
+                      "prefill_gpu_ms": result["prefill"].get("total_gpu_ms")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
