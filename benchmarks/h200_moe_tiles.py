@@ -41,11 +41,12 @@ from keel_kernels_triton.fused_moe.tile_config import (
     MoETileConfig,
     config_file_name,
     default_moe_tile_config,
+    read_tile_config_file,
     write_tile_config_file,
 )
 
 E, HIDDEN, INTER, TOP_K = 64, 2048, 1408, 6
-TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 LEGACY = MoETileConfig(16, 64, 32, 4, 3)  # the fixed tiles before tuning
 GRID = [
     # block_m 16: decode, weight streaming; deep K tiles and several stages keep loads in flight
@@ -58,8 +59,18 @@ GRID = [
     # block_m 64: prefill-sized steps
     (64, 64, 64, 4, 4), (64, 64, 64, 8, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
     (64, 128, 64, 8, 4), (64, 128, 128, 8, 3),
+    # prefill sizes: grouped program order (GROUP_SIZE_M), wider and taller tiles
+    (64, 128, 64, 4, 3, 1, 8), (64, 128, 64, 8, 3, 1, 8), (64, 256, 64, 8, 3, 1, 8), (128, 128, 64, 8, 3, 1, 8),
+    (128, 128, 64, 4, 3, 1, 8), (128, 128, 64, 8, 4, 1, 8), (128, 256, 64, 8, 3, 1, 8), (128, 64, 64, 4, 4, 1, 8),
+    (128, 128, 64, 8, 3), (64, 128, 64, 8, 3, 1, 16),
 ]
 GEMMS = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}  # name -> (N, K)
+
+
+def tc_tuned(n: int, k: int, device: str) -> dict:
+    """The shipped file's entries for this GEMM on `device` (token count -> config), or {}."""
+    path = CONFIG_DIR / config_file_name(E, n, k, device)
+    return read_tile_config_file(path) if path.is_file() else {}
 
 
 def copy_bandwidth_GBps() -> float:
@@ -110,7 +121,8 @@ def candidates(tokens: int) -> list[MoETileConfig]:
     for n, k in GEMMS.values():
         cfgs.add(default_tiles(tokens, n, k))
     keep = [c for c in cfgs if (c.block_m < 32 or tokens >= 16) and (c.block_m < 64 or tokens >= 64)
-            and (c.block_m > 16 or tokens <= 1024)]
+            and (c.block_m > 16 or tokens <= 1024) and (c.block_m < 128 or tokens >= 1024)
+            and (c.group_m == 1 or tokens >= 512)]
     return sorted(keep, key=lambda c: (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages))
 
 
@@ -181,7 +193,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also copy the config files and results here")
     ap.add_argument("--budget-s", type=float, default=120.0, help="stop measuring new token counts after this")
     ap.add_argument("--layers", type=int, default=8, help="distinct weight copies per timed graph")
+    ap.add_argument("--tokens", default=None,
+                    help="comma-separated token counts to measure; the others keep the shipped file's entries")
     args = ap.parse_args()
+    only = None if args.tokens is None else {int(t) for t in args.tokens.split(",")}
     start = time.perf_counter()
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth_GBps()
@@ -191,6 +206,11 @@ def main() -> None:
     results = []
     # decode sizes first: if the budget runs out, the large (prefill) sizes keep the default
     for tokens in TOKENS:
+        if only is not None and tokens not in only:
+            for g, (n, k) in GEMMS.items():
+                shipped = tc_tuned(n, k, device)
+                best[g][tokens] = shipped.get(tokens) or default_tiles(tokens, n, k)
+            continue
         if time.perf_counter() - start > args.budget_s:
             print(f"M={tokens}: not measured (time budget); default tiles")
             for g, (n, k) in GEMMS.items():
@@ -246,7 +266,8 @@ def main() -> None:
     files = []
     for g, (n, k) in GEMMS.items():
         path = CONFIG_DIR / config_file_name(E, n, k, device)
-        write_tile_config_file(path, {m: dataclasses.replace(c, split_k=None) for m, c in best[g].items()})
+        write_tile_config_file(path, {m: dataclasses.replace(c, split_k=c.split_k if m <= 16 else None)
+                                      for m, c in best[g].items()})
         files.append(path)
         print(f"wrote {path}")
     if args.out is not None:

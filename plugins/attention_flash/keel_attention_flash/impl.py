@@ -126,21 +126,25 @@ uniform speculative verify step), else the varlen kernel over
         g_pad = max(self.varlen_g_pad, -(-16 // q_pad)) if ql > 1 else self.decode_g_pad
         span = md.max_seq_len if not self.window else min(md.max_seq_len, self.window + ql - 1)
         splits = self.decode_splits or choose_num_splits(b, self.num_kv_heads, span, _sm_count(q.device))
-        part_out = torch.empty((b * ql, splits, self.num_heads, self.head_size), dtype=torch.float32,
+        direct = splits == 1
+        parts = 0 if direct else b * ql  # one split: the kernel writes `out` itself
+        part_out = torch.empty((parts, splits, self.num_heads, self.head_size), dtype=torch.float32,
                                device=q.device)
-        part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((parts, splits, self.num_heads), dtype=torch.float32, device=q.device)
         block_n, warps, stages = self.decode_launch
         if ql > 1 and q_pad * g_pad >= 64:
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
-            q, kv_cache, kv_cache.stride(0), part_out, part_lse,
+            q, kv_cache, kv_cache.stride(0), part_out, part_lse, out, out.stride(0), out.stride(1),
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
             q.stride(0), q.stride(1), self.sm_scale_log2,
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
-            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad,
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
             num_warps=warps, num_stages=stages,
         )
+        if direct:
+            return
         kernels.split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, out, common.query_start_loc, out.stride(0), out.stride(1),
             NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD=self.head_size,

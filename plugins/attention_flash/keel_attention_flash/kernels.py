@@ -145,18 +145,22 @@ def split_decode_kernel(
     q_ptr, cache_ptr, cache_kv_stride,
     part_out_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads, HEAD] float32, normalized per split
     part_lse_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads] float32, log2-sum-exp2 (-inf: empty split)
+    out_ptr, stride_ot, stride_oh,  # DIRECT: the attention output [num_tokens, num_heads, HEAD]
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qt, stride_qh,
     sm_scale_log2,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr,
+    QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """Flash-decoding: one program = one request x one KV head x one slice of the context.
 
     Every request has exactly QUERY_LEN new tokens (1: decode; more: a uniform speculative verify step),
     causal among themselves; rows = query token * G_PAD + head in group, Q_PAD = next power of two.
+    DIRECT (one split): the program writes the final output itself and the part buffers are unused -- no
+    float32 round trip and no reduce launch, which at big batches of short contexts cost as much as the
+    keys and values.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -197,11 +201,17 @@ def split_decode_kernel(
         )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    num_heads = NUM_KV_HEADS * GROUP
-    base = ((req.to(tl.int64) * QUERY_LEN + j) * NUM_SPLITS + split) * num_heads + head
-    tl.store(part_out_ptr + base[:, None] * HEAD + d[None, :], out, mask=q_mask)
-    tl.store(part_lse_ptr + base, lse, mask=row_ok)
+    if DIRECT:  # an empty context gives 0, as the reduce does
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        num_heads = NUM_KV_HEADS * GROUP
+        base = ((req.to(tl.int64) * QUERY_LEN + j) * NUM_SPLITS + split) * num_heads + head
+        # An empty split (a context shorter than the split capacity the launch was sized for) writes
+        # only its -inf lse; the reduce never reads its partial.
+        tl.store(part_out_ptr + base[:, None] * HEAD + d[None, :], out, mask=q_mask & ~empty[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
 
 @triton.jit
@@ -223,7 +233,7 @@ def split_reduce_kernel(
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)
     o = tl.load(part_out_ptr + base[:, None] * HEAD + d[None, :],
-                mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD), other=0.0)
+                mask=(s[:, None] < NUM_SPLITS) & (lse[:, None] > float("-inf")) & (d[None, :] < HEAD), other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tok = tl.load(query_start_ptr + req).to(tl.int64) + row % QUERY_LEN

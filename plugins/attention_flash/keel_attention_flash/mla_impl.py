@@ -149,6 +149,10 @@ class TritonMLAImpl:
         head_blocks = -(-self.num_heads // block_h)
         splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len,
                                                          _sm_count(q_c.device))
+        if splits == 1:  # one split: straight into the latent output, no partials and no reduce
+            self._launch((b, head_blocks, 1), q_c, q_pe, kv_cache, o_latent, None, md.decode_reqs, None,
+                         md, block_h, block_q, block_n, 1, warps, stages, query_len=ql)
+            return
         part_out = torch.empty((b * ql, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
                                device=q_c.device)
         part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q_c.device)

@@ -153,7 +153,8 @@ def mla_attention_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if SPLIT_OUT:
         part = ((tile.to(tl.int64) * QUERY_LEN + q_tok) * NUM_SPLITS + split) * NUM_HEADS + head
-        tl.store(out_ptr + part[:, None] * LORA + dl[None, :], out, mask=ql_mask)
+        # An empty split writes only its -inf lse; the reduce never reads its partial.
+        tl.store(out_ptr + part[:, None] * LORA + dl[None, :], out, mask=ql_mask & ~empty[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(lse_ptr + part, lse, mask=row_ok)
     else:
@@ -189,7 +190,7 @@ def mla_split_reduce_kernel(
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)
     o = tl.load(part_out_ptr + part[:, None] * LORA + dl[None, :],
-                mask=(s[:, None] < NUM_SPLITS) & (dl[None, :] < LORA), other=0.0)
+                mask=(s[:, None] < NUM_SPLITS) & (lse[:, None] > float("-inf")) & (dl[None, :] < LORA), other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     q_start = tl.load(query_start_ptr + req)

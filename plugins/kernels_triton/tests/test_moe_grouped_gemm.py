@@ -23,10 +23,11 @@ CONFIGS = [
     MoETileConfig(16, 32, 32, 4, 1),
     MoETileConfig(32, 64, 16, 4, 1),
     MoETileConfig(64, 32, 64, 4, 1),  # block_k past K: the masked tail is the whole tile
+    MoETileConfig(16, 16, 32, 4, 1, group_m=4),  # grouped program order; groups cut short at the end
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}g{c.group_m}")
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (19, 3)])
 def test_explicit_tiles_match_torch(cfg, tokens, top_k):
     x, w13, w2, w, ids = random_moe(tokens + cfg.block_m, tokens, 40, 24, 8, top_k, used=[1, 4, 5, 7])

@@ -35,7 +35,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
-             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
     for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         seen = set()
         for tokens in (1, 16, 64, 256, 4096):  # DeepSeek-V2-Lite: both GEMMs, every heuristic regime
@@ -49,7 +49,8 @@ COMPILE_SCRIPT = textwrap.dedent('''
                 c_ty = "fp32" if c.split_k > 1 else ty
                 sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}", "c_ptr": f"*{c_ty}",
                        "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
-                       "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr", "num_valid_tokens": "i32"}
+                       "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr", "num_valid_tokens": "i32",
+                       "num_m_blocks": "i32"}
                 sig.update({s: "i32" for s in ("stride_am", "stride_ak", "stride_as", "stride_be", "stride_bn",
                                                "stride_bk", "stride_cm", "stride_cn", "stride_cs")})
                 sig.update({name: "constexpr" for name in names})
@@ -58,8 +59,10 @@ COMPILE_SCRIPT = textwrap.dedent('''
                 consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=not w13,
                               MUL_ROUTED_WEIGHT=not w13, DOT_PRECISION="ieee" if ty == "fp32" else "tf32",
                               UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
-                              BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
+                              BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=1)
                 compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
+                if tokens == 4096 and ty == "bf16":  # prefill sizes: the grouped program order too
+                    compile_(M._jitted(False), sig, {**consts, "GROUP_M": 8}, c.num_warps, c.num_stages)
         for splits in (1, 4):
             d_ty = "fp32" if splits > 1 else ty
             sum_sig = {"down_ptr": f"*{d_ty}", "out_ptr": f"*{ty}", "residual_ptr": f"*{ty}", "H": "i32",

@@ -102,10 +102,15 @@ def test_bad_files_and_values_raise_typed_errors(fake_h200):
 
 
 def test_write_read_round_trip(tmp_path):
-    cfgs = {2: MoETileConfig(16, 64, 256, 4, 5), 1: MoETileConfig(16, 32, 128, 8, 4)}
+    cfgs = {2: MoETileConfig(16, 64, 256, 4, 5), 1: MoETileConfig(16, 32, 128, 8, 4),
+            4096: MoETileConfig(128, 128, 64, 8, 3, group_m=8)}
     write_tile_config_file(tmp_path / "x.json", cfgs)
     assert read_tile_config_file(tmp_path / "x.json") == cfgs
-    assert list(json.loads((tmp_path / "x.json").read_text())) == ["1", "2"]  # sorted by token count
+    body = json.loads((tmp_path / "x.json").read_text())
+    assert list(body) == ["1", "2", "4096"]  # sorted by token count
+    assert body["4096"]["GROUP_SIZE_M"] == 8 and "GROUP_SIZE_M" not in body["1"]  # vLLM's key; absent = 1
+    with pytest.raises(MoETileConfigError, match="group_m"):
+        MoETileConfig(16, 64, 64, group_m=0)
 
 
 def test_shipped_files_are_valid_and_packaged():

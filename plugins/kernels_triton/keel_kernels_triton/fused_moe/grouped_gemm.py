@@ -53,6 +53,7 @@ def _fused_moe_kernel(
     K: tl.constexpr,  # the reduction size (hidden or intermediate): two values per model, so constexpr;
     # a runtime K trips older interpreters' range() over a scalar tensor
     num_valid_tokens,
+    num_m_blocks,  # GROUP_M > 1: M-blocks of the 1-D grid (program_id(0) = M-block x N-block)
     stride_am,
     stride_ak,
     stride_as,  # between A's float32 partials (A_SPLITS > 1)
@@ -73,12 +74,21 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # 1: grid (M-blocks, N-blocks); > 1: 1-D grid, groups of GROUP_M M-blocks
 ):
     # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight), or with
     # SPLIT_K > 1 the same over the K slice of program_id(2), into that slice's float32 partial.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
+    if GROUP_M > 1:  # M-block fastest within a group of GROUP_M, then N-block, then the next group
+        num_n_blocks = (N + BLOCK_N - 1) // BLOCK_N
+        pid = tl.program_id(0)
+        per_group = GROUP_M * num_n_blocks
+        first_m = (pid // per_group) * GROUP_M
+        group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_size
+        pid_n = (pid % per_group) // group_size
     num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
     if pid_m * BLOCK_M >= num_tokens_post_padded:
         return
@@ -141,7 +151,8 @@ def _jitted(interpret: bool) -> Any:
     # specializing on their divisibility by 16 keeps one compiled variant per tile config, so the startup
     # warm-up's power-of-two token counts cover every count a step can have (an H200 run compiled two
     # more variants in its first batch).
-    return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens", "stride_as", "stride_cs"])
+    return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens", "num_m_blocks", "stride_as",
+                                                            "stride_cs"])
 
 
 def live_block_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -185,10 +196,11 @@ def invoke_fused_moe_kernel(
     grid_m = min(expert_ids.numel(), live_block_bound(rows, b.shape[0], config.block_m))
     per_split = -(-k // split)
     k_slice = -(-per_split // config.block_k) * config.block_k  # whole BLOCK_K tiles per slice
-    grid = (grid_m, -(-n // config.block_n), split)
+    grid_n = -(-n // config.block_n)
+    grid = (grid_m, grid_n, split) if config.group_m == 1 else (grid_m * grid_n, 1, split)
     kernel[grid](
         a, b, c, topk_weights if topk_weights is not None else c2, sorted_ids, expert_ids, total,
-        n, k, rows,
+        n, k, rows, grid_m,
         a2.stride(0), a2.stride(1), a.stride(0) if a.dim() == 3 else 0,
         b.stride(0), b.stride(1), b.stride(2),
         c2.stride(0), c2.stride(1), c.stride(0) if c.dim() == 3 else 0,
@@ -204,6 +216,7 @@ def invoke_fused_moe_kernel(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -41,6 +41,7 @@ CONFIG_DIR_ENV = "KEEL_MOE_TILE_CONFIG_DIR"
 _JSON_KEYS = {"block_m": "BLOCK_SIZE_M", "block_n": "BLOCK_SIZE_N", "block_k": "BLOCK_SIZE_K",
               "num_warps": "num_warps", "num_stages": "num_stages"}
 _SPLIT_KEY = "SPLIT_K"  # optional: absent means the small-M rule decides
+_GROUP_KEY = "GROUP_SIZE_M"  # optional (vLLM's key): absent means 1, M-blocks fastest over a 2-D grid
 # Steps of at most this many tokens take the small-M (split-K) path unless a tuned entry says otherwise:
 # at top-6 of 64 experts a 16-token step still leaves most experts with one or two rows.
 SMALL_M_MAX_TOKENS = 16
@@ -54,7 +55,10 @@ class MoETileConfigError(ValueError):
 class MoETileConfig:
     """Launch parameters of one `_fused_moe_kernel` launch. `block_m` is also the padding unit of
     `moe_align_block_size`, so both GEMMs of one MoE call share it. `split_k` > 1: the small-M path with
-    that many K slices; None (read from a file entry without "SPLIT_K"): resolved by the lookup."""
+    that many K slices; None (read from a file entry without "SPLIT_K"): resolved by the lookup.
+    `group_m` > 1: programs walk groups of that many M-blocks across every N-block before the next group
+    (the activation rows and the expert's weight tiles of a group stay in L2 at prefill sizes, where a
+    grid with M-blocks fastest reads the activations once per N-block)."""
 
     block_m: int
     block_n: int
@@ -62,6 +66,7 @@ class MoETileConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int | None = 1
+    group_m: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -74,11 +79,15 @@ class MoETileConfig:
             raise MoETileConfigError(f"num_stages must be a positive int, got {self.num_stages!r}")
         if self.split_k is not None and (not isinstance(self.split_k, int) or not 1 <= self.split_k <= 64):
             raise MoETileConfigError(f"split_k must be an int in 1..64, got {self.split_k!r}")
+        if not isinstance(self.group_m, int) or not 1 <= self.group_m <= 64:
+            raise MoETileConfigError(f"group_m must be an int in 1..64, got {self.group_m!r}")
 
     def to_json(self) -> dict[str, int]:
         body = {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
         if self.split_k is not None:
             body[_SPLIT_KEY] = self.split_k
+        if self.group_m != 1:
+            body[_GROUP_KEY] = self.group_m
         return body
 
     @classmethod
@@ -86,10 +95,11 @@ class MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - {_SPLIT_KEY})
+        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - {_SPLIT_KEY, _GROUP_KEY})
         if unknown:
             raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
-        return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY))
+        return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY),
+                   group_m=entry.get(_GROUP_KEY, 1))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:

@@ -1,0 +1,160 @@
+"""Decode attention alone, as the engine's CUDA graphs run it: Llama-3-8B's GQA (triton_flash) and
+DeepSeek-V2-Lite's MLA (triton_mla) over batch x context x split count x launch configuration.
+
+    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick]
+
+The graphs are captured with max_seq_len = max_model_len (4096 here), so the split count a batch size
+gets is fixed at capture while real contexts are often far shorter; this sweep times the kernels in
+that situation (metadata max_seq_len 4096, every request's context `ctx`), as graph replays (no Python
+launch gaps), and reports ms per layer and the fraction of measured copy bandwidth the cached K/V (or
+latent) bytes represent. `default` is the split count the engine would choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+CAPTURE_MAX_SEQ = 4096
+BLOCK = 16
+
+
+def events_ms(fn, iters: int = 50, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_GBps() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = events_ms(lambda: y.copy_(x), iters=20)
+    return 2 * x.numel() / ms / 1e6
+
+
+def common_md(batch: int, ctx: int):
+    from keel.attention.metadata import CommonAttentionMetadata
+
+    blocks_per = -(-(ctx + 1) // BLOCK)
+    num_blocks = batch * blocks_per + 1
+    perm = torch.randperm(num_blocks - 1, device="cuda").to(torch.int32) + 1
+    table = torch.zeros(batch, CAPTURE_MAX_SEQ // BLOCK, dtype=torch.int32, device="cuda")
+    table[:, :blocks_per] = perm.view(batch, blocks_per)
+    seq = torch.full((batch,), ctx + 1, dtype=torch.int32)
+    pos = seq.long() - 1
+    slots = table.long().cpu()[torch.arange(batch), pos // BLOCK] * BLOCK + pos % BLOCK
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        query_start_loc_cpu=torch.arange(batch + 1, dtype=torch.int32), seq_lens=seq.cuda(), seq_lens_cpu=seq,
+        block_table=table, slot_mapping=slots.cuda(), num_reqs=batch, num_actual_tokens=batch, max_query_len=1,
+        max_seq_len=CAPTURE_MAX_SEQ, block_size=BLOCK)
+    return common, num_blocks
+
+
+def graph_ms(fn) -> float:
+    for _ in range(2):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return events_ms(g.replay)
+
+
+def flash_case(batch: int, ctx: int, splits, launch) -> float:
+    from keel_attention_flash.backend import TritonFlashAttentionBackend
+    from keel_attention_flash.impl import TritonFlashAttentionImpl
+
+    from keel.attention.backend import AttentionLayerConfig
+
+    h, hkv, d = 32, 8, 128
+    common, num_blocks = common_md(batch, ctx)
+    cache = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda")
+    md = TritonFlashAttentionBackend.get_metadata_builder(torch.device("cuda")).build(common)
+    q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(batch, hkv, d, dtype=torch.bfloat16, device="cuda"), torch.randn(
+        batch, hkv, d, dtype=torch.bfloat16, device="cuda")
+    impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK),
+                                    decode_splits=splits, decode_launch=launch)
+    return graph_ms(lambda: impl.forward(q, k, v, cache, md))
+
+
+def mla_case(batch: int, ctx: int, splits, launch) -> float:
+    from keel_attention_flash.mla_backend import TritonMLABackend
+    from keel_attention_flash.mla_impl import TritonMLAImpl
+
+    from keel.attention.backend import AttentionLayerConfig
+
+    H, N, R, V, L = 16, 128, 64, 128, 512
+    layer = AttentionLayerConfig(
+        num_heads=H, num_kv_heads=1, head_size=L + R, scale=(N + R) ** -0.5, dtype=torch.bfloat16,
+        block_size=BLOCK, use_mla=True,
+        extra=(("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)))
+    common, num_blocks = common_md(batch, ctx)
+    cache = torch.randn(num_blocks, BLOCK, L + R, dtype=torch.bfloat16, device="cuda")
+    impl = TritonMLAImpl(layer, decode_splits=splits, decode_launch=launch)
+    impl.process_weights_after_loading(torch.randn(H, N, L, dtype=torch.bfloat16, device="cuda") / L**0.5,
+                                       torch.randn(H, V, L, dtype=torch.bfloat16, device="cuda") / L**0.5)
+    md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
+    q = torch.randn(batch, H, N + R, dtype=torch.bfloat16, device="cuda")
+    kv_c = torch.randn(batch, L, dtype=torch.bfloat16, device="cuda")
+    k_pe = torch.randn(batch, R, dtype=torch.bfloat16, device="cuda")
+    return graph_ms(lambda: impl.forward(q, kv_c, k_pe, cache, md))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    bw = copy_bandwidth_GBps()
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    shapes = [(256, 192), (256, 640), (64, 192), (64, 1024), (1, 192), (1, 2048)]
+    split_opts = [None, 1, 2, 4, 8, 16]
+    flash_launches = [None, (64, 4, 1), (32, 4, 2), (32, 2, 2), (64, 2, 2), (128, 4, 1), (16, 2, 2), (64, 8, 2)]
+    mla_launches = [None, (16, 32, 4, 2), (16, 16, 4, 2), (16, 64, 8, 1), (16, 32, 8, 1), (16, 16, 8, 3)]
+    if a.quick:
+        shapes, flash_launches, mla_launches = shapes[:2], flash_launches[:2], mla_launches[:2]
+    rows = []
+    # Cached bytes per context token and layer: K and V of 8 KV heads x 128 (bf16); one 576-wide latent.
+    for kind, case, launches, per_token in (("flash", flash_case, flash_launches, 8 * 128 * 2 * 2),
+                                            ("mla", mla_case, mla_launches, 576 * 2)):
+        for batch, ctx in shapes:
+            kv_bytes = batch * (ctx + 1) * per_token
+            best = None
+            for launch in launches:
+                for splits in split_opts:
+                    try:
+                        ms = case(batch, ctx, splits, launch)
+                    except Exception as exc:  # noqa: BLE001 -- a config that does not fit is a data point
+                        rows.append({"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
+                                     "error": repr(exc)[:160]})
+                        continue
+                    row = {"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
+                           "us": round(ms * 1e3, 2), "bw_frac": round(kv_bytes / ms / 1e6 / bw, 3)}
+                    rows.append(row)
+                    if best is None or ms < best[0]:
+                        best = (ms, row)
+            default = next(r for r in rows if r["kind"] == kind and r["batch"] == batch and r["ctx"] == ctx
+                           and r["launch"] is None and r["splits"] is None and "us" in r)
+            print(json.dumps({"kind": kind, "batch": batch, "ctx": ctx, "default_us": default["us"],
+                              "default_bw": default["bw_frac"], "best": best[1] if best else None}), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"copy_bw_GBps": bw, "device": torch.cuda.get_device_name(),
+                                           "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
