@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic) plus vLLM's extra sampling fields, and the request error type.
 
 Validation is strict on types (a string where a number belongs is a 400, never coerced) and open on
-fields: unknown fields are accepted and ignored, since OpenAI clients send extras. Ranges OpenAI defines
+fields: unknown fields are accepted and ignored, since OpenAI clients send extras -- except fields whose
+meaning we know and do not implement (`unsupported.py`), which are a 400 naming them. Ranges OpenAI defines
 (max_tokens >= 1, logprobs <= 20, ...) are checked here; the rest by `SamplingParams`.
 """
 
@@ -148,5 +149,8 @@ def validate(model: type[SamplingFields], payload: Any, prefix: str) -> Any:
         request = model.model_validate(payload)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    from keel_io_processors.unsupported import check_unsupported
+
+    check_unsupported(request, chat=isinstance(request, ChatCompletionRequest))
     request.stamp(prefix)
     return request
