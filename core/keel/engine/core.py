@@ -15,6 +15,8 @@ from keel.engine.request import EngineCoreRequest
 from keel.engine.scheduler import Scheduler
 from keel.kv_cache.manager import KVCacheManager
 from keel.platform import select_platform
+from keel.structured_output.backend import BackendContext
+from keel.structured_output.manager import StructuredOutputManager, select_backend
 
 logger = logging.getLogger("keel.engine")
 
@@ -57,6 +59,7 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
             async_scheduling=self.async_scheduling,
+            structured_output=self._structured_output_manager(),
         )
         # Async scheduling: launched steps not yet applied, oldest first (at most two).
         self._in_flight: deque = deque()
@@ -68,6 +71,24 @@ class EngineCore:
             self.platform.name, num_blocks - 1, spec.block_size, self.max_model_len,
             "on" if self.async_scheduling else "off",
         )
+
+    def _structured_output_manager(self) -> StructuredOutputManager | None:
+        """None when no `structured_output` plugin is loaded, or when the front end refuses constrained
+        requests anyway (speculative decoding, no tokenizer)."""
+        backend = select_backend(self.plugins)
+        mc = self.config.model
+        if backend is None or self.config.speculative is not None or mc.skip_tokenizer_init:
+            return None
+
+        def context() -> BackendContext:
+            # The core sees token ids only; the grammar library needs the vocabulary's strings.
+            from keel.engine.llm_engine import _eos_token_id, load_tokenizer
+
+            tokenizer = load_tokenizer(self.config)
+            return BackendContext(tokenizer=tokenizer, vocab_size=mc.hf_config.vocab_size,
+                                  eos_token_id=_eos_token_id(tokenizer, mc.hf_config))
+
+        return StructuredOutputManager(backend, context, mc.hf_config.vocab_size)
 
     @property
     def worker(self):
@@ -95,6 +116,8 @@ class EngineCore:
         if not self._shut_down:
             self._shut_down = True
             self.executor.shutdown()
+            if self.scheduler.structured_output is not None:
+                self.scheduler.structured_output.shutdown()
             self._hooks.keel_shutdown()
 
     def check_health(self) -> None:

@@ -55,6 +55,7 @@ class LLM:
         for p, sp in zip(prompts, params):  # validate all first: one bad prompt queues nothing
             engine.processor.process_prompt(p)
             engine.processor.check_token_ids(sp)
+            engine.processor.check_structured_outputs(sp)
         ids = []
         for prompt, sp in zip(prompts, params):
             rid = engine.next_request_id()

@@ -17,6 +17,7 @@ from keel.engine.output_processor import OutputProcessor, RequestOutputKind
 from keel.engine.outputs import RequestOutput
 from keel.engine.processor import Processor
 from keel.engine.sampling_params import SamplingParams
+from keel.structured_output.manager import select_backend
 
 logger = logging.getLogger("keel.engine")
 
@@ -75,6 +76,8 @@ class LLMEngine:
             eos_token_id=_eos_token_id(self.tokenizer, hf_config),
             seed=config.model.seed,
             generation_config=config.model.generation_config_fields,
+            structured_output_backend=select_backend(config.plugin_set()),
+            speculative=config.speculative is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0

@@ -26,9 +26,12 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
-                 seed: int = 0, generation_config: Mapping[str, Any] | None = None) -> None:
+                 seed: int = 0, generation_config: Mapping[str, Any] | None = None,
+                 structured_output_backend: type | None = None, speculative: bool = False) -> None:
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
+        self.structured_output_backend = structured_output_backend  # `structured_output` class, or None
+        self.speculative = speculative
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -83,6 +86,22 @@ class Processor:
             if bad:
                 raise ParamError(field, f"{field}: token id(s) {_ids(bad)} out of vocabulary range [0, {self.vocab_size})")
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """A constraint must be one the backend can compile and the engine can enforce; checked before
+        queuing (the backend's own `validate`, which names the problem: HTTP 400 in the server)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if self.structured_output_backend is None:
+            raise ValueError("structured_outputs needs a structured_output backend plugin "
+                             "(e.g. keel-structured-output-xgrammar); none is loaded")
+        if self.speculative:
+            raise ValueError("structured_outputs is not supported with speculative decoding yet "
+                             "(drafts are not checked against the grammar); serve without speculative_config")
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init=True was given)")
+        self.structured_output_backend.validate(constraint)
+
     def max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
         return room if params.max_tokens is None else min(params.max_tokens, room)
@@ -93,6 +112,7 @@ class Processor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init")
         self.check_token_ids(params)
+        self.check_structured_outputs(params)
         if self.generation_config.get("eos_token_id"):
             # the model's extra end-of-turn ids stop it too (Llama-3.x / Qwen2.5 chat turns end on them);
             # on a copy: the caller's params may serve other requests and engines

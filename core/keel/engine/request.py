@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from keel.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from keel.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -75,6 +79,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.first_scheduled_time: float | None = None
+        # Structured outputs: the constraint's compile, then its grammar (set by the scheduler).
+        self.structured_output: StructuredOutputRequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

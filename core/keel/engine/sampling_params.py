@@ -22,6 +22,7 @@ from keel.engine.limits import (
     check_int,
     is_int,
 )
+from keel.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # What the output must match (JSON schema, regex, choice, grammar); a dict is converted.
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Derived; not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
@@ -136,6 +139,13 @@ class SamplingParams:
             check_int("stop_token_ids", t, 0, what=f"a list of non-negative integers (at most {INT64_MAX})")
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            except ParamError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise ParamError("structured_outputs", str(exc)) from None
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -10,10 +10,16 @@ request whose step N samples a token carries an output placeholder until `update
 token, and step N+1 already computes the placeholder position (the runner feeds it the sampled token
 on the device). A request whose placeholders will finish it (max_tokens, max_model_len) is not
 scheduled again; one that stops on a token wastes at most one step's slot, never a wrong token.
+
+Structured outputs: a constrained request waits in the queue until its grammar has compiled (other
+requests pass it), and each step that samples for it carries its allowed tokens (`grammar_bitmask`).
+Its grammar must have seen every earlier token, so with async scheduling it is not scheduled while a
+token of it is in flight (it samples every other step; unconstrained requests are unaffected).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 
@@ -26,6 +32,9 @@ from keel.engine.scheduler_output import (
     SchedulerOutput,
 )
 from keel.kv_cache.manager import KVCacheManager
+from keel.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger("keel.engine")
 
 
 class Scheduler:
@@ -38,6 +47,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_spec_tokens: int = 0,
         async_scheduling: bool = False,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         if async_scheduling and num_spec_tokens:
             raise ValueError("async scheduling does not support speculative decoding yet")
@@ -48,6 +58,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
+        self.structured_output = structured_output
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -56,6 +67,8 @@ class Scheduler:
         self._forget: set[str] = set()
         # Requests already sent to the runner (so later steps send only the delta).
         self._known_to_runner: set[str] = set()
+        # Outputs decided outside a step (a constraint that failed to compile), reported by the next apply.
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- requests in and out
@@ -64,6 +77,11 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         request = Request(req, max_tokens)
+        constraint = req.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs needs a structured_output backend plugin; none is loaded")
+            request.structured_output = self.structured_output.add_request(constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -98,7 +116,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_output_placeholders and self._placeholders_finish(request):
+            if request.num_output_placeholders and (
+                    request.structured_output is not None or self._placeholders_finish(request)):
                 i += 1
                 continue
             num_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
@@ -129,10 +148,16 @@ class Scheduler:
             i += 1
 
         # Waiting requests, only if nothing was preempted this step (no thrashing).
+        compiling: list[Request] = []  # constrained requests whose grammar is not ready: they keep their place
         while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resume once it has arrived
+            if request.structured_output is not None and not self._constraint_ready(request):
+                if request.is_finished:
+                    continue
+                compiling.append(self.waiting.popleft())
+                continue
             if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             else:  # every prompt position must be computed to report its logprobs
@@ -155,6 +180,7 @@ class Scheduler:
             self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -167,12 +193,33 @@ class Scheduler:
         self._forget = set()
         # The scheduler assumes scheduled tokens will be computed; rejected drafts are rolled back in
         # update_from_output.
+        constrained: list[Request] = []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            if self.async_scheduling and request.num_computed_tokens == request.num_tokens_with_placeholders:
+            samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+            if samples and request.structured_output is not None:
+                constrained.append(request)
+            if self.async_scheduling and samples:
                 request.num_output_placeholders += 1  # this step samples the next token
+        if constrained:
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(
+                [r.request_id for r in constrained], [r.structured_output.grammar for r in constrained])
         return output
+
+    def _constraint_ready(self, request: Request) -> bool:
+        """Whether a waiting constrained request's grammar has compiled; one that failed is finished
+        here (reported by the next `update_from_output`)."""
+        so = request.structured_output
+        if not so.is_ready():
+            return False
+        if so.error is None:
+            return True
+        logger.warning("request %s: its structured_outputs constraint failed to compile: %s",
+                       request.request_id, so.error)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+        return False
 
     def _placeholders_finish(self, request: Request) -> bool:
         """The tokens in flight already reach max_tokens or max_model_len: nothing more to compute."""
@@ -239,7 +286,8 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self._pending_outputs
+        self._pending_outputs = []
         requests, stats = self.requests, self.stats
         # Hoisted: at hundreds of requests per step the per-request lookups are the cost.
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -268,6 +316,8 @@ class Scheduler:
                 status = self._check_stop(request, token)
                 if status is not None:
                     break
+            if request.structured_output is not None and new_tokens:
+                status = self._advance_grammar(request, new_tokens) or status
             stats.generation_tokens_total += len(new_tokens)
 
             prompt_lp = prompt_lps.get(rid) if prompt_lps else None
@@ -291,6 +341,17 @@ class Scheduler:
                 self._set_drafts(request, spec_ids.get(rid) if spec_ids else None)
             outputs.append(out)
         return outputs
+
+    def _advance_grammar(self, request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Feed committed tokens to the request's grammar. A grammar that has accepted its end stops the
+        request (also with ignore_eos); a token it refuses (only possible when another mask banned every
+        allowed token, e.g. min_tokens against a forced EOS) aborts it rather than emit invalid output."""
+        grammar = request.structured_output.grammar
+        if not grammar.accept_tokens(tokens):
+            logger.warning("request %s: token(s) %s violate its structured_outputs constraint; aborting it",
+                           request.request_id, tokens)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
 
     def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
         """Keep only drafts that could still be emitted (lengths, max_tokens: one token is always new)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keel.engine.sampling_params import SamplingParams
+from keel.structured_output.manager import GrammarBitmask
 
 
 @dataclass
@@ -42,6 +43,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Allowed tokens of the constrained requests that sample this step (structured outputs), or None.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -25,6 +25,7 @@ KINDS: tuple[str, ...] = (
     "spec_decoder",
     "custom_op",
     "executor",
+    "structured_output",
 )
 
 

@@ -21,6 +21,7 @@ from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
+from keel.layers.token_bitmask import apply_token_bitmask
 from keel.spec_decode.proposer import DraftInput, DraftProposer
 from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
 from keel.worker.input_batch import InputBatch, table_width
@@ -289,6 +290,14 @@ class ModelRunner:
         if one_each:
             for name, arr in self.sampling_state.host_arrays(batch, sample_batch_rows, self.vocab_size).items():
                 arrays["sampling." + name] = arr
+        grammar = so.grammar_bitmask
+        if grammar is not None:
+            if so.scheduled_spec_decode_tokens:
+                raise RuntimeError("structured outputs with draft tokens: the front end should have refused this")
+            logits_row = {req_ids[b]: j for j, b in enumerate(sampling_idx.tolist())}
+            arrays["grammar_rows"] = np.fromiter((logits_row[r] for r in grammar.req_ids), dtype=np.int64,
+                                                 count=len(grammar.req_ids))
+            arrays["grammar_bitmask"] = grammar.bitmask.numpy()
         t = self.staging.stage(arrays)
         input_ids = t["input_ids"]
         if fixups is not None:
@@ -327,8 +336,9 @@ class ModelRunner:
                 self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out)
             else:
                 staged = {k[9:]: v for k, v in t.items() if k.startswith("sampling.")} if one_each else None
+                constraint = (t["grammar_bitmask"], t["grammar_rows"]) if grammar is not None else None
                 launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
-                                               out, staged=staged)
+                                               out, staged=staged, constraint=constraint)
         query_start = step.query_start_loc.tolist()
         if hidden is not None and self._any_prompt_logprobs(states):
             self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
@@ -345,15 +355,18 @@ class ModelRunner:
 
     def _sample_one_each(self, states, sample_batch_rows: np.ndarray, sampling_idx: np.ndarray,
                          sample_rows: torch.Tensor, hidden, out: ModelRunnerOutput,
-                         staged: dict[str, torch.Tensor] | None = None) -> SampledLaunch | None:
+                         staged: dict[str, torch.Tensor] | None = None,
+                         constraint: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledLaunch | None:
         """A step without drafts: one sampled token per sampling request, metadata from the input batch.
 
         sample_batch_rows: [S] InputBatch rows; sampling_idx: [S] batch indices; sample_rows: [S] rows
-        of `hidden` (device). Enqueues sampling and the copy of the tokens to the host; the tokens'
+        of `hidden` (device); constraint: the step's grammar bitmask [R, W] and its logits rows [R]
+        (device), applied before sampling. Enqueues sampling and the copy of the tokens to the host; the tokens'
         values reach the input batch and `out` when the returned launch is committed.
         """
         batch = self.input_batch
-        result = None if hidden is None else self._sample(hidden, sample_rows, sample_batch_rows, staged)
+        result = None if hidden is None else self._sample(hidden, sample_rows, sample_batch_rows, staged,
+                                                                constraint)
         sampled = None if result is None else result.sampled_token_ids  # [S] int64, device
         if self.pipeline is not None:  # every stage appends the last stage's tokens
             sampled = self.pipeline.share_sampled(sampled, int(sample_batch_rows.shape[0]))
@@ -383,8 +396,11 @@ class ModelRunner:
         )
 
     def _sample(self, hidden, sample_rows: torch.Tensor, sample_batch_rows: np.ndarray,
-                staged: dict[str, torch.Tensor] | None):
-        """Logits at `sample_rows` of `hidden` and the sampler's result for those batch rows."""
+                staged: dict[str, torch.Tensor] | None,
+                constraint: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Logits at `sample_rows` of `hidden` and the sampler's result for those batch rows; a
+        constraint (grammar bitmask [R, W], its logits rows [R]) masks the logits first, so every path
+        that samples (eager, CUDA graphs, the last pipeline stage) applies it."""
         logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
         vocab = logits.shape[-1]
         if self.vocab_size is None:
@@ -392,6 +408,8 @@ class ModelRunner:
         elif vocab != self.vocab_size:
             raise RuntimeError(f"the model's logits have {vocab} columns, expected {self.vocab_size}")
         meta = self.sampling_state.build(self.input_batch, sample_batch_rows, vocab, staged=staged)
+        if constraint is not None:
+            logits = apply_token_bitmask(logits, *constraint)
         return self.sampler(logits, meta)
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from keel.engine.sampling_params import SamplingParams
 from keel_io_processors.protocol import InvalidRequestError, SamplingFields
+from keel_io_processors.structured import structured_outputs
 
 
 def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -35,6 +36,7 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "logit_bias": request.logit_bias,  # string keys: SamplingParams turns them into token ids
+        "structured_outputs": structured_outputs(request),
     }
     try:
         return SamplingParams(**kwargs)

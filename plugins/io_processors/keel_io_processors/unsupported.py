@@ -13,14 +13,6 @@ from keel_io_processors.protocol import InvalidRequestError
 
 # field -> what it asks for (for the message); both endpoints.
 _COMMON = {
-    "response_format": "structured outputs",
-    "structured_outputs": "structured outputs",
-    "guided_json": "structured outputs",
-    "guided_regex": "structured outputs",
-    "guided_choice": "structured outputs",
-    "guided_grammar": "structured outputs",
-    "guided_decoding_backend": "structured outputs",
-    "guided_whitespace_pattern": "structured outputs",
     "structural_tag": "structured outputs",
     "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",

@@ -1,0 +1,34 @@
+"""Applying a packed token bitmask to logits on the device: structured outputs' per-step constraint.
+
+The bitmask arrives int32 `[R, ceil(vocab / 32)]` (bit `t % 32` of word `t // 32` = token t allowed,
+`keel.structured_output.backend`) for R of the step's S sampling rows. Unpacking and masking are plain
+tensor ops of static shape per (R, vocab): no host sync, nothing the sampler's graph-free path cannot
+run on any device. A platform may later bind a fused kernel here; this is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpack_token_bitmask(
+    bitmask: torch.Tensor,  # [R, W] int32
+    vocab_size: int,
+) -> torch.Tensor:  # [R, vocab_size] bool, True = allowed
+    rows, words = bitmask.shape
+    if vocab_size > words * 32:
+        raise ValueError(f"a token bitmask of {words} words covers {words * 32} tokens, not {vocab_size}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    # Arithmetic shift of a negative word still leaves bit 31 in the lowest bit: `& 1` is exact.
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.view(rows, words * 32)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [S, vocab] float
+    bitmask: torch.Tensor,  # [R, W] int32, on the logits' device
+    rows: torch.Tensor,  # [R] int64: the logits row each bitmask row constrains
+) -> torch.Tensor:  # [S, vocab]: disallowed tokens of those rows at -inf; the input is not modified
+    allowed = unpack_token_bitmask(bitmask, logits.shape[-1])  # [R, vocab]
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [R, vocab]
+    return logits.index_copy(0, rows, masked)

@@ -1,0 +1,125 @@
+"""The engine core's side of structured outputs: compiling off the loop, one bitmask per step.
+
+`StructuredOutputManager` is owned by the scheduler. `add_request` starts (or reuses) the compile of the
+request's constraint on a worker thread -- compiles are cached by `StructuredOutputsParams.cache_key()`,
+so n > 1 children and repeated schemas compile once. The scheduler leaves a waiting request in the queue
+until `StructuredOutputRequest.is_ready()`, fills the bitmask of the constrained requests that sample in
+a step (`grammar_bitmask`) and advances their grammars with the tokens it commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keel.structured_output.backend import (
+    BackendContext,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    bitmask_width,
+)
+from keel.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger("keel.structured_output")
+
+# Distinct compiled constraints kept; a client cycling through schemas cannot grow memory without end.
+MAX_CACHED_GRAMMARS = 512
+_LIBRARY_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def clean_error(exc: BaseException) -> str:
+    """A library's error message without its source-location prefix ("[12:00:00] file.cc:12: ")."""
+    return _LIBRARY_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+
+
+def select_backend(plugins: Any) -> type[StructuredOutputBackend] | None:
+    """The `structured_output` backend class: "xgrammar" when registered, else the first one; None if
+    no plugin provides the kind (requests with structured_outputs are then refused by the front end)."""
+    registry = plugins.registry("structured_output")
+    keys = registry.keys()
+    if not keys:
+        return None
+    return registry.get("xgrammar" if "xgrammar" in keys else keys[0])
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's constraint for the runner (a field of SchedulerOutput): row i of `bitmask` holds the
+    tokens `req_ids[i]` may sample this step."""
+
+    req_ids: list[str]
+    bitmask: torch.Tensor  # [len(req_ids), ceil(vocab / 32)] int32, CPU
+
+
+class StructuredOutputRequest:
+    """A request's constraint inside the core: the compile in flight, then its grammar (or the error)."""
+
+    def __init__(self, compiled: Future, make_grammar: Callable[[Any], StructuredOutputGrammar]) -> None:
+        self._compiled = compiled
+        self._make_grammar = make_grammar
+        self.grammar: StructuredOutputGrammar | None = None
+        self.error: str | None = None
+
+    def is_ready(self) -> bool:
+        """True once compiled (then `grammar` or `error` is set). Called by the scheduler."""
+        if self.grammar is not None or self.error is not None:
+            return True
+        if not self._compiled.done():
+            return False
+        try:
+            self.grammar = self._make_grammar(self._compiled.result())
+        except Exception as exc:  # noqa: BLE001 -- reported as this request's failure, not the loop's
+            self.error = clean_error(exc)
+        return True
+
+
+class StructuredOutputManager:
+    def __init__(self, backend_cls: type[StructuredOutputBackend], load_context: Callable[[], BackendContext],
+                 vocab_size: int) -> None:
+        self.backend_cls = backend_cls
+        self.vocab_size = vocab_size
+        self._load_context = load_context  # loads the tokenizer: called once, on the compile thread
+        self._backend: StructuredOutputBackend | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _get_backend(self) -> StructuredOutputBackend:
+        if self._backend is None:
+            self._backend = self.backend_cls(self._load_context())
+        return self._backend
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        return self._get_backend().compile(params)
+
+    def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """Called by `Scheduler.add_request`; never blocks on a compile."""
+        key = params.cache_key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, params)
+                self._cache[key] = future
+                if len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return StructuredOutputRequest(future, lambda compiled: self._get_backend().grammar(compiled))
+
+    def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar]) -> GrammarBitmask:
+        """The allowed tokens of each request's next token, for a step in which they all sample."""
+        bitmask = torch.full((len(grammars), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+        return GrammarBitmask(req_ids=list(req_ids), bitmask=bitmask)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

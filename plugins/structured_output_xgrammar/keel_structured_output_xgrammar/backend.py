@@ -1,0 +1,93 @@
+"""The xgrammar backend: constraints -> xgrammar grammars -> per-request matchers.
+
+`validate` parses the constraint into an xgrammar `Grammar` (no tokenizer needed, milliseconds), so a
+malformed schema, regex or grammar is refused before queuing with xgrammar's own message. `compile`
+builds the token-level automaton against the model's vocabulary (the expensive part; the core runs it
+off the engine loop and caches it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+import torch
+import xgrammar as xgr
+
+from keel.structured_output.backend import BackendContext
+from keel.structured_output.manager import clean_error
+from keel.structured_output.params import StructuredOutputsParams
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF accepting exactly one of `choices` (JSON string escapes are valid EBNF literal escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    if params.whitespace_pattern is not None:
+        raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
+                         "use disable_any_whitespace")
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        # json_object: any JSON object (OpenAI's JSON mode), with the same whitespace option.
+        schema = params.schema_text if kind == "json" else '{"type": "object"}'
+        # strict_mode (xgrammar's default, which vLLM keeps): no properties or items a schema does not
+        # name, so disable_additional_properties is already in force.
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace,
+                                            strict_mode=True)
+    for option in ("disable_any_whitespace", "disable_additional_properties"):
+        if getattr(params, option):
+            raise ValueError(f"structured_outputs.{option} applies to json / json_object only, not {kind}")
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(params.grammar)
+    raise ValueError(f"structured_outputs.{kind} is not supported by the xgrammar backend")
+
+
+class XGrammarMatcher:
+    """keel.structured_output.backend.StructuredOutputGrammar over an xgrammar GrammarMatcher."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        for i, token in enumerate(tokens):
+            if not self.matcher.accept_token(int(token)):
+                if i:
+                    self.matcher.rollback(i)
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class XGrammarBackend:
+    """Registered as `structured_output` "xgrammar"; see keel.structured_output.backend for the calls."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        stop = [ctx.eos_token_id] if ctx.eos_token_id is not None else None
+        self.info = xgr.TokenizerInfo.from_huggingface(ctx.tokenizer, vocab_size=ctx.vocab_size,
+                                                       stop_token_ids=stop)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        try:
+            _grammar(params)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- xgrammar raises RuntimeError for every parse error
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {clean_error(exc)}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        return self.compiler.compile_grammar(_grammar(params))
+
+    def grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled))

@@ -1,0 +1,179 @@
+"""The scheduler's side of structured outputs with a fake backend (no grammar library): a compiling
+request waits while others run, the bitmask covers exactly the rows that sample, grammars advance with
+committed tokens and stop the request when they end, a failed compile aborts only its request, and the
+front end refuses constraints it cannot enforce."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from keel.engine.processor import Processor
+from keel.engine.request import EngineCoreRequest
+from keel.engine.sampling_params import SamplingParams
+from keel.engine.scheduler import Scheduler
+from keel.engine.scheduler_output import ModelRunnerOutput
+from keel.kv_cache.manager import KVCacheManager
+from keel.kv_cache.spec import FullAttentionSpec
+from keel.structured_output.backend import BackendContext
+from keel.structured_output.manager import StructuredOutputManager
+from keel.structured_output.params import StructuredOutputsParams
+
+VOCAB, EOS = 40, 2
+release = threading.Event()
+
+
+class SequenceGrammar:
+    """Accepts exactly the tokens of `regex` (digits separated by spaces), then EOS."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.pos = tokens + [EOS], 0
+
+    def accept_tokens(self, tokens):
+        if list(tokens) != self.tokens[self.pos : self.pos + len(tokens)]:
+            return False
+        self.pos += len(tokens)
+        return True
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+        t = self.tokens[self.pos]
+        bitmask[row, t // 32] = 1 << (t % 32)
+
+    def is_terminated(self):
+        return self.pos == len(self.tokens)
+
+
+class FakeBackend:
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def validate(cls, params):
+        if params.regex == "invalid":
+            raise ValueError("structured_outputs.regex is invalid: nope")
+
+    def compile(self, params):
+        if params.regex == "slow":
+            release.wait(10)
+            return [7]
+        if params.regex == "fail":
+            raise RuntimeError("[12:00:00] x.cc:1: exploded")
+        return [int(t) for t in params.regex.split()]
+
+    def grammar(self, compiled):
+        return SequenceGrammar(compiled)
+
+
+def make_scheduler(**kw) -> Scheduler:
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=torch.float32)
+    manager = StructuredOutputManager(FakeBackend, lambda: BackendContext(None, VOCAB, EOS), VOCAB)
+    return Scheduler(KVCacheManager(spec, num_blocks=64), max_num_seqs=8, max_num_batched_tokens=kw.pop("budget", 64),
+                     max_model_len=64, structured_output=manager, **kw)
+
+
+def add(s: Scheduler, rid: str, regex: str | None, n_prompt: int = 3, **params) -> None:
+    sp = SamplingParams(max_tokens=10, structured_outputs={"regex": regex} if regex else None, **params)
+    s.add_request(EngineCoreRequest(rid, list(range(10, 10 + n_prompt)), sp, EOS, seed=0), sp.max_tokens)
+
+
+def run_step(s: Scheduler, pick):
+    """One step: the runner 'samples' pick(req_id, allowed token set) for every request that samples."""
+    so = s.schedule()
+    allowed = {}
+    if so.grammar_bitmask is not None:
+        bits = so.grammar_bitmask.bitmask
+        for i, rid in enumerate(so.grammar_bitmask.req_ids):
+            allowed[rid] = {t for t in range(VOCAB) if (int(bits[i, t // 32]) >> (t % 32)) & 1}
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[pick(rid, allowed.get(rid))] if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens
+               else [] for rid in ids]
+    outs = s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+    return so, allowed, {o.request_id: o for o in outs}
+
+
+def wait_ready(s: Scheduler, rid: str) -> None:
+    deadline = time.monotonic() + 5
+    while not s.requests[rid].structured_output.is_ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_bitmask_rows_and_termination_even_with_ignore_eos():
+    s = make_scheduler(budget=2)  # prompts of 3 tokens: the first step is a chunk that samples nothing
+    add(s, "c", "5 6", ignore_eos=True)
+    add(s, "free", None)
+    wait_ready(s, "c")
+    so, allowed, _ = run_step(s, lambda rid, ok: min(ok) if ok else 9)
+    assert so.grammar_bitmask is None  # "c" computed 2 of 3 prompt tokens
+    texts: dict[str, list[int]] = {"c": [], "free": []}
+    for _ in range(6):
+        so, allowed, outs = run_step(s, lambda rid, ok: min(ok) if ok else 9)
+        for rid, out in outs.items():
+            texts[rid] += out.new_token_ids
+        if "c" in allowed:
+            assert so.grammar_bitmask.req_ids == ["c"]
+        if "c" in outs and outs["c"].finished:
+            assert outs["c"].finish_reason == "stop"
+            break
+    assert texts["c"] == [5, 6, EOS]
+
+
+def test_compiling_request_waits_while_others_run():
+    release.clear()
+    s = make_scheduler()
+    add(s, "slow", "slow")
+    add(s, "free", None)
+    so, _, _ = run_step(s, lambda rid, ok: 9)
+    assert list(so.num_scheduled_tokens) == ["free"] and [r.request_id for r in s.waiting] == ["slow"]
+    release.set()
+    wait_ready(s, "slow")
+    so, allowed, _ = run_step(s, lambda rid, ok: min(ok) if ok else 9)
+    assert "slow" in so.num_scheduled_tokens and allowed["slow"] == {7}
+
+
+def test_failed_compile_aborts_only_that_request():
+    s = make_scheduler()
+    add(s, "bad", "fail")
+    add(s, "ok", "4")
+    wait_ready(s, "bad")
+    wait_ready(s, "ok")
+    _, _, outs = run_step(s, lambda rid, ok: min(ok))
+    assert outs["bad"].finish_reason == "abort" and "bad" not in s.requests
+    assert outs["ok"].new_token_ids == [4]
+
+
+def test_a_token_the_grammar_refuses_aborts_the_request():
+    s = make_scheduler()
+    add(s, "c", "4 4")
+    wait_ready(s, "c")
+    _, _, outs = run_step(s, lambda rid, ok: 9)  # as if another mask had banned every allowed token
+    assert outs["c"].finish_reason == "abort"
+
+
+def test_async_scheduling_skips_a_constrained_request_with_a_token_in_flight():
+    s = make_scheduler(async_scheduling=True)
+    add(s, "c", "4 5")
+    add(s, "free", None)
+    wait_ready(s, "c")
+    first = s.schedule()
+    second = s.schedule()  # step 1 not applied yet: "c"'s grammar has not seen its token
+    assert set(first.num_scheduled_tokens) == {"c", "free"} and list(second.num_scheduled_tokens) == ["free"]
+
+
+def test_front_end_refusals():
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="invalid"))
+    base = {"tokenizer": object(), "max_model_len": 64, "vocab_size": VOCAB, "eos_token_id": EOS}
+    with pytest.raises(ValueError, match="backend plugin"):
+        Processor(**base).check_structured_outputs(params)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        Processor(**base, structured_output_backend=FakeBackend, speculative=True).check_structured_outputs(params)
+    with pytest.raises(ValueError, match="regex is invalid: nope"):
+        Processor(**base, structured_output_backend=FakeBackend).check_structured_outputs(params)
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    with pytest.raises(ValueError, match="unknown field"):
+        SamplingParams(structured_outputs={"regexx": "a"})

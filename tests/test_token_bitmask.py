@@ -1,0 +1,50 @@
+"""The device-side bitmask application against a plain Python reference: odd vocab sizes (a partial last
+word), sign bits, rows in any order, the input left alone, other rows untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.layers.token_bitmask import apply_token_bitmask, unpack_token_bitmask
+from keel.structured_output.backend import bitmask_width
+
+
+def pack(allowed: list[list[bool]], vocab: int) -> torch.Tensor:
+    words = bitmask_width(vocab)
+    out = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for r, row in enumerate(allowed):
+        for t, ok in enumerate(row):
+            if ok:
+                out[r, t // 32] |= 1 << (t % 32)
+    # Two's complement int32, as the grammar libraries write it.
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 511])
+def test_unpack_matches_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    allowed = (torch.rand(3, vocab, generator=gen) < 0.5).tolist()
+    allowed[0] = [True] * vocab  # every bit set: the words are -1
+    got = unpack_token_bitmask(pack(allowed, vocab), vocab)
+    assert got.tolist() == allowed
+
+
+def test_apply_masks_only_the_named_rows():
+    vocab, gen = 77, torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen, dtype=torch.float32)
+    before = logits.clone()
+    allowed = (torch.rand(2, vocab, generator=gen) < 0.3).tolist()
+    rows = torch.tensor([3, 0])
+    out = apply_token_bitmask(logits, pack(allowed, vocab), rows)
+    assert torch.equal(logits, before)
+    for r in (1, 2, 4):
+        assert torch.equal(out[r], before[r])
+    for i, r in enumerate(rows.tolist()):
+        want = torch.where(torch.tensor(allowed[i]), before[r], float("-inf"))
+        assert torch.equal(out[r], want)
+
+
+def test_too_narrow_bitmask_is_an_error():
+    with pytest.raises(ValueError, match="covers 32 tokens"):
+        unpack_token_bitmask(torch.zeros(1, 1, dtype=torch.int32), 33)
