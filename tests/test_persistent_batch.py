@@ -177,7 +177,7 @@ def test_engine_fast_sampling_path_equals_general_path(tmp_path):
         if general:
             no_drafts = SimpleNamespace(scheduled_spec_decode_tokens={})
 
-            def general_path(states, batch_rows, sampling_idx, sample_rows, hidden, out, staged=None):
+            def general_path(states, batch_rows, sampling_idx, sample_rows, hidden, out, staged=None, constraint=None):
                 reqs = list(zip(sampling_idx.tolist(), [1] * len(sampling_idx)))
                 runner._sample_and_verify(no_drafts, states, sample_rows.tolist(), reqs, hidden, out)
 
