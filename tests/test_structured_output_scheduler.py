@@ -70,7 +70,7 @@ class FakeBackend:
 
 def make_scheduler(**kw) -> Scheduler:
     spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=torch.float32)
-    manager = StructuredOutputManager(FakeBackend, lambda: BackendContext(None, VOCAB, EOS), VOCAB)
+    manager = StructuredOutputManager(lambda: FakeBackend, lambda: BackendContext(None, VOCAB, EOS), VOCAB)
     return Scheduler(KVCacheManager(spec, num_blocks=64), max_num_seqs=8, max_num_batched_tokens=kw.pop("budget", 64),
                      max_model_len=64, structured_output=manager, **kw)
 
@@ -170,9 +170,9 @@ def test_front_end_refusals():
     with pytest.raises(ValueError, match="backend plugin"):
         Processor(**base).check_structured_outputs(params)
     with pytest.raises(ValueError, match="speculative decoding"):
-        Processor(**base, structured_output_backend=FakeBackend, speculative=True).check_structured_outputs(params)
+        Processor(**base, structured_output_backend=lambda: FakeBackend, speculative=True).check_structured_outputs(params)
     with pytest.raises(ValueError, match="regex is invalid: nope"):
-        Processor(**base, structured_output_backend=FakeBackend).check_structured_outputs(params)
+        Processor(**base, structured_output_backend=lambda: FakeBackend).check_structured_outputs(params)
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(ValueError, match="unknown field"):

@@ -27,7 +27,7 @@ from keel.engine.output_processor import OutputProcessor, RequestOutputKind
 from keel.engine.outputs import RequestOutput
 from keel.engine.processor import Processor, child_request_id
 from keel.engine.sampling_params import SamplingParams
-from keel.structured_output.manager import select_backend
+from keel.structured_output.manager import loaded, select_backend
 from keel.metrics.stats import RequestStatsTracker, StatLogger
 
 logger = logging.getLogger("keel.engine")
@@ -98,7 +98,7 @@ class AsyncLLM:
             self.tokenizer, max_model_len=self._max_model_len, vocab_size=hf_config.vocab_size,
             eos_token_id=_eos_token_id(self.tokenizer, hf_config), seed=config.model.seed,
             generation_config=config.model.generation_config_fields,
-            structured_output_backend=select_backend(config.plugin_set()),
+            structured_output_backend=loaded(select_backend(config.plugin_set())),
             speculative=config.speculative is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

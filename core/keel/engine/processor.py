@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +27,11 @@ def child_request_id(parent_id: str, index: int) -> str:
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
                  seed: int = 0, generation_config: Mapping[str, Any] | None = None,
-                 structured_output_backend: type | None = None, speculative: bool = False) -> None:
+                 structured_output_backend: Callable[[], type] | None = None, speculative: bool = False) -> None:
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
-        self.structured_output_backend = structured_output_backend  # `structured_output` class, or None
+        # Loads the `structured_output` backend class (imported on first use), or None.
+        self.structured_output_backend = structured_output_backend
         self.speculative = speculative
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -81,7 +82,8 @@ class Processor:
             k = getattr(params, field)
             if k is not None and k > self.vocab_size:
                 raise ParamError(field, f"{field} must be at most the vocabulary size {self.vocab_size}, got {k}")
-        for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
+        for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ()),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = sorted(t for t in ids if not 0 <= int(t) < self.vocab_size)
             if bad:
                 raise ParamError(field, f"{field}: token id(s) {_ids(bad)} out of vocabulary range [0, {self.vocab_size})")
@@ -100,7 +102,7 @@ class Processor:
                              "(drafts are not checked against the grammar); serve without speculative_config")
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init=True was given)")
-        self.structured_output_backend.validate(constraint)
+        self.structured_output_backend().validate(constraint)
 
     def max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
@@ -118,6 +120,11 @@ class Processor:
             # on a copy: the caller's params may serve other requests and engines
             params = params.clone()
             params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")
+            params = params.clone()  # the user's object stays as given
+            params.update_from_tokenizer(self.tokenizer)
         requests = []
         for i in range(params.n):
             if params.seed is not None:

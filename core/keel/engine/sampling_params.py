@@ -72,10 +72,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # What the output must match (JSON schema, regex, choice, grammar); a dict is converted.
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never to generate (tokenized by the front end)
 
     # Derived; not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -137,6 +140,17 @@ class SamplingParams:
             raise ParamError("stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         for t in self.stop_token_ids:
             check_int("stop_token_ids", t, 0, what=f"a list of non-negative integers (at most {INT64_MAX})")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ParamError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids, "
+                                                      f"got {self.allowed_token_ids!r}.")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for t in self.allowed_token_ids:
+                check_int("allowed_token_ids", t, 0, what=f"a list of non-negative integers (at most {INT64_MAX})")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple))
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ParamError("bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.")
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
@@ -154,6 +168,22 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token sequences of `bad_words`, set by `update_from_tokenizer`."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Called once by the front end for a request with `bad_words` (on its own clone), as vLLM does:
+        each word is banned alone and after a space, where that is a different tokenization."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or ():
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            self._bad_words_token_ids.append(plain)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced != plain:
+                self._bad_words_token_ids.append(spaced)
 
     @property
     def all_stop_token_ids(self) -> set[int]:

@@ -173,7 +173,8 @@ def apply_top_k_top_p(
 class Sampler(torch.nn.Module):
     """Turns one step's logits into tokens. Called by the model runner once per step.
 
-    Order (as vLLM): raw logprobs (of the unprocessed logits) -> min_tokens ban of stop tokens ->
+    Order (as vLLM): raw logprobs (of the unprocessed logits) -> allowed_token_ids -> bans (stop tokens
+    before min_tokens, bad_words) ->
     logit_bias -> penalties -> [greedy rows: argmax] -> temperature -> min_p -> top_k -> top_p ->
     exponential race with hash noise. The input logits are not modified.
     """
@@ -196,7 +197,10 @@ class Sampler(torch.nn.Module):
         logits: torch.Tensor,  # [B, vocab] float32
         meta: SamplingMetadata,
     ) -> torch.Tensor:  # [B, vocab]
-        """The steps that can change the argmax: min_tokens ban, logit_bias, penalties."""
+        """The steps that can change the argmax: allowed_token_ids, bans (min_tokens, bad_words),
+        logit_bias, penalties."""
+        if meta.allowed_token_mask is not None:
+            logits = logits.masked_fill(~meta.allowed_token_mask, float("-inf"))
         if meta.min_tokens_mask is not None:
             logits = logits.masked_fill(meta.min_tokens_mask, float("-inf"))
         if meta.logit_bias is not None:

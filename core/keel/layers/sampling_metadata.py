@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from keel.engine.sampling_params import _SAMPLING_EPS, SamplingParams
+from keel.layers.bad_words import banned_by_bad_words
 
 _U64 = (1 << 64) - 1
 
@@ -46,7 +47,9 @@ class SamplingMetadata:
     vocab_size: int
     output_token_counts: torch.Tensor | None = None  # [B, vocab] int32, None when no_penalties
     prompt_token_mask: torch.Tensor | None = None  # [B, vocab] bool, None when no_penalties
-    min_tokens_mask: torch.Tensor | None = None  # [B, vocab] bool: tokens banned this step, or None
+    # [B, vocab] bool: tokens banned this step (stop tokens before min_tokens, bad words), or None
+    min_tokens_mask: torch.Tensor | None = None
+    allowed_token_mask: torch.Tensor | None = None  # [B, vocab] bool: True = may be sampled, or None
     logit_bias: torch.Tensor | None = None  # [B, vocab] float32, or None
 
     @classmethod
@@ -118,14 +121,25 @@ class SamplingMetadata:
             meta.output_token_counts = token_counts(output_token_ids, vocab_size, device)
             meta.prompt_token_mask = token_counts(prompt_token_ids, vocab_size, device) > 0
         banned = [
-            [t for t in stops if t < vocab_size] if len(out) < p.min_tokens else []
+            ([t for t in stops if t < vocab_size] if len(out) < p.min_tokens else [])
+            + (banned_by_bad_words(p.bad_words_token_ids, out) if p.bad_words_token_ids else [])
             for p, out, stops in zip(params, output_token_ids, stop_sets, strict=True)
         ]
         if any(banned):
             meta.min_tokens_mask = token_counts(banned, vocab_size, device) > 0
         if any(p.logit_bias for p in params):
             meta.logit_bias = _logit_bias_tensor(params, vocab_size, device)
+        if any(p.allowed_token_ids for p in params):
+            meta.allowed_token_mask = allowed_token_mask(params, vocab_size, device)
         return meta
+
+
+def allowed_token_mask(params: Sequence[SamplingParams], vocab_size: int,
+                       device: torch.device) -> torch.Tensor:  # [B, vocab] bool
+    """True where a row may sample; rows without `allowed_token_ids` allow everything."""
+    mask = token_counts([p.allowed_token_ids or () for p in params], vocab_size, device) > 0
+    free = torch.tensor([not p.allowed_token_ids for p in params], device=device)
+    return mask | free[:, None]
 
 
 def token_counts(

@@ -40,14 +40,24 @@ def clean_error(exc: BaseException) -> str:
     return _LIBRARY_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
 
 
-def select_backend(plugins: Any) -> type[StructuredOutputBackend] | None:
-    """The `structured_output` backend class: "xgrammar" when registered, else the first one; None if
-    no plugin provides the kind (requests with structured_outputs are then refused by the front end)."""
+def select_backend(plugins: Any) -> Callable[[], type[StructuredOutputBackend]] | None:
+    """A loader of the `structured_output` backend class ("xgrammar" when registered, else the first
+    one); None if no plugin provides the kind (constrained requests are then refused by the front end).
+    The front end calls it at startup (a broken backend plugin stops startup, naming it); an engine core
+    in its own process imports the class only when its first constrained request arrives."""
     registry = plugins.registry("structured_output")
     keys = registry.keys()
     if not keys:
         return None
-    return registry.get("xgrammar" if "xgrammar" in keys else keys[0])
+    key = "xgrammar" if "xgrammar" in keys else keys[0]
+    return lambda: registry.get(key)
+
+
+def loaded(load: Callable[[], type] | None) -> Callable[[], type] | None:
+    """`load`, after calling it once (the front end: import the backend at startup)."""
+    if load is not None:
+        load()
+    return load
 
 
 @dataclass
@@ -82,9 +92,9 @@ class StructuredOutputRequest:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend_cls: type[StructuredOutputBackend], load_context: Callable[[], BackendContext],
-                 vocab_size: int) -> None:
-        self.backend_cls = backend_cls
+    def __init__(self, load_backend: Callable[[], type[StructuredOutputBackend]],
+                 load_context: Callable[[], BackendContext], vocab_size: int) -> None:
+        self._load_backend = load_backend  # called once, on the compile thread
         self.vocab_size = vocab_size
         self._load_context = load_context  # loads the tokenizer: called once, on the compile thread
         self._backend: StructuredOutputBackend | None = None
@@ -94,7 +104,7 @@ class StructuredOutputManager:
 
     def _get_backend(self) -> StructuredOutputBackend:
         if self._backend is None:
-            self._backend = self.backend_cls(self._load_context())
+            self._backend = self._load_backend()(self._load_context())
         return self._backend
 
     def _compile(self, params: StructuredOutputsParams) -> Any:

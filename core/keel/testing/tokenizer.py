@@ -189,3 +189,9 @@ class CountingTokenizer:
     def encode(self, text: str, **kwargs: Any) -> Any:
         self.encoded.append(len(text))
         return self.tokenizer.encode(text, **kwargs)
+
+
+def whitespace_ban(tokenizer) -> dict[str, float]:
+    """An OpenAI `logit_bias` against every whitespace-only token. JSON modes allow free whitespace between
+    tokens, which a random-weight model would otherwise pick until max_tokens."""
+    return {str(i): -100.0 for i in range(len(tokenizer)) if tokenizer.decode([i]).isspace()}

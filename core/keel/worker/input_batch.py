@@ -84,6 +84,8 @@ class InputBatch:
             setattr(self, name, np.zeros(cap, dtype=np.int64))
         self.uses_penalties = np.zeros(cap, dtype=bool)
         self.has_logit_bias = np.zeros(cap, dtype=bool)
+        self.has_allowed_tokens = np.zeros(cap, dtype=bool)
+        self.has_bad_words = np.zeros(cap, dtype=bool)
         self.params: list[SamplingParams | None] = [None] * cap
         self.stop_token_ids: list[frozenset[int]] = [frozenset()] * cap
         self._free_rows = list(range(cap - 1, -1, -1))
@@ -126,6 +128,8 @@ class InputBatch:
         self.uses_penalties[row] = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
                                     or params.repetition_penalty != 1.0)
         self.has_logit_bias[row] = bool(params.logit_bias)
+        self.has_allowed_tokens[row] = bool(params.allowed_token_ids)
+        self.has_bad_words[row] = bool(params.bad_words_token_ids)
         self.params[row] = params
         self.stop_token_ids[row] = stop_token_ids
         self.generation[row] += 1
@@ -155,7 +159,8 @@ class InputBatch:
     def _grow_rows(self, cap: int) -> None:
         old = self.capacity
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "block_table",
-                     "num_blocks", "uses_penalties", "has_logit_bias", "generation",
+                     "num_blocks", "uses_penalties", "has_logit_bias", "has_allowed_tokens", "has_bad_words",
+                     "generation",
                      *self._FLOAT_FIELDS, *self._INT_FIELDS):
             setattr(self, name, _grow(getattr(self, name), cap))
         self.params += [None] * (cap - old)

@@ -257,6 +257,8 @@ class ModelRunner:
         num_reqs = len(req_ids)
         batch = self.input_batch
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        if batch.has_bad_words[rows].any():
+            self.in_flight.wait()  # bad words read each row's last output tokens on the host
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         # Drafts (speculative tokens) follow the committed tokens.
         for rid, drafts in so.scheduled_spec_decode_tokens.items():

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from keel.engine.sampling_params import _SAMPLING_EPS
-from keel.layers.sampling_metadata import SamplingMetadata, _logit_bias_tensor, token_counts
+from keel.layers.bad_words import banned_by_bad_words
+from keel.layers.sampling_metadata import SamplingMetadata, _logit_bias_tensor, allowed_token_mask, token_counts
 from keel.worker.input_batch import InputBatch
 
 
@@ -127,14 +128,30 @@ class BatchSamplingState:
             meta.output_token_counts = self.output_counts[idx].masked_fill(unpenalized[:, None], 0)
             meta.prompt_token_mask = self.prompt_mask[idx].masked_fill(unpenalized[:, None], False)
         banned_rows = num_outputs < batch.min_tokens[rows]
-        if banned_rows.any():
-            banned = [[t for t in batch.stop_token_ids[r] if t < vocab_size] if b else []
-                      for r, b in zip(rows.tolist(), banned_rows.tolist())]
+        bad_rows = batch.has_bad_words[rows]
+        if banned_rows.any() or bad_rows.any():
+            banned = [self._banned(batch, r, b, w, vocab_size)
+                      for r, b, w in zip(rows.tolist(), banned_rows.tolist(), bad_rows.tolist())]
             if any(banned):
                 meta.min_tokens_mask = token_counts(banned, vocab_size, dev) > 0
         if batch.has_logit_bias[rows].any():
             meta.logit_bias = _logit_bias_tensor([batch.params[r] for r in rows.tolist()], vocab_size, dev)
+        if batch.has_allowed_tokens[rows].any():
+            meta.allowed_token_mask = allowed_token_mask([batch.params[r] for r in rows.tolist()], vocab_size, dev)
         return meta
+
+    @staticmethod
+    def _banned(batch: InputBatch, row: int, min_tokens: bool, bad_words: bool, vocab_size: int) -> list[int]:
+        """A row's banned tokens this step: stop tokens before min_tokens, bad words' last tokens (from its
+        committed output on the host: the runner waits for tokens in flight when a row has bad words)."""
+        out = [t for t in batch.stop_token_ids[row] if t < vocab_size] if min_tokens else []
+        if bad_words:
+            words = batch.params[row].bad_words_token_ids
+            longest = max(len(w) for w in words)
+            num_prompt, num = int(batch.num_prompt_tokens[row]), int(batch.num_tokens[row])
+            tail = batch.token_ids[row, max(num_prompt, num - longest + 1):num].tolist()
+            out += banned_by_bad_words(words, tail)
+        return out
 
     def record_sampled(self, batch: InputBatch, rows: np.ndarray, tokens: torch.Tensor) -> None:
         """After a step without drafts: count each penalized row's new token (rows: [B], tokens: [B])."""

@@ -10,8 +10,9 @@ from keel_io_processors.structured import structured_outputs
 
 
 def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                          prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's sampling parameters; `SamplingParams`' own range checks become 400s naming the field."""
+                          prompt_logprobs: int | None = None, **overrides: Any) -> SamplingParams:
+    """The request's sampling parameters; `SamplingParams`' own range checks become 400s naming the field.
+    `overrides`: fields the caller decides (the chat processor's tool-choice constraint)."""
     if request.truncate_prompt_tokens is not None:
         raise InvalidRequestError("truncate_prompt_tokens is not supported: send a prompt that fits "
                                   "max_model_len", "truncate_prompt_tokens")
@@ -37,7 +38,11 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "logit_bias": request.logit_bias,  # string keys: SamplingParams turns them into token ids
         "structured_outputs": structured_outputs(request),
+        # vLLM extras read from the body's extra fields; SamplingParams checks their types and values.
+        "allowed_token_ids": (request.model_extra or {}).get("allowed_token_ids"),
+        "bad_words": (request.model_extra or {}).get("bad_words"),
     }
+    kwargs.update(overrides)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:

@@ -105,7 +105,7 @@ def check_outputs(outs, kinds) -> list[list[str]]:
 
 
 def test_registered_backend():
-    assert select_backend(load_plugins(["structured-output-xgrammar"])).__name__ == "XGrammarBackend"
+    assert select_backend(load_plugins(["structured-output-xgrammar"]))().__name__ == "XGrammarBackend"
 
 
 def test_constrained_outputs_are_valid_and_leave_other_rows_alone(llm):

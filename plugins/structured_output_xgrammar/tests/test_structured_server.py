@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from keel.config import EngineArgs
+from keel.testing.tokenizer import whitespace_ban
 
 pytest.importorskip("keel_endpoints")
 from keel_endpoints.testing import make_tiny_model, serve_in_thread  # noqa: E402
@@ -36,10 +37,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def no_whitespace(server):
-    """logit_bias against whitespace-only tokens: OpenAI's JSON modes allow free whitespace between
-    tokens, which a random model would otherwise pick until max_tokens."""
-    tok = server.engine.get_tokenizer()
-    return {str(i): -100 for i in range(len(tok)) if tok.decode([i]).isspace()}
+    return whitespace_ban(server.engine.get_tokenizer())
 
 
 def chat(client, **kw):
