@@ -70,8 +70,11 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template, then generate."""
+        """Render each conversation with the checkpoint's chat template (and `tools`, OpenAI tool objects
+        the template renders, as vLLM's `LLM.chat`), then generate. Outputs are raw text: parsing tool
+        calls out of it is the server's (`tool_call_parser`) or the caller's."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
@@ -82,7 +85,7 @@ class LLM:
         for conv in conversations:
             ids = tok.apply_chat_template(
                 list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=True,
+                tokenize=True, **({"tools": list(tools)} if tools is not None else {}),
             )
             if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
                 ids = ids["input_ids"]

@@ -26,6 +26,8 @@ KINDS: tuple[str, ...] = (
     "custom_op",
     "executor",
     "structured_output",
+    "reasoning_parser",
+    "tool_parser",
 )
 
 

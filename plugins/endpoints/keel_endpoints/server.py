@@ -54,13 +54,15 @@ class APIKeyMiddleware:
 
 
 def _io_processors(plugin_set: Any, engine_client: Any, served_model_name: str,
-                   limits: RequestLimits) -> tuple[tuple[str, Any], ...]:
+                   limits: RequestLimits, config: Any = None) -> tuple[tuple[str, Any], ...]:
     registry = plugin_set.registry("io_processor")
     out = []
     for key in registry:
         factory = registry.get(key)
         out.append((key, factory(tokenizer=engine_client.get_tokenizer(), served_model_name=served_model_name,
-                                 max_model_len=engine_client.max_model_len, limits=limits)))
+                                 max_model_len=engine_client.max_model_len, limits=limits,
+                                 plugin_set=plugin_set,
+                                 plugin_options=dict(getattr(config, "plugin_options", None) or {}))))
     return tuple(out)
 
 
@@ -79,7 +81,7 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
     install_error_handlers(app)
     ctx = EndpointContext(engine_client=engine_client, config=config, served_model_name=name,
                           io_processors=_io_processors(plugin_set, engine_client, name,
-                                                                server_config.request_limits))
+                                                        server_config.request_limits, config))
     endpoints = plugin_set.registry("endpoint")
     keys = ["api_server", *(k for k in endpoints if k != "api_server")]
     for key in keys:

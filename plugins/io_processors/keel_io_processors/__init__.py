@@ -3,7 +3,8 @@
 Registered under the `io_processor` kind: "completion" (/v1/completions) and "chat"
 (/v1/chat/completions, rendered with the model's chat template). An `io_processor` registry entry is a
 factory called by the API server with keyword arguments `tokenizer`, `served_model_name` and
-`max_model_len` (factories accept and ignore keywords they do not know, so the server may pass more).
+`max_model_len` (factories accept and ignore keywords they do not know, so the server may pass more;
+the chat processor also reads `plugin_options` and `plugin_set`, for its `reasoning_parser`).
 
 This module is the entry point and is imported at discovery: it must import nothing heavy.
 """
@@ -24,5 +25,6 @@ def manifest() -> PluginManifest:
                 "chat": "keel_io_processors.chat:ChatProcessor",
             }
         },
+        hooks=("keel_io_processors.hooks:hooks",),
         description="OpenAI completion and chat request/response processors",
     )

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keel.engine.outputs import RequestOutput
 from keel.engine.sampling_params import SamplingParams
 from keel.io import EnginePrompt
+from keel.reasoning import ReasoningParser, ReasoningStream
+from keel.tool_parser import ToolCallStream, ToolParser, new_call_id
 from keel_io_processors.base import OpenAIProcessorBase, StreamBase, usage
 from keel_io_processors.logprobs import chat_logprobs
 from keel_io_processors.protocol import ChatCompletionRequest, InvalidRequestError, validate
 from keel_io_processors.template import RESERVED_VARIABLES, render_chat_template
+from keel_io_processors.tools import ToolRequest, parser_for, tool_request
 
 
 class ChatTemplateError(InvalidRequestError):
@@ -41,13 +45,54 @@ class ChatProcessor(OpenAIProcessorBase):
     """Renders `messages` with the tokenizer's chat template (or the request's `chat_template`),
     tokenizing without adding special tokens (the template places them), as HF and vLLM do.
 
-    `pre_process` runs the template and the tokenizer: callers run it off the event loop.
+    `pre_process` runs the template and the tokenizer: callers run it off the event loop. With a
+    `reasoning_parser` option (a registry key) answers carry `reasoning_content` split from `content`;
+    a key no plugin provides stops the server at startup.
     """
 
     request_model = ChatCompletionRequest
 
+    def __init__(self, *, plugin_set: Any = None, plugin_options: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        options = plugin_options or {}
+        self.reasoning_parser: ReasoningParser | None = self._parser(plugin_set, "reasoning_parser", options)
+        self.tool_parser: ToolParser | None = self._parser(plugin_set, "tool_parser", options, "tool_call_parser")
+
+    def _parser(self, plugin_set: Any, kind: str, options: Mapping[str, Any], option: str | None = None) -> Any:
+        name = options.get(option or kind)
+        if not name:
+            return None
+        registry = plugin_set.registry(kind) if plugin_set is not None else None
+        if registry is None or name not in registry:
+            known = registry.keys() if registry is not None else []
+            raise ValueError(f"{option or kind} {name!r} is not provided by any loaded plugin; known: {known}")
+        return registry.get(name)(self.tokenizer)
+
+    def message(self, text: str, tools: ToolRequest | None = None) -> tuple[dict[str, Any], bool]:
+        """A finished choice's message (reasoning split off, tool calls parsed) and whether it calls tools."""
+        msg: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.split(text)
+            msg["reasoning_content"] = reasoning
+        parser = parser_for(tools, self.tool_parser) if tools is not None else None
+        if parser is None:
+            msg["content"] = text
+            return msg, False
+        content, calls = parser.parse(text or "")
+        if tools.choice != "auto" and (not calls or any(c.name is None or not c.complete for c in calls)):
+            content, calls = text, []  # cut short (length): what there is stays visible as content
+        if not tools.parallel:
+            calls = calls[:1]
+        msg["content"] = content
+        if calls:
+            msg["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return msg, bool(calls)
+
     def parse_request(self, payload: Any) -> ChatCompletionRequest:
         request = validate(ChatCompletionRequest, payload, "chatcmpl")
+        tool_request(request, self.tool_parser)  # a bad tools / tool_choice is a 400 before any work
         if request.chat_template is not None and not self.limits.trust_request_chat_template:
             raise InvalidRequestError(
                 "chat_template in the request is refused: this server renders only the model's own chat "
@@ -62,7 +107,13 @@ class ChatProcessor(OpenAIProcessorBase):
     def sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
-        return build(request, max_tokens, logprobs)
+        tools = tool_request(request, self.tool_parser)
+        overrides: dict[str, Any] = {}
+        if tools is not None and tools.constraint() is not None:
+            overrides["structured_outputs"] = tools.constraint()
+        if tools is not None and tools.choice == "auto" and self.tool_parser.keeps_special_tokens:
+            overrides["skip_special_tokens"] = False  # the parser's markers are special tokens
+        return build(request, max_tokens, logprobs, **overrides)
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The conversation as prompt text; ChatTemplateError when there is no template to use."""
@@ -78,18 +129,21 @@ class ChatProcessor(OpenAIProcessorBase):
             msg: dict[str, Any] = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
             if m.name is not None:
                 msg["name"] = m.name
+            msg.update(_tool_fields(m.model_extra or {}))
             messages.append(msg)
         variables = {**tok.special_tokens_map, **(request.chat_template_kwargs or {})}
         reserved = sorted(set(request.chat_template_kwargs or ()) & RESERVED_VARIABLES)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {reserved}: the server sets them",
                                       "chat_template_kwargs")
+        tools = tool_request(request, self.tool_parser)
         try:
             source = tok.get_chat_template(request.chat_template)
             text = render_chat_template(
                 source, messages, variables=variables, limits=self.limits,
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-                continue_final_message=request.continue_final_message)
+                continue_final_message=request.continue_final_message,
+                tools=list(tools.tools) if tools is not None else None)
         except InvalidRequestError:
             raise
         except Exception as exc:  # noqa: BLE001 -- a template error is the request's fault, not a 500
@@ -110,16 +164,15 @@ class ChatProcessor(OpenAIProcessorBase):
         return chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, self.tokenizer)
 
     def post_process(self, request: ChatCompletionRequest, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(request, c),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for o in outputs for c in o.outputs
-        ]
+        tools = tool_request(request, self.tool_parser)
+        choices = []
+        for o in outputs:
+            for c in o.outputs:
+                message, calls = self.message(c.text, tools)
+                choices.append({
+                    "index": c.index, "message": message, "logprobs": self._logprobs(request, c),
+                    "finish_reason": finish_reason(c.finish_reason, calls, tools), "stop_reason": c.stop_reason,
+                })
         return {
             "id": request.request_id, "object": "chat.completion", "created": request.created,
             "model": self.model_name(request), "choices": choices, "usage": usage(outputs),
@@ -129,10 +182,11 @@ class ChatProcessor(OpenAIProcessorBase):
         return ChatStream(self, request)
 
 
-def build(request: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def build(request: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
+          **overrides: Any) -> SamplingParams:
     from keel_io_processors.sampling import build_sampling_params
 
-    return build_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs)
+    return build_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, **overrides)
 
 
 class ChatStream(StreamBase):
@@ -144,6 +198,9 @@ class ChatStream(StreamBase):
     def __init__(self, processor: ChatProcessor, request: ChatCompletionRequest) -> None:
         super().__init__(processor, request)
         self.chat = processor
+        self.reasoning: dict[int, ReasoningStream] = {}
+        self.tools = tool_request(request, processor.tool_parser)
+        self.tool_streams: dict[int, ToolCallStream] = {}
 
     def on_output(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         request: ChatCompletionRequest = self.request  # type: ignore[assignment]
@@ -158,9 +215,60 @@ class ChatStream(StreamBase):
                 }]))
             if not (c.text or c.token_ids or c.finish_reason is not None):
                 continue
+            delta = self._delta(c)
+            calls = c.index in self.tool_streams and self.tool_streams[c.index].has_calls
             chunks.append(self.envelope([{
-                "index": c.index, "delta": {"content": c.text},
+                "index": c.index, "delta": delta,
                 "logprobs": self.chat._logprobs(request, c),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "finish_reason": finish_reason(c.finish_reason, calls, self.tools), "stop_reason": c.stop_reason,
             }]))
         return chunks
+
+    def _delta(self, c: Any) -> dict[str, Any]:
+        """One choice's delta: reasoning split off first, then tool-call deltas out of the content."""
+        final, text, delta = c.finish_reason is not None, c.text, {}
+        if self.chat.reasoning_parser is not None:
+            stream = self.reasoning.setdefault(c.index, ReasoningStream(self.chat.reasoning_parser))
+            reasoning, text = stream.feed(text, final)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        parser = parser_for(self.tools, self.chat.tool_parser) if self.tools is not None else None
+        if parser is None:
+            delta["content"] = text
+            return delta
+        tool_stream = self.tool_streams.setdefault(c.index, ToolCallStream(parser))
+        content, calls = tool_stream.feed(text, final)
+        if not self.tools.parallel:
+            calls = [d for d in calls if d["index"] == 0]
+        delta["content"] = content or (None if calls else "")
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+
+def finish_reason(reason: str | None, calls: bool, tools: ToolRequest | None) -> str | None:
+    """OpenAI's: "tool_calls" when the model stopped after calling tools it chose to call (a named
+    choice stays "stop")."""
+    if reason == "stop" and calls and tools is not None and tools.choice != "named":
+        return "tool_calls"
+    return reason
+
+
+def _tool_fields(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """An earlier turn's tool fields for the template: assistant `tool_calls` (arguments as objects,
+    which templates expect) and a tool message's `tool_call_id`."""
+    out: dict[str, Any] = {}
+    if extra.get("tool_call_id") is not None:
+        out["tool_call_id"] = extra["tool_call_id"]
+    if isinstance(extra.get("tool_calls"), list):
+        calls = []
+        for call in extra["tool_calls"]:
+            fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+            calls.append({**call, "function": fn} if isinstance(call, dict) else call)
+        out["tool_calls"] = calls
+    return out

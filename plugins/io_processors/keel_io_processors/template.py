@@ -267,9 +267,9 @@ def _trace_lines(frame: Any, event: str, arg: Any) -> Any:
 
 def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                          continue_final_message: bool, variables: Mapping[str, Any],
-                         limits: RequestLimits) -> str:
+                         limits: RequestLimits, tools: list[dict[str, Any]] | None = None) -> str:
     """What `tokenizer.apply_chat_template(messages, chat_template=source, tokenize=False, ...,
-    **variables)` returns, within `limits`. Called on the tokenizer thread."""
+    **variables)` returns (with `tools=tools`), within `limits`. Called on the tokenizer thread."""
     messages = [dict(m) for m in messages]
     final = None
     if continue_final_message:
@@ -280,7 +280,7 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_gen
         messages[-1]["content"] = final + _CONTINUE_TAG
     template = compile_template(source)
     budget = _Budget(limits)
-    context = {**variables, "messages": messages, "tools": None, "documents": None,
+    context = {**variables, "messages": messages, "tools": tools, "documents": None,
                "add_generation_prompt": add_generation_prompt}
     previous = sys.gettrace()
     _local.budget = budget

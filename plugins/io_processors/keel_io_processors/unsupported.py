@@ -14,15 +14,10 @@ from keel_io_processors.protocol import InvalidRequestError
 # field -> what it asks for (for the message); both endpoints.
 _COMMON = {
     "structural_tag": "structured outputs",
-    "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words",
     "logits_processors": "logits processors",
 }
 # chat only.
 _CHAT = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "parallel_tool_calls": "tool calling",
     "functions": "function calling",
     "function_call": "function calling",
     "reasoning_effort": "reasoning",
