@@ -13,7 +13,15 @@ from keel_attention_flash.metadata import FlashAttentionMetadata
 # Decode splits: enough programs to fill the device a few times over, but no split shorter than this.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 16
-_PROGRAMS_PER_SM = 4
+# Programs per SM the split count aims at. Measured on the H200 as the graphs run decode
+# (benchmarks/h200_decode_attention.py): at 8 KV heads a batch of 64 is fastest with one split (24 vs
+# 30 us per layer with two), so 2, not 4.
+_PROGRAMS_PER_SM = 2
+# (tile tokens, warps, stages) of the decode kernel: one split per (request, KV head) when the batch
+# alone fills the device -- there two warps per program let more programs stay resident (256 x 192 tokens:
+# 64 vs 72 us; 256 x 640: 167 vs 185 us) -- and the long-tile launch when the context is split.
+_BATCH_LAUNCH = (32, 2, 2)
+_SPLIT_LAUNCH = (64, 4, 2)
 
 
 def _pow2(n: int) -> int:
@@ -26,9 +34,10 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: keep grids small
 
 
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
+                      programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """Split count of flash-decoding for a step: a power of two in [1, 16] (few distinct compiles)."""
-    by_occupancy = -(-_PROGRAMS_PER_SM * sm_count // max(num_reqs * num_kv_heads, 1))
+    by_occupancy = -(-programs_per_sm * sm_count // max(num_reqs * num_kv_heads, 1))
     by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
     wanted = max(1, min(_MAX_SPLITS, by_occupancy, by_length))
     return min(_MAX_SPLITS, _pow2(wanted))
@@ -63,8 +72,9 @@ uniform speculative verify step), else the varlen kernel over
         if self.block_q * g_pad < 16:
             self.block_q = -(-16 // g_pad)
         self.decode_g_pad = max(16, g_pad)
-        # (tile tokens, warps, pipeline stages) of the decode kernel; tuning runs override it.
-        self.decode_launch = decode_launch or (self.block_n, 4, 2)
+        # (tile tokens, warps, pipeline stages) of the decode kernel; tuning runs fix it, else it follows
+        # the split count (_BATCH_LAUNCH / _SPLIT_LAUNCH; wide heads keep their tile).
+        self.decode_launch = decode_launch
 
     def forward(
         self,
@@ -131,7 +141,11 @@ uniform speculative verify step), else the varlen kernel over
         part_out = torch.empty((parts, splits, self.num_heads, self.head_size), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((parts, splits, self.num_heads), dtype=torch.float32, device=q.device)
-        block_n, warps, stages = self.decode_launch
+        if self.decode_launch is not None:
+            block_n, warps, stages = self.decode_launch
+        else:
+            block_n, warps, stages = _BATCH_LAUNCH if splits == 1 else _SPLIT_LAUNCH
+            block_n = min(block_n, self.block_n)
         if ql > 1 and q_pad * g_pad >= 64:
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](

@@ -48,7 +48,8 @@ class TritonMLAImpl:
         # inside shared memory.
         f32_wide = wide and layer.dtype == torch.float32
         key_tile = (16 if f32_wide else 32) if wide else 64
-        self.decode_launch = decode_launch or (block_h, key_tile, 8 if wide else 4, 1 if f32_wide else 2)
+        # 4 warps: on the H200 (benchmarks/h200_decode_attention.py) 8 warps cost 10-30% at every batch.
+        self.decode_launch = decode_launch or (block_h, key_tile, 8 if f32_wide else 4, 1 if f32_wide else 2)
         # Prefill tiles: rows = tokens x heads; 16 heads per program, as many tokens as fit 32/64 rows.
         self.prefill_block_h = max(1, min(_pow2(self.num_heads), 16))
         self.prefill_block_q = max(1, (32 if wide else 64) // self.prefill_block_h)
@@ -147,8 +148,11 @@ class TritonMLAImpl:
         # Same rows per program as decode (block_h >= 16 >= block_q): fewer heads, q tokens each.
         block_h = max(1, block_h // block_q)
         head_blocks = -(-self.num_heads // block_h)
+        # One program per SM: a program holds every head's 512-wide latent accumulator, and past one
+        # resident program per SM more splits only add partial traffic (H200, graphs' max_seq_len 4096:
+        # batch 256 x 192 tokens 50 us with 1 split vs 69 us with the 4 that 4 programs per SM asked for).
         splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len,
-                                                         _sm_count(q_c.device))
+                                                         _sm_count(q_c.device), programs_per_sm=1)
         if splits == 1:  # one split: straight into the latent output, no partials and no reduce
             self._launch((b, head_blocks, 1), q_c, q_pe, kv_cache, o_latent, None, md.decode_reqs, None,
                          md, block_h, block_q, block_n, 1, warps, stages, query_len=ql)

@@ -78,6 +78,31 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 100, 132) == 1  # short context: one split
     assert choose_num_splits(1, 8, 4096, 132) == 16  # one long request: split up to the cap
     assert choose_num_splits(256, 8, 4096, 132) == 1  # the batch alone fills the device
+    assert choose_num_splits(64, 8, 4096, 132) == 1  # H200-measured: one split already wins at 64 x 8 heads
+    assert choose_num_splits(256, 1, 4096, 132, programs_per_sm=1) == 1  # MLA: one program per SM
+    assert choose_num_splits(64, 1, 4096, 132, programs_per_sm=1) == 4
     for b in (1, 3, 32, 200):
         s = choose_num_splits(b, 8, 4096, 132)
         assert s & (s - 1) == 0 and 1 <= s <= 16
+
+
+def test_default_decode_launch_follows_the_split_count(monkeypatch) -> None:
+    """No fixed launch: one split takes the batch launch, a split context the long-tile one."""
+    import keel_attention_flash.impl as impl_mod
+
+    seen = []
+    real = impl_mod.kernels.split_decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((grid[2], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(impl_mod.kernels, "split_decode_kernel", Spy())
+    case = AttentionCase(context_lens=(40, 7), query_lens=(1, 1), num_heads=4, num_kv_heads=2, head_size=64,
+                         block_size=16)
+    for splits in (1, 4):
+        _run(case, torch.float32, 11, splits=splits)
+    assert seen == [(1, *impl_mod._BATCH_LAUNCH), (4, *impl_mod._SPLIT_LAUNCH)]
