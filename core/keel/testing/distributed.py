@@ -4,7 +4,10 @@ the same run on one rank. Model plugins use it for their TP / EP / PP layouts on
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +63,35 @@ def run_stress_engine(model: Any, vocab_size: int, **engine_args: Any) -> Stress
 def check_stress(path: Any, prompts: list[list[int]], results: dict[str, Any], metrics: dict[str, Any],
                  reference: dict[str, Any] | None = None, atol: float = 1e-4) -> None:
     """Tokens equal transformers' greedy ones, logprobs within `atol`, the stress actually happened,
-    and (with `reference`, the one-rank run) the very same tokens."""
+    and (with `reference`, the one-rank run) the very same tokens with logprobs within `atol`."""
     assert metrics["num_preemptions_total"] > 0, "the scenario did not preempt"
     assert metrics["prefix_cache_hits_total"] >= 16, "the scenario had no prefix hit"
     assert_matches_hf(path, prompts[:5], results, MAX_TOKENS, atol=atol)
     assert_matches_hf(path, prompts[5:], results, MAX_TOKENS, atol=atol, prefix="hit")
     if reference is not None:
-        for rid, out in results.items():
-            assert list(out.outputs[0].token_ids) == list(reference[rid].outputs[0].token_ids), rid
+        assert_same_as_reference(results, reference, atol)
+
+
+def assert_same_as_reference(results: dict[str, Any], reference: dict[str, Any], atol: float = 1e-4) -> None:
+    """Every request of `reference` (the one-rank run) has the same tokens in `results`, logprobs within `atol`."""
+    assert set(results) == set(reference)
+    for rid, out in results.items():
+        got, ref = out.outputs[0], reference[rid].outputs[0]
+        assert list(got.token_ids) == list(ref.token_ids), f"{rid}: tokens differ from the one-rank run"
+        worst = max(abs(a[t].logprob - b[t].logprob) for a, b, t in zip(got.logprobs, ref.logprobs, got.token_ids))
+        assert worst < atol, f"{rid}: logprob differs from the one-rank run by {worst:.2e}"
+
+
+@contextlib.contextmanager
+def local_ray_cluster(temp_dir: Any, num_cpus: int = 2) -> Iterator[None]:
+    """A Ray cluster of `num_cpus` CPU bundles on loopback for the "ray" executor's tests (one per test
+    module: starting one takes seconds); shut down on exit."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             _temp_dir=str(temp_dir))
+    try:
+        yield
+    finally:
+        ray.shutdown()
