@@ -1,6 +1,7 @@
 """Pipeline parallelism on the CPU ("mp" executor, gloo): a 3-layer Llama with tied embeddings split over
 2 stages (1 + 2 layers; the LM head shares the last stage's copy of the embedding) gives transformers'
-greedy tokens and logprobs within 1e-4 through chunked prefill, preemption and prefix hits."""
+greedy tokens and logprobs within 1e-4 through chunked prefill, preemption and prefix hits; so does
+TP=2 x PP=2 on 4 ranks (and equals the one-rank run)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,23 @@ def test_stage_layer_split():
         get_pp_indices(1, 0, 2)
 
 
-def test_pipeline_parallel_matches_transformers(tmp_path):
-    path = make_checkpoint("llama", tmp_path / "llama", num_hidden_layers=3, tie_word_embeddings=True)
-    run = run_stress_engine(path, 300, pipeline_parallel_size=2)
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint("llama", tmp_path_factory.mktemp("pp") / "llama", num_hidden_layers=3,
+                           tie_word_embeddings=True)
+
+
+def test_pipeline_parallel_matches_transformers(llama):
+    run = run_stress_engine(llama, 300, pipeline_parallel_size=2)
     assert run.executor_backend == "mp"
-    check_stress(path, run.prompts, run.results, run.metrics)
+    check_stress(llama, run.prompts, run.results, run.metrics)
+
+
+def test_tensor_and_pipeline_parallel_match_transformers_and_one_rank(llama):
+    # 4 ranks: stage 0 is ranks 0-1 (a TP pair), stage 1 ranks 2-3; each TP rank sends to its peer.
+    one_rank = run_stress_engine(llama, 300)
+    run = run_stress_engine(llama, 300, tensor_parallel_size=2, pipeline_parallel_size=2)
+    check_stress(llama, run.prompts, run.results, run.metrics, reference=one_rank.results)
 
 
 def test_pipeline_parallel_needs_a_multi_rank_executor():
