@@ -57,3 +57,19 @@ def test_killed_worker_fails_the_engine_naming_its_rank(llama):
             engine.step() if engine.has_unfinished_requests() else executor.check_health()
     finally:
         engine.shutdown()
+
+
+def test_mp_executor_with_one_rank_joins_through_the_communicator(llama, one_rank):
+    # The world of one still meets at a rendezvous and uses the platform's communicator (on CUDA: NCCL,
+    # tests/test_cuda_distributed.py), and gives the one-rank run's tokens and logprobs.
+    from keel.testing.distributed import assert_same_as_reference, run_stress
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama), distributed_executor_backend="mp",
+                                                   **STRESS_ARGS))
+    try:
+        info = engine.core.executor.collective_rpc("distributed_info")
+        assert [i["backend"] for i in info] == ["gloo"]
+        results, _ = run_stress(engine, one_rank.prompts)
+    finally:
+        engine.shutdown()
+    assert_same_as_reference(results, one_rank.results)

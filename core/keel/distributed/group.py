@@ -34,10 +34,10 @@ class GroupCoordinator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group (in place where the backend can); returns the summed tensor."""
+        if self.device_communicator is not None:  # the platform's, even for one rank (it checks devices)
+            return self.device_communicator.all_reduce(x)
         if self.world_size == 1:
             return x
-        if self.device_communicator is not None:
-            return self.device_communicator.all_reduce(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.torch_group)
@@ -45,10 +45,10 @@ class GroupCoordinator:
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim`, in group-rank order."""
+        if self.device_communicator is not None:  # the platform's, even for one rank (it checks devices)
+            return self.device_communicator.all_gather(x, dim)
         if self.world_size == 1:
             return x
-        if self.device_communicator is not None:
-            return self.device_communicator.all_gather(x, dim)
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.world_size)]

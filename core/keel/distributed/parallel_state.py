@@ -38,7 +38,8 @@ _STATE: DistributedState | None = None
 
 def init_distributed_environment(grid: RankGrid, rank: int, communicator, init_method: str | None = None
                                  ) -> DistributedState:
-    """Join the world (torch.distributed on `communicator.dist_backend`, skipped for a world of one) and
+    """Join the world (torch.distributed on `communicator.dist_backend`; skipped for a world of one
+    without `init_method`, i.e. the "uni" executor) and
     build this rank's groups. `communicator` is the platform's `CommunicatorSpec`. Idempotent per process
     for the same grid and rank."""
     global _STATE
@@ -47,7 +48,10 @@ def init_distributed_environment(grid: RankGrid, rank: int, communicator, init_m
             raise RuntimeError(f"this process is already rank {_STATE.rank} of {_STATE.grid}")
         return _STATE
     device_comm_cls = None
-    if grid.world_size > 1:
+    # A multi-rank executor hands every worker a rendezvous, even for a world of one: that run goes
+    # through the platform's communicator too (the one-device check of the NCCL path).
+    joined = grid.world_size > 1 or init_method is not None
+    if joined:
         import torch.distributed as dist
 
         if init_method is None:
@@ -64,14 +68,14 @@ def init_distributed_environment(grid: RankGrid, rank: int, communicator, init_m
         mine = None
         for ranks in groups:
             torch_group = None
-            if grid.world_size > 1:
+            if joined and len(ranks) > 1:
                 import torch.distributed as dist
 
-                torch_group = dist.new_group(ranks) if len(ranks) > 1 else None
+                torch_group = dist.new_group(ranks)
             if rank in ranks:
                 mine = GroupCoordinator(name, ranks, rank, torch_group)
         assert mine is not None
-        if device_comm_cls is not None and mine.world_size > 1:
+        if device_comm_cls is not None:
             mine.device_communicator = device_comm_cls(mine)
         return mine
 

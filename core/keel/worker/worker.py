@@ -63,6 +63,16 @@ class Worker:
         self.dist = init_distributed_environment(grid, self.rank, self.platform.communicator(),
                                                  self.distributed_init_method)
 
+    def distributed_info(self) -> dict[str, str | None]:
+        """Called through `collective_rpc` by diagnostics and tests: how this rank talks to the others
+        (torch.distributed backend, None when not joined; the TP group's device communicator class)."""
+        import torch.distributed as dist
+
+        comm = self.dist.tp.device_communicator
+        return {"backend": dist.get_backend() if dist.is_initialized() else None,
+                "tp_group": repr(self.dist.tp),
+                "device_communicator": None if comm is None else type(comm).__qualname__}
+
     def load_model(self) -> None:
         if self.dist is None:
             self.init_device()

@@ -19,11 +19,16 @@ class CommunicatorError(RuntimeError):
 
 class NcclCommunicator:
     def __init__(self, group: Any = None, device: torch.device | None = None) -> None:
+        """`group`: a torch.distributed group (None: the world), or the `GroupCoordinator` that
+        keel.distributed builds this communicator for (its torch group; None there for a group of one)."""
         if not dist.is_initialized():
             raise CommunicatorError("torch.distributed is not initialized; call NcclCommunicator.initialize first")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        if hasattr(group, "rank_in_group"):  # a keel.distributed GroupCoordinator
+            self.group, self.rank, self.world_size = group.torch_group, group.rank_in_group, group.world_size
+        else:
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
         self.device = device or torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
