@@ -191,6 +191,16 @@ def test_metrics_keys(llm):
     assert 0.0 <= m["kv_cache_usage"] <= 1.0
 
 
+def test_cached_prompt_tokens_counted(llm):
+    prompt = {"prompt_token_ids": list(range(3, 40))}  # 37 tokens: 4 full blocks of 8 are cacheable
+    params = SamplingParams(temperature=0, max_tokens=2)
+    before = llm.get_metrics()["prompt_tokens_cached_total"]
+    llm.generate([prompt], params, use_tqdm=False)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    m = llm.get_metrics()
+    assert out.num_cached_tokens == 32 and m["prompt_tokens_cached_total"] - before == 32
+
+
 def test_token_prompts_without_tokenizer_and_no_chunking(model_dir):
     llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_chunked_prefill=False,
               max_model_len=64, dtype="float32")

@@ -33,23 +33,25 @@ def test_prometheus_logger_names_values_and_isolation():
                             prefix_cache_hits_total=16),
              IterationStats([0.02], [0.01, 0.03], [0.5], ["stop", "length", "abort"]))
     text = a.render().decode()
-    for line in ('keel:num_requests_running{model_name="model-a"} 3.0',
-                 'keel:num_requests_waiting{model_name="model-a"} 2.0',
-                 'keel:kv_cache_usage_perc{model_name="model-a"} 0.25',
-                 'keel:prompt_tokens_total{model_name="model-a"} 40.0',
-                 'keel:generation_tokens_total{model_name="model-a"} 7.0',
-                 'keel:num_preemptions_total{model_name="model-a"} 1.0',
-                 'keel:prefix_cache_queries_total{model_name="model-a"} 40.0',
-                 'keel:prefix_cache_hits_total{model_name="model-a"} 16.0',
-                 'keel:request_success_total{finished_reason="stop",model_name="model-a"} 1.0',
-                 'keel:request_success_total{finished_reason="length",model_name="model-a"} 1.0',
-                 'keel:time_to_first_token_seconds_count{model_name="model-a"} 1.0',
-                 'keel:inter_token_latency_seconds_count{model_name="model-a"} 2.0',
-                 'keel:e2e_request_latency_seconds_count{model_name="model-a"} 1.0'):
+    for line in ('keel:num_requests_running{engine="0",model_name="model-a"} 3.0',
+                 'keel:num_requests_waiting{engine="0",model_name="model-a"} 2.0',
+                 'keel:kv_cache_usage_perc{engine="0",model_name="model-a"} 0.25',
+                 'keel:prompt_tokens_total{engine="0",model_name="model-a"} 40.0',
+                 'keel:generation_tokens_total{engine="0",model_name="model-a"} 7.0',
+                 'keel:num_preemptions_total{engine="0",model_name="model-a"} 1.0',
+                 'keel:prefix_cache_queries_total{engine="0",model_name="model-a"} 40.0',
+                 'keel:prefix_cache_hits_total{engine="0",model_name="model-a"} 16.0',
+                 'keel:request_success_total{engine="0",finished_reason="stop",model_name="model-a"} 1.0',
+                 'keel:request_success_total{engine="0",finished_reason="length",model_name="model-a"} 1.0',
+                 'keel:time_to_first_token_seconds_count{engine="0",model_name="model-a"} 1.0',
+                 'keel:inter_token_latency_seconds_count{engine="0",model_name="model-a"} 2.0',
+                 'keel:e2e_request_latency_seconds_count{engine="0",model_name="model-a"} 1.0'):
         assert line in text, line
-    assert 'finished_reason="abort"' not in text  # aborts are not successes
+    # vLLM's FinishReason labels, aborts included (they are finished requests; no latency is recorded)
+    assert 'keel:request_success_total{engine="0",finished_reason="abort",model_name="model-a"} 1.0' in text
+    assert 'keel:request_success_total{engine="0",finished_reason="error",model_name="model-a"} 0.0' in text
     assert "# TYPE keel:time_to_first_token_seconds histogram" in text
-    assert 'keel:num_requests_running{model_name="model-b"} 0.0' in b.render().decode()
+    assert 'keel:num_requests_running{engine="0",model_name="model-b"} 0.0' in b.render().decode()
 
 
 def test_prometheus_logger_is_a_stat_logger_plugin():

@@ -38,6 +38,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # "auto": the model dtype. "fp8" / "fp8_e4m3": e4m3 storage with unit scales (vLLM's names); e5m2 and
 # per-layer checkpoint scales are not served yet.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                "bfloat16": "bfloat16"}
 
@@ -186,8 +187,14 @@ class SchedulerConfig:
     # to the host (not the CPU) and no speculative decoding is configured.
     async_scheduling: bool | None = None
     max_model_len: int | None = None  # filled in by create_engine_config when the model is known
+    # "fcfs": arrival order. "priority": requests' `priority` first (lower is sooner), then arrival; the
+    # lowest-priority running request is the one preempted (vLLM's --scheduling-policy).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduler.scheduling_policy {self.scheduling_policy!r} is not one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}")
         _positive("scheduler", "max_num_seqs", self.max_num_seqs)
         _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         if self.max_num_batched_tokens is None:

@@ -37,6 +37,7 @@ _SECTION_OF = {
                      "gpu_memory_utilization", "kv_cache_dtype"), "cache"),
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
                     "scheduler"),
+    "scheduling_policy": "scheduler",
     **dict.fromkeys(("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
                      "distributed_executor_backend", "engine_core_process", "engine_iteration_timeout_s"),
                     "parallel"),
@@ -97,6 +98,7 @@ class EngineArgs:
     generation_config: str | None = None  # "auto" (the model's generation_config.json), "vllm", or a folder
     quantization: str | None = None  # a quantization method ("fp8", "gptq", ...); default: the checkpoint's
     kv_cache_dtype: str | None = None  # "auto" (the model dtype)
+    scheduling_policy: str | None = None  # "fcfs" (default) or "priority" (requests' `priority` first)
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod

@@ -100,6 +100,7 @@ class AsyncLLM:
             generation_config=config.model.generation_config_fields,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
             speculative=config.speculative is not None,
+            scheduling_policy=config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
@@ -138,9 +139,10 @@ class AsyncLLM:
 
     async def add_request(
         self, request_id: str, prompt: str | Mapping[str, Any] | list[int], params: SamplingParams,
-        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA, priority: int = 0,
     ) -> RequestOutputCollector:
-        """Tokenize, validate and queue; returns the collector `generate` reads from.
+        """Tokenize, validate and queue; returns the collector `generate` reads from. `priority` orders
+        requests under the "priority" scheduling policy (lower first); elsewhere it must be 0.
 
         Raises ValueError (PromptTooLongError for prompts over max_model_len) with nothing queued, or
         EngineDeadError.
@@ -150,14 +152,15 @@ class AsyncLLM:
         self._check_id(request_id)
         processed = await self.run_in_tokenizer_thread(self.processor.process_prompt, prompt)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))
-        core_requests = self.processor.make_requests(request_id, processed, params, time.monotonic())
+        core_requests = self.processor.make_requests(request_id, processed, params, time.monotonic(), priority)
         self._check_alive()
         self._check_id(request_id)  # again: another request may have taken the id while we tokenized
         collector = RequestOutputCollector(output_kind)
         child_ids = [r.request_id for r in core_requests]
         self.output_processor.add_request(request_id, child_ids, processed, params, output_kind, time.time())
         self._collectors[request_id] = collector
-        self._request_stats.add(child_ids, time.monotonic())
+        self._request_stats.add(child_ids, time.monotonic(), num_prompt_tokens=len(processed.prompt_token_ids),
+                                max_tokens=params.max_tokens)
         self._ensure_output_loop()
         try:
             for r in core_requests:
@@ -169,10 +172,10 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: str | Mapping[str, Any] | list[int], sampling_params: SamplingParams, request_id: str,
-        *, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        *, output_kind: RequestOutputKind = RequestOutputKind.DELTA, priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until the finished one; leaving early aborts the request."""
-        collector = await self.add_request(request_id, prompt, sampling_params, output_kind)
+        collector = await self.add_request(request_id, prompt, sampling_params, output_kind, priority)
         async for out in self.iterate(request_id, collector):
             yield out
 
@@ -285,9 +288,11 @@ class AsyncLLM:
         if out.finished:
             self._collectors.pop(out.request_id, None)
             n = len(out.outputs)
+            longest = 0
             for c in out.outputs:
                 cid = out.request_id if n == 1 else child_request_id(out.request_id, c.index)
-                self._request_stats.finish(cid, str(c.finish_reason), now)
+                longest = max(longest, self._request_stats.finish(cid, str(c.finish_reason), now))
+            self._request_stats.finish_parent(n, longest)
         if collector is not None:
             collector.put(out)
 

@@ -60,6 +60,7 @@ class EngineCore:
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
             async_scheduling=self.async_scheduling,
             structured_output=self._structured_output_manager(),
+            scheduling_policy=sched.scheduling_policy,
         )
         # Async scheduling: launched steps not yet applied, oldest first (at most two).
         self._in_flight: deque = deque()

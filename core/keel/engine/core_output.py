@@ -19,6 +19,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # On the output carrying a request's first token: when the scheduler first admitted it (monotonic
+    # clock); the front end derives queue and prefill times from it.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -34,10 +37,15 @@ class SchedulerStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prompt_tokens_total: int = 0
+    # Of prompt_tokens_total, those served from the prefix cache (counted when the first token comes).
+    prompt_tokens_cached_total: int = 0
     generation_tokens_total: int = 0
     num_finished_total: dict[str, int] = field(default_factory=dict)
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_drafts_total: int = 0  # verify steps of a request that carried drafts
+    # accepted drafts per draft position (index 0: the first draft token)
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, Any]:
         """The `get_metrics()` dict of LLM / AsyncLLM (vLLM-style names, no prefix)."""
@@ -49,8 +57,11 @@ class SchedulerStats:
             "prefix_cache_queries_total": self.prefix_cache_queries_total,
             "prefix_cache_hits_total": self.prefix_cache_hits_total,
             "prompt_tokens_total": self.prompt_tokens_total,
+            "prompt_tokens_cached_total": self.prompt_tokens_cached_total,
             "generation_tokens_total": self.generation_tokens_total,
             "request_success_total": dict(self.num_finished_total),
             "spec_decode_num_draft_tokens_total": self.spec_decode_num_draft_tokens_total,
             "spec_decode_num_accepted_tokens_total": self.spec_decode_num_accepted_tokens_total,
+            "spec_decode_num_drafts_total": self.spec_decode_num_drafts_total,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
         }

@@ -78,6 +78,7 @@ class LLMEngine:
             generation_config=config.model.generation_config_fields,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
             speculative=config.speculative is not None,
+            scheduling_policy=config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0
@@ -97,14 +98,16 @@ class LLMEngine:
         prompt: str | Mapping[str, Any] | list[int],
         params: SamplingParams,
         kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        priority: int = 0,
     ) -> None:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input. `priority`
+        orders requests under the "priority" scheduling policy (lower first); elsewhere it must be 0."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
         processed = self.processor.process_prompt(prompt)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))
-        core_requests = self.processor.make_requests(request_id, processed, params, time.monotonic())
+        core_requests = self.processor.make_requests(request_id, processed, params, time.monotonic(), priority)
         self.output_processor.add_request(
             request_id, [r.request_id for r in core_requests], processed, params, kind, arrival
         )

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from keel.engine.limits import ParamError
+from keel.engine.limits import INT64_MAX, INT64_MIN, ParamError, check_int
 from keel.engine.prompt_bound import PromptBound, PromptTooLongError
 from keel.engine.request import EngineCoreRequest
 from keel.engine.sampling_params import SamplingParams
@@ -18,6 +18,7 @@ from keel.engine.sampling_params import SamplingParams
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    cache_salt: str | None = None  # the prompt dict's `cache_salt` (vLLM's): mixed into its prefix hashes
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -27,8 +28,10 @@ def child_request_id(parent_id: str, index: int) -> str:
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
                  seed: int = 0, generation_config: Mapping[str, Any] | None = None,
-                 structured_output_backend: Callable[[], type] | None = None, speculative: bool = False) -> None:
+                 structured_output_backend: Callable[[], type] | None = None, speculative: bool = False,
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
         # Loads the `structured_output` backend class (imported on first use), or None.
         self.structured_output_backend = structured_output_backend
@@ -40,13 +43,18 @@ class Processor:
         self._rng = random.Random(seed)
 
     def process_prompt(self, prompt: str | Mapping[str, Any] | list[int]) -> ProcessedPrompt:
+        salt = None
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, Mapping):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
+                                 "(and optionally 'cache_salt')")
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ParamError("cache_salt", "cache_salt must be a non-empty string")
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             text, ids = None, prompt
         else:
@@ -72,7 +80,7 @@ class Processor:
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: it must be "
                 f"shorter to leave room for at least one generated token"
             )
-        return ProcessedPrompt(text, ids)
+        return ProcessedPrompt(text, ids, salt)
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """Token ids inside sampling params must exist in the vocabulary, and no more logprobs than the
@@ -108,9 +116,17 @@ class Processor:
         room = self.max_model_len - prompt_len
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs the "priority" scheduling policy."""
+        check_int("priority", priority, INT64_MIN, INT64_MAX)
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ParamError("priority", f"Got priority {priority} but priority scheduling is not enabled "
+                                         "(start the engine with scheduling_policy='priority')")
+
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      arrival_time: float) -> list[EngineCoreRequest]:
+                      arrival_time: float, priority: int = 0) -> list[EngineCoreRequest]:
         """One engine request per sample (n); children of a seeded request get distinct derived seeds."""
+        self.check_priority(priority)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init")
         self.check_token_ids(params)
@@ -140,6 +156,8 @@ class Processor:
                     eos_token_id=self.eos_token_id,
                     seed=seed,
                     arrival_time=arrival_time,
+                    cache_salt=prompt.cache_salt,
+                    priority=priority,
                 )
             )
         return requests

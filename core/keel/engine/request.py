@@ -54,6 +54,7 @@ class EngineCoreRequest:
     seed: int  # sampling seed: the user's (derived per child when n > 1) or drawn by the front end
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    priority: int = 0  # under the "priority" scheduling policy: lower is scheduled sooner
 
 
 class Request:
@@ -65,6 +66,7 @@ class Request:
         self.seed = req.seed
         self.arrival_time = req.arrival_time
         self.cache_salt = req.cache_salt
+        self.priority = req.priority
         self.max_tokens = max_tokens  # resolved against max_model_len by the front end
 
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
@@ -81,6 +83,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Structured outputs: the constraint's compile, then its grammar (set by the scheduler).
         self.structured_output: StructuredOutputRequest | None = None
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """The "priority" policy's order: priority, then arrival (smaller first)."""
+        return (self.priority, self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,11 +15,17 @@ Structured outputs: a constrained request waits in the queue until its grammar h
 requests pass it), and each step that samples for it carries its allowed tokens (`grammar_bitmask`).
 Its grammar must have seen every earlier token, so with async scheduling it is not scheduled while a
 token of it is in flight (it samples every other step; unconstrained requests are unaffected).
+
+Policies (vLLM's): "fcfs" serves and preempts in arrival order. "priority" keeps both the waiting queue
+and the running list ordered by (priority, arrival), so the waiting request admitted next is the most
+urgent one and the request preempted is always the least urgent running one (the last).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -48,9 +54,13 @@ class Scheduler:
         num_spec_tokens: int = 0,
         async_scheduling: bool = False,
         structured_output: StructuredOutputManager | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         if async_scheduling and num_spec_tokens:
             raise ValueError("async scheduling does not support speculative decoding yet")
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {scheduling_policy!r}: fcfs or priority")
+        self.by_priority = scheduling_policy == "priority"
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,7 +93,10 @@ class Scheduler:
                 raise ValueError("structured_outputs needs a structured_output backend plugin; none is loaded")
             request.structured_output = self.structured_output.add_request(constraint)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish the named requests now and free their blocks; unknown ids are ignored."""
@@ -175,8 +188,13 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort(self.running, request, key=_priority_key)
+            else:
+                self.running.append(request)
             self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -274,7 +292,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions_total += 1
         self._drop_from_runner(request.request_id)
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            bisect.insort_left(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.appendleft(request)
 
     def _drop_from_runner(self, request_id: str) -> None:
         if request_id in self._known_to_runner:
@@ -304,13 +325,21 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 stats.spec_decode_num_draft_tokens_total += len(drafts)
                 stats.spec_decode_num_accepted_tokens_total += num_accepted
+                stats.spec_decode_num_drafts_total += 1
+                per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+                if len(per_pos) < len(drafts):
+                    per_pos.extend([0] * (len(drafts) - len(per_pos)))
+                for pos in range(num_accepted):
+                    per_pos[pos] += 1
                 request.spec_token_ids = []
 
             new_tokens: list[int] = []
             status = None
+            first = not request.output_token_ids
             for token in generated:
                 if not request.output_token_ids:
                     stats.prompt_tokens_total += request.num_prompt_tokens
+                    stats.prompt_tokens_cached_total += request.num_cached_tokens
                 request.append_output_token_ids(token)
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
@@ -332,6 +361,7 @@ class Scheduler:
                 new_logprobs=lp,
                 new_prompt_logprobs=prompt_lp,
                 num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=request.first_scheduled_time if first and new_tokens else None,
             )
             if status is not None:
                 self._finish(request, status)
@@ -400,3 +430,7 @@ class Scheduler:
         s.prefix_cache_queries_total = self.kv.prefix_cache_queries_total
         s.prefix_cache_hits_total = self.kv.prefix_cache_hits_total
         return s
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority_key

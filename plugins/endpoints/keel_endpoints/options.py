@@ -31,8 +31,16 @@ class ServerConfig:
     preprocess_threads: int = 4
     # What IO processors may spend on one request (chat templates), handed to each of them.
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    # /metrics names: "keel:..." or vLLM's own "vllm:..." (dashboards built for vLLM then work unchanged).
+    metrics_prefix: str = "keel"
+    # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint): off by default, as it shows the template.
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self) -> None:
+        from keel_endpoints.prometheus import PREFIXES
+
+        if self.metrics_prefix not in PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {', '.join(PREFIXES)}, got {self.metrics_prefix!r}")
         limits = self.request_limits
         for name, value in (("max_request_body_bytes", self.max_request_body_bytes),
                             ("preprocess_threads", self.preprocess_threads),
@@ -75,6 +83,10 @@ class Hooks:
                            help="render a `chat_template` sent in a chat request (default: refused with 400)")
         group.add_argument("--chat-template-timeout-s", type=float, default=None, metavar="SECONDS",
                            help="time budget of one chat-template rendering (default 2)")
+        group.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=None,
+                           help="serve GET /tokenizer_info (the tokenizer's settings and chat template)")
+        group.add_argument("--metrics-prefix", choices=("keel", "vllm"), default=None,
+                           help="prefix of the /metrics names: keel (default) or vllm, for dashboards built for vLLM")
         group.add_argument("--chat-template-max-chars", type=int, default=None, metavar="N",
                            help="size budget of one rendered chat template, in characters (default 4Mi)")
 

@@ -1,8 +1,9 @@
 """The API server: builds the FastAPI app from the selected endpoints and serves it with uvicorn.
 
 `keel serve` finds `APIServer` as the `endpoint` registry entry "api_server" and calls `APIServer.serve`.
-As an endpoint itself, it adds the server's own routes: /health, /version, /v1/models, /tokenize,
-/detokenize and /metrics.
+As an endpoint itself, it adds the server's own routes: /health, /ping, /version, /v1/models,
+/v1/models/{id}, /tokenize, /detokenize, /tokenizer_info (with --enable-tokenizer-info-endpoint) and
+/metrics; FastAPI serves /docs, /redoc and /openapi.json.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
     if server_config is None:
         server_config = ServerConfig.from_plugin_options(getattr(config, "plugin_options", None))
     name = served_model_name or config.model.served_model_name
-    app = FastAPI(title="keel", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="keel", version=__version__, docs_url="/docs", redoc_url="/redoc")
     install_error_handlers(app)
     ctx = EndpointContext(engine_client=engine_client, config=config, served_model_name=name,
                           io_processors=_io_processors(plugin_set, engine_client, name,
@@ -85,7 +86,7 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
     endpoints = plugin_set.registry("endpoint")
     keys = ["api_server", *(k for k in endpoints if k != "api_server")]
     for key in keys:
-        endpoint = APIServer() if key == "api_server" else endpoints.get(key)
+        endpoint = APIServer(server_config) if key == "api_server" else endpoints.get(key)
         if isinstance(endpoint, type):
             endpoint = endpoint()
         endpoint.register(app, ctx)
@@ -99,6 +100,9 @@ def build_app(engine_client: Any, config: Any, *, served_model_name: str | None 
 
 class APIServer:
     """The "api_server" endpoint: the server's own routes, and the `serve` entry point of `keel serve`."""
+
+    def __init__(self, server_config: ServerConfig | None = None) -> None:
+        self.server_config = server_config or ServerConfig()
 
     def register(self, app: FastAPI, ctx: EndpointContext) -> None:
         engine = ctx.engine_client
@@ -120,14 +124,22 @@ class APIServer:
         async def version() -> JSONResponse:
             return JSONResponse({"version": __version__})
 
+        root = ctx.config.model.model if ctx.config is not None and ctx.config.model else None
+        card = {"id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "keel",
+                "root": root, "parent": None, "max_model_len": engine.max_model_len}
+
         @app.get("/v1/models")
         async def models() -> JSONResponse:
-            root = ctx.config.model.model if ctx.config is not None and ctx.config.model else None
-            card = {"id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "keel",
-                    "root": root, "parent": None, "max_model_len": engine.max_model_len}
             return JSONResponse({"object": "list", "data": [card]})
 
-        register_utility_routes(app, ctx)
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> JSONResponse:
+            if model_id != ctx.served_model_name:
+                raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
+                                  code="model_not_found")
+            return JSONResponse(card)
+
+        register_utility_routes(app, ctx, self.server_config)
 
     @staticmethod
     def serve(engine_client: Any, config: Any, *, host: str = "127.0.0.1", port: int = 8000,

@@ -1,7 +1,8 @@
-"""/tokenize, /detokenize (vLLM's shapes) and /metrics (Prometheus text)."""
+"""/tokenize, /detokenize, /tokenizer_info (vLLM's shapes) and /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,13 +50,41 @@ def _check_model(ctx: EndpointContext, model: str | None) -> None:
         raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
+def _cache_info(ctx: EndpointContext) -> dict[str, Any]:
+    """vLLM's `cache_config_info` labels, from the engine's cache section (if the config has one)."""
+    cache = getattr(ctx.config, "cache", None)
+    if cache is None:
+        return {}
+    info = {"block_size": cache.block_size, "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization}
+    blocks = getattr(ctx.engine_client, "num_kv_blocks", None)
+    if blocks is not None:
+        info["num_gpu_blocks"] = blocks
+    return info
+
+
+def tokenizer_info(tok: Any) -> dict[str, Any]:
+    """vLLM's /tokenizer_info body: the tokenizer's class and its JSON-serializable init settings."""
+    settings = {k: v for k, v in getattr(tok, "init_kwargs", {}).items() if k != "name_or_path"}
+    # AddedToken objects (also inside added_tokens_decoder) become their text; other objects their str
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, **json.loads(json.dumps(
+        settings, default=lambda o: getattr(o, "content", None) or str(o)))}
+    info.setdefault("model_max_length", getattr(tok, "model_max_length", None))
+    info["chat_template"] = getattr(tok, "chat_template", None)
+    return info
+
+
+def register_utility_routes(app: FastAPI, ctx: EndpointContext, server_config: Any = None) -> None:
     """Called by the api_server endpoint. /metrics attaches a Prometheus stat logger to the engine."""
+    from keel_endpoints.options import ServerConfig
     from keel_endpoints.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
+    options = server_config or ServerConfig()
     engine = ctx.engine_client
     procs = dict(ctx.io_processors)
-    stat_logger = PrometheusStatLogger(ctx.served_model_name)
+    stat_logger = PrometheusStatLogger(ctx.served_model_name, prefix=options.metrics_prefix,
+                                       max_model_len=engine.max_model_len, cache_info=_cache_info(ctx))
     if hasattr(engine, "add_stat_logger"):
         engine.add_stat_logger(stat_logger)
     app.state.keel_stat_logger = stat_logger
@@ -103,6 +132,11 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext) -> None:
             raise OpenAIError(400, f"token id(s) {bad[:5]} out of vocabulary range [0, {vocab})", param="tokens")
         text = await run_preprocess(request, tok.decode, req.tokens)
         return JSONResponse({"prompt": text})
+
+    if options.enable_tokenizer_info_endpoint:  # off by default, as in vLLM: it shows the chat template
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            return JSONResponse(tokenizer_info(tokenizer()))
 
     @app.get("/metrics")
     async def metrics() -> Response:
