@@ -24,7 +24,8 @@ from keel.config import EngineArgs, EngineConfig
 from keel.engine.engine_client import EngineCoreClient, EngineDeadError, ThreadedEngineCoreClient
 from keel.engine.llm_engine import _eos_token_id, load_tokenizer, resolve_model_shortcut
 from keel.engine.output_processor import OutputProcessor, RequestOutputKind
-from keel.engine.outputs import RequestOutput
+from keel.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from keel.engine.pooling_params import PoolingParams
 from keel.engine.processor import Processor, child_request_id
 from keel.engine.sampling_params import SamplingParams
 from keel.structured_output.manager import loaded, select_backend
@@ -106,6 +107,11 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-tokenizer")
         self._collectors: dict[str, RequestOutputCollector] = {}
+        self._pooling: dict[str, list[int]] = {}  # pooling request id -> prompt token ids
+        from keel.models.registry import ModelRegistry
+
+        info = ModelRegistry(config.plugin_set()).inspect_model_cls(getattr(hf_config, "architectures", None) or [])
+        self.is_pooling_model = info.is_pooling_model
         self._request_stats = RequestStatsTracker()
         self._last_stats: Any = None
         self._output_task: asyncio.Task | None = None
@@ -149,6 +155,9 @@ class AsyncLLM:
         """
         self._loop = asyncio.get_running_loop()
         self._check_alive()
+        if self.is_pooling_model:
+            raise ValueError("this model is an embedding (pooling) model: it serves pooling requests only "
+                             "(/v1/embeddings, /pooling), not generation")
         self._check_id(request_id)
         processed = await self.run_in_tokenizer_thread(self.processor.process_prompt, prompt)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))
@@ -179,6 +188,51 @@ class AsyncLLM:
         async for out in self.iterate(request_id, collector):
             yield out
 
+    async def encode(
+        self, prompt: str | Mapping[str, Any] | list[int], pooling_params: PoolingParams, request_id: str,
+        *, priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt (vLLM's `AsyncLLM.encode`): yields its single, final PoolingRequestOutput.
+        ValueError, nothing queued, on a model without a pooler or a bad prompt."""
+        self._loop = asyncio.get_running_loop()
+        self._check_alive()
+        if not self.is_pooling_model:
+            raise ValueError("this model does not support pooling (embeddings): serve an embedding model")
+        self._check_id(request_id)
+        processed = await self.run_in_tokenizer_thread(self.processor.process_prompt, prompt)
+        core_request = self.processor.make_pooling_request(request_id, processed, pooling_params, time.monotonic(),
+                                                           priority)
+        self._check_alive()
+        self._check_id(request_id)
+        collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
+        self._collectors[request_id] = collector
+        self._pooling[request_id] = processed.prompt_token_ids
+        self._request_stats.add([request_id], time.monotonic(), num_prompt_tokens=len(processed.prompt_token_ids))
+        self._ensure_output_loop()
+        try:
+            self.core_client.add_request(core_request, 1)
+        except EngineDeadError as exc:
+            self._fail(exc)
+            raise
+        async for out in self.iterate(request_id, collector):
+            yield out  # type: ignore[misc]
+
+    def _deliver_pooled(self, outputs: list[Any], now: float) -> None:
+        """The engine's results for pooling requests (each finishes with its one vector)."""
+        import torch
+
+        for eco in outputs:
+            prompt_ids = self._pooling.pop(eco.request_id, None)
+            collector = self._collectors.pop(eco.request_id, None)
+            if prompt_ids is None:
+                continue
+            self._request_stats.finish(eco.request_id, str(eco.finish_reason), now)
+            if collector is None or eco.pooling_output is None:
+                continue  # aborted
+            data = torch.tensor(eco.pooling_output, dtype=torch.float32)
+            collector.put(PoolingRequestOutput(eco.request_id, PoolingOutput(data), prompt_ids, True,  # type: ignore[arg-type]
+                                               num_cached_tokens=eco.num_cached_tokens))
+
     async def iterate(self, request_id: str,
                       collector: RequestOutputCollector) -> AsyncGenerator[RequestOutput, None]:
         """Drain a collector from `add_request`; closing or cancelling this generator early aborts."""
@@ -206,6 +260,8 @@ class AsyncLLM:
                 pass
             return
         child_ids, final = self.output_processor.abort_request(request_id)
+        if self._pooling.pop(request_id, None) is not None:
+            child_ids = [request_id]
         collector = self._collectors.pop(request_id, None)
         now = time.monotonic()
         for cid in child_ids:
@@ -266,6 +322,8 @@ class AsyncLLM:
             now = time.monotonic()
             self._request_stats.observe_outputs(batch.outputs, now)
             outputs = batch.outputs
+            if self._pooling:
+                self._deliver_pooled([o for o in outputs if o.request_id in self._pooling], now)
             for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
                 if start:
                     await asyncio.sleep(0)
@@ -309,6 +367,9 @@ class AsyncLLM:
         for request_id in list(self.output_processor.parents):
             for cid in self.output_processor.abort_request(request_id)[0]:
                 self._request_stats.finish(cid, "abort", now)
+        for request_id in self._pooling:
+            self._request_stats.finish(request_id, "abort", now)
+        self._pooling.clear()
 
 
 def _running_on(loop: asyncio.AbstractEventLoop) -> bool:

@@ -22,6 +22,7 @@ class EngineCoreOutput:
     # On the output carrying a request's first token: when the scheduler first admitted it (monotonic
     # clock); the front end derives queue and prefill times from it.
     first_scheduled_time: float | None = None
+    pooling_output: list[float] | None = None  # a pooling request's vector (it finishes with it)
 
     @property
     def finished(self) -> bool:

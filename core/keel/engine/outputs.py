@@ -8,7 +8,7 @@ after detokenization; they are plain mutable data with no tensors, safe to pickl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a completion ended: a stop string / stop token / EOS, max_tokens or the context limit, or
@@ -140,3 +140,27 @@ class RequestOutput:
             f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
             f"num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's `PoolingOutput`): `data` is the pooled vector, a float32
+    tensor `[pooled_size]` (L2-normalized unless the request's PoolingParams said otherwise)."""
+
+    data: Any
+
+    @property
+    def embedding(self) -> list[float]:
+        """`data` as a list (vLLM's `EmbeddingOutput.embedding`)."""
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (vLLM's name); it has exactly one, final output."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int | None = None

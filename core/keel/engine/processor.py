@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.engine.limits import INT64_MAX, INT64_MIN, ParamError, check_int
+from keel.engine.pooling_params import PoolingParams
 from keel.engine.prompt_bound import PromptBound, PromptTooLongError
 from keel.engine.request import EngineCoreRequest
 from keel.engine.sampling_params import SamplingParams
@@ -122,6 +123,15 @@ class Processor:
         if priority != 0 and self.scheduling_policy != "priority":
             raise ParamError("priority", f"Got priority {priority} but priority scheduling is not enabled "
                                          "(start the engine with scheduling_policy='priority')")
+
+    def make_pooling_request(self, request_id: str, prompt: ProcessedPrompt, params: PoolingParams,
+                             arrival_time: float, priority: int = 0) -> EngineCoreRequest:
+        """One engine request that computes the prompt and returns its pooled vector (samples nothing)."""
+        self.check_priority(priority)
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt.prompt_token_ids,
+                                 sampling_params=SamplingParams(max_tokens=1), eos_token_id=None, seed=0,
+                                 arrival_time=arrival_time, cache_salt=prompt.cache_salt, priority=priority,
+                                 pooling_params=params)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       arrival_time: float, priority: int = 0) -> list[EngineCoreRequest]:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from keel.engine.pooling_params import PoolingParams
 from keel.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     priority: int = 0  # under the "priority" scheduling policy: lower is scheduled sooner
+    # A pooling (embedding) request: computes its prompt and returns one vector, samples nothing.
+    pooling_params: PoolingParams | None = None
 
 
 class Request:
@@ -67,6 +70,7 @@ class Request:
         self.arrival_time = req.arrival_time
         self.cache_salt = req.cache_salt
         self.priority = req.priority
+        self.pooling_params = req.pooling_params
         self.max_tokens = max_tokens  # resolved against max_model_len by the front end
 
         self.all_token_ids: list[int] = list(req.prompt_token_ids)

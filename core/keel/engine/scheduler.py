@@ -171,9 +171,9 @@ class Scheduler:
                     continue
                 compiling.append(self.waiting.popleft())
                 continue
-            if request.sampling_params.prompt_logprobs is None:
+            if request.sampling_params.prompt_logprobs is None and request.pooling_params is None:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            else:  # every prompt position must be computed to report its logprobs
+            else:  # every prompt position must be computed (its logprobs; the pooler sees every one)
                 computed_blocks, num_cached = None, 0
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.enable_chunked_prefill:
@@ -215,7 +215,9 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+            # a pooling request samples nothing
+            samples = (request.num_computed_tokens >= request.num_tokens_with_placeholders
+                       and request.pooling_params is None)
             if samples and request.structured_output is not None:
                 constrained.append(request)
             if self.async_scheduling and samples:
@@ -281,6 +283,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 stop_token_ids=frozenset(stop_ids),
+                pooling_params=request.pooling_params,
             )
         )
 
@@ -313,6 +316,14 @@ class Scheduler:
         # Hoisted: at hundreds of requests per step the per-request lookups are the cost.
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         prompt_lps, lps, spec_ids = runner_output.prompt_logprobs, runner_output.logprobs, runner_output.spec_token_ids
+        for rid, vector in runner_output.pooler_output.items():
+            request = requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            stats.prompt_tokens_total += request.num_prompt_tokens
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="stop", pooling_output=vector,
+                                            first_scheduled_time=request.first_scheduled_time))
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
         for rid, generated in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(rid)
             if request is None or request.is_finished:

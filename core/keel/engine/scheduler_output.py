@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from keel.engine.pooling_params import PoolingParams
 from keel.engine.sampling_params import SamplingParams
 from keel.structured_output.manager import GrammarBitmask
 
@@ -23,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
     stop_token_ids: frozenset[int]  # eos + stop_token_ids, masked by the sampler until min_tokens
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled once its prompt is computed
 
 
 @dataclass
@@ -74,6 +76,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]], list[list[int]]]] = field(
         default_factory=dict
     )
+    # req_id -> the pooled vector of a pooling request whose prompt was completed this step
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

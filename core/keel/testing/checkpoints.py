@@ -20,6 +20,9 @@ ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    # embedding models: the base decoders (architectures LlamaModel / Qwen3Model), no LM head
+    "llama-embed": ("LlamaConfig", "LlamaModel"),
+    "qwen3-embed": ("Qwen3Config", "Qwen3Model"),
 }
 
 TINY_CONFIG: dict[str, Any] = {
@@ -86,7 +89,7 @@ def make_checkpoint(
     model_cls = getattr(transformers, ARCHS[arch.lower()][1])
     model = model_cls(config).to(torch.float32)
     _randomize(model, torch.Generator().manual_seed(seed))
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and hasattr(model, "tie_weights"):
         model.tie_weights()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,8 @@ class ModelRunner:
         self._builders = list(builders.values())
         self._layer_builder = [list(builders).index(layer.backend) for layer in self.attn_layers]
         self.cuda_graphs = None  # a DecodeGraphRunner once capture_cuda_graphs ran
+        # A model with a pooler (SupportsPooling) serves pooling requests; a pooling-only one has no LM head.
+        self.pooling_model = hasattr(model, "pool")
 
     # ---------------------------------------------------------------- KV cache
 
@@ -174,7 +176,7 @@ class ModelRunner:
             hidden = self.model(input_ids, pos.to(dev), ctx)
         else:  # every stage alone, on stand-in inputs: the same shapes, no exchange
             hidden = self.pipeline.forward_alone(self.model, input_ids, pos.to(dev), ctx)
-        if hidden is not None:
+        if hidden is not None and not self.pooling_model:
             rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
             self.model.compute_logits(hidden[rows]).softmax(dim=-1)  # the sampler's largest intermediate
         return sum(c.numel() * c.element_size() for c in caches)
@@ -220,6 +222,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 stop_token_ids=new.stop_token_ids,
+                pooling_params=new.pooling_params,
             )
             state.row = batch.add_request(state.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                                           state.block_ids, new.sampling_params, new.seed, new.stop_token_ids)
@@ -264,6 +267,9 @@ class ModelRunner:
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
             batch.write_drafts(requests[rid].row, drafts)
         step = batch.prepare_inputs(rows, num_scheduled)
+        pooling = [i for i, s in enumerate(states) if s.pooling_params is not None] if self._has_pooling() else []
+        if pooling:
+            step.num_sample_rows[pooling] = 0  # a pooling request is pooled, never sampled
 
         # Flat rows whose next token is sampled (drafts: one row each + 1), and (batch index, rows).
         sampling_idx = np.flatnonzero(step.num_sample_rows)
@@ -342,6 +348,8 @@ class ModelRunner:
                 launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
                                                out, staged=staged, constraint=constraint)
         query_start = step.query_start_loc.tolist()
+        if pooling and hidden is not None:
+            self._pool(states, pooling, query_start, num_scheduled, hidden, out)
         if hidden is not None and self._any_prompt_logprobs(states):
             self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
         result = self.in_flight.track(out, launch)
@@ -349,6 +357,27 @@ class ModelRunner:
             result.get_output()  # the proposer reads committed token ids on the host
             self._propose(so, states, query_start, sampling_reqs, hidden, out)
         return result
+
+    def _has_pooling(self) -> bool:
+        return any(s.pooling_params is not None for s in self.requests.values()) if self.pooling_model else False
+
+    def _pool(self, states, pooling: list[int], query_start: list[int], num_scheduled: np.ndarray,
+              hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Keep the pooling requests' prompt hidden states (chunked prefill spreads them over steps); a
+        request whose prompt is complete is pooled by the model and leaves its vector in `out`.
+        hidden: [num_tokens, hidden_size]."""
+        for i in pooling:
+            state = states[i]
+            state.pooled_hidden.append(hidden[query_start[i]:query_start[i + 1]])
+            if state.num_computed_tokens + int(num_scheduled[i]) < state.num_prompt_tokens:
+                continue
+            prompt_hidden = torch.cat(state.pooled_hidden)  # [prompt_len, hidden_size]
+            state.pooled_hidden = []
+            qsl = torch.tensor([0, prompt_hidden.shape[0]], dtype=torch.int32, device=prompt_hidden.device)
+            vector = self.model.pool(prompt_hidden, qsl)[0].float()  # [pooled_size]
+            if state.pooling_params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+            out.pooler_output[state.req_id] = vector.cpu().tolist()
 
     @staticmethod
     def _any_prompt_logprobs(states: list[CachedRequestState]) -> bool:

@@ -3,8 +3,10 @@ everything from SchedulerOutput and appends the tokens it sampled itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from keel.engine.pooling_params import PoolingParams
 from keel.engine.sampling_params import SamplingParams
 
 
@@ -19,6 +21,8 @@ class CachedRequestState:
     num_computed_tokens: int
     stop_token_ids: frozenset[int]
     row: int = -1  # the request's row in the runner's InputBatch
+    pooling_params: PoolingParams | None = None
+    pooled_hidden: list[Any] = field(default_factory=list)  # a pooling request's prompt hidden states so far
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ Registered under the `endpoint` kind:
   /version, /v1/models, /tokenize, /detokenize and /metrics.
 - "openai": POST /v1/completions and /v1/chat/completions, through the "completion" and "chat"
   IO processors (plugin io-processors).
+- "embeddings": POST /v1/embeddings and /pooling, for embedding (pooling) models.
 Registered under the `stat_logger` kind: "prometheus", vLLM's metric names under `keel:`.
 
 This module is the entry point and is imported at discovery: it must import nothing heavy.
@@ -25,6 +26,7 @@ def manifest() -> PluginManifest:
             "endpoint": {
                 "api_server": "keel_endpoints.server:APIServer",
                 "openai": "keel_endpoints.openai:OpenAIEndpoint",
+                "embeddings": "keel_endpoints.embeddings:EmbeddingsEndpoint",
             },
             # /metrics renders it; other front ends find it by key (`StatLogger(model_name)`).
             "stat_logger": {"prometheus": "keel_endpoints.prometheus:PrometheusStatLogger"},

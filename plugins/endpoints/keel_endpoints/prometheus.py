@@ -68,10 +68,10 @@ _COUNTERS = (
      "Prefix cache queries, in terms of number of queried tokens."),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens."),
     # keel has no KV connector and no multi-modal inputs yet: these are zero, not unmeasured.
-    ("external_prefix_cache_queries", None, "External prefix cache queries from KV connector cross-instance "
-     "cache sharing, in terms of number of queried tokens."),
-    ("external_prefix_cache_hits", None, "External prefix cache hits from KV connector cross-instance cache "
-     "sharing, in terms of number of cached tokens."),
+    ("external_prefix_cache_queries", None, ("External prefix cache queries from KV connector cross-instance "
+                                             "cache sharing, in terms of number of queried tokens.")),
+    ("external_prefix_cache_hits", None, ("External prefix cache hits from KV connector cross-instance cache "
+                                          "sharing, in terms of number of cached tokens.")),
     ("mm_cache_queries", None, "Multi-modal cache queries, in terms of number of queried items."),
     ("mm_cache_hits", None, "Multi-modal cache hits, in terms of number of cached items."),
     ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "Number of spec decoding drafts."),

@@ -34,7 +34,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int] = Field(min_length=0)
 
 
-def _parse(model: type[BaseModel], body: Any) -> Any:
+def parse_body(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     try:
@@ -100,7 +100,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext, server_config: A
 
     @app.post("/tokenize", openapi_extra=body_spec(inline_refs(TokenizeRequest.model_json_schema())))
     async def tokenize(request: Request) -> JSONResponse:
-        req = _parse(TokenizeRequest, await read_json(request))
+        req = parse_body(TokenizeRequest, await read_json(request))
         _check_model(ctx, req.model)
         tokenizer()  # 400 without one
         if (req.prompt is None) == (req.messages is None):
@@ -123,7 +123,7 @@ def register_utility_routes(app: FastAPI, ctx: EndpointContext, server_config: A
 
     @app.post("/detokenize", openapi_extra=body_spec(inline_refs(DetokenizeRequest.model_json_schema())))
     async def detokenize(request: Request) -> JSONResponse:
-        req = _parse(DetokenizeRequest, await read_json(request))
+        req = parse_body(DetokenizeRequest, await read_json(request))
         _check_model(ctx, req.model)
         tok = tokenizer()
         vocab = len(tok)

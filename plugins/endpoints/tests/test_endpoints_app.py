@@ -113,7 +113,8 @@ def test_openapi_describes_every_request_body(client):
     spec = client.get("/openapi.json").json()
     bodies = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
               for path, ops in spec["paths"].items() if "post" in ops}
-    assert set(bodies) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    assert set(bodies) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/embeddings",
+                           "/pooling"}
     assert "prompt" in bodies["/v1/completions"]["required"] and "messages" in bodies["/v1/chat/completions"]["required"]
     assert {"max_tokens", "top_k", "logit_bias", "stream_options"} <= set(bodies["/v1/completions"]["properties"])
     top_k = bodies["/v1/completions"]["properties"]["top_k"]["anyOf"][0]

@@ -61,7 +61,7 @@ NOT_PUBLISHED = {
     "estimated_read_bytes_per_gpu_total": "no MFU estimates", "estimated_write_bytes_per_gpu_total": "no MFU estimates",
 }
 
-_TYPE = re.compile(r"^# TYPE (\w+):(\w+) (\w+)$", re.M)
+_TYPE = re.compile(r"^# TYPE (\w+):(\w+) (\w+)$", re.MULTILINE)
 
 
 def published(text: str, prefix: str) -> dict[str, str]:

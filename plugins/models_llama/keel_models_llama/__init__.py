@@ -20,6 +20,10 @@ def manifest() -> PluginManifest:
                 "MistralForCausalLM": "keel_models_llama.mistral:MistralForCausalLM",
                 "Qwen2ForCausalLM": "keel_models_llama.qwen2:Qwen2ForCausalLM",
                 "Qwen3ForCausalLM": "keel_models_llama.qwen3:Qwen3ForCausalLM",
+                # embedding (pooling) models: the base decoders without an LM head
+                "LlamaModel": "keel_models_llama.embedding:LlamaEmbeddingModel",
+                "Qwen2Model": "keel_models_llama.embedding:LlamaEmbeddingModel",
+                "Qwen3Model": "keel_models_llama.embedding:Qwen3EmbeddingModel",
             }
         },
         description="Llama-family dense decoders: Llama 2/3/3.1, Mistral, Qwen2, Qwen3",
