@@ -73,9 +73,16 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "presence_penalty": 1e308}, "presence_penalty"),
     ("completions", {"prompt": "x", "min_p": -1e-9}, "min_p"),
     ("completions", {"prompt": "x", "top_p": 1e-400}, "top_p"),  # 0.0 once parsed
-    # a field the server does not act on is refused by name, never ignored
     ("completions", {"prompt": "x", "truncate_prompt_tokens": 2**63}, "truncate_prompt_tokens"),
-    ("chat/completions", {**CHAT, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),  # > max_model_len
+    ("chat/completions", {**CHAT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat/completions", {**CHAT, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": "x", "priority": 1}, "priority"),  # needs --scheduling-policy priority
+    ("completions", {"prompt": "x", "priority": 2**63}, "priority"),
+    ("chat/completions", {**CHAT, "cache_salt": ""}, "cache_salt"),
+    ("completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ("completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
     # prompt fits, prompt + max_tokens does not: OpenAI's 400, not a silently shorter completion
     ("completions", {"prompt": [5] * 60, "max_tokens": 10}, "max_tokens"),
     ("completions", {"prompt": [5] * 55}, "max_tokens"),  # the default max_tokens (16) counts too

@@ -28,8 +28,8 @@ from keel.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutp
 from keel.engine.pooling_params import PoolingParams
 from keel.engine.processor import Processor, child_request_id
 from keel.engine.sampling_params import SamplingParams
-from keel.structured_output.manager import loaded, select_backend
 from keel.metrics.stats import RequestStatsTracker, StatLogger
+from keel.structured_output.manager import loaded, select_backend
 
 logger = logging.getLogger("keel.engine")
 

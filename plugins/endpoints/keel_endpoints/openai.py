@@ -30,12 +30,14 @@ logger = logging.getLogger("keel.endpoints")
 USER_ERRORS = (ValueError, TypeError)
 
 
-def engine_input(prompt: EnginePrompt) -> dict[str, Any]:
+def engine_input(prompt: EnginePrompt, cache_salt: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if prompt.prompt is not None:
         out["prompt"] = prompt.prompt
     if prompt.prompt_token_ids is not None:
         out["prompt_token_ids"] = list(prompt.prompt_token_ids)
+    if cache_salt is not None:
+        out["cache_salt"] = cache_salt
     return out
 
 
@@ -108,8 +110,10 @@ class OpenAIEndpoint:
         stream = proc.is_stream(request)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         rid = request.request_id
+        salt, priority = getattr(request, "cache_salt", None), getattr(request, "priority", 0)
         gens = [
-            engine.generate(engine_input(p), params, rid if len(prompts) == 1 else f"{rid}-{i}", output_kind=kind)
+            engine.generate(engine_input(p, salt), params, rid if len(prompts) == 1 else f"{rid}-{i}",
+                            output_kind=kind, **({"priority": priority} if priority else {}))
             for i, p in enumerate(prompts)
         ]
         # Validation happens on submission: start every request before answering, so that a bad

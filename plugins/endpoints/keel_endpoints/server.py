@@ -56,14 +56,20 @@ class APIKeyMiddleware:
 
 def _io_processors(plugin_set: Any, engine_client: Any, served_model_name: str,
                    limits: RequestLimits, config: Any = None) -> tuple[tuple[str, Any], ...]:
+    from keel.models.generation_config import default_sampling_overrides
+
     registry = plugin_set.registry("io_processor")
+    model = getattr(config, "model", None)
+    # The model's generation_config.json defaults (`--generation-config`), for fields requests leave unset.
+    defaults = default_sampling_overrides(getattr(model, "generation_config_fields", None) or {})
     out = []
     for key in registry:
         factory = registry.get(key)
         out.append((key, factory(tokenizer=engine_client.get_tokenizer(), served_model_name=served_model_name,
                                  max_model_len=engine_client.max_model_len, limits=limits,
                                  plugin_set=plugin_set,
-                                 plugin_options=dict(getattr(config, "plugin_options", None) or {}))))
+                                 plugin_options=dict(getattr(config, "plugin_options", None) or {}),
+                                 default_sampling_params=defaults)))
     return tuple(out)
 
 

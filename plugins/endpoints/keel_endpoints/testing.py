@@ -113,7 +113,8 @@ class StubEngine:
     async def check_health(self) -> None:
         return None
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, *, output_kind: Any) -> AsyncIterator[Any]:
+    async def generate(self, prompt: Any, params: Any, request_id: str, *, output_kind: Any,
+                       priority: int = 0) -> AsyncIterator[Any]:
         if prompt.get("prompt") == "raise":
             raise RuntimeError("stub engine failure")
         ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])

@@ -11,7 +11,7 @@ from keel.engine.sampling_params import SamplingParams
 from keel.io import EnginePrompt
 from keel.reasoning import ReasoningParser, ReasoningStream
 from keel.tool_parser import ToolCallStream, ToolParser, new_call_id
-from keel_io_processors.base import OpenAIProcessorBase, StreamBase, usage
+from keel_io_processors.base import OpenAIProcessorBase, StreamBase, prompt_logprobs_json, usage
 from keel_io_processors.logprobs import chat_logprobs
 from keel_io_processors.protocol import ChatCompletionRequest, InvalidRequestError, validate
 from keel_io_processors.template import RESERVED_VARIABLES, render_chat_template
@@ -113,7 +113,7 @@ class ChatProcessor(OpenAIProcessorBase):
             overrides["structured_outputs"] = tools.constraint()
         if tools is not None and tools.choice == "auto" and self.tool_parser.keeps_special_tokens:
             overrides["skip_special_tokens"] = False  # the parser's markers are special tokens
-        return build(request, max_tokens, logprobs, **overrides)
+        return build(request, max_tokens, logprobs, defaults=self.default_sampling_params, **overrides)
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The conversation as prompt text; ChatTemplateError when there is no template to use."""
@@ -152,8 +152,10 @@ class ChatProcessor(OpenAIProcessorBase):
 
     def pre_process(self, request: ChatCompletionRequest) -> list[EnginePrompt]:
         text = self.render(request)
-        ids = self.encode(text, add_special_tokens=False, param="messages")
-        prompts = [EnginePrompt(prompt=text, prompt_token_ids=ids)]
+        truncate = request.truncate_prompt_tokens
+        ids = self.encode(text, add_special_tokens=request.add_special_tokens, param="messages", truncate=truncate)
+        # A truncated prompt is no longer the rendered text: the engine takes the kept ids.
+        prompts = [EnginePrompt(prompt=text if truncate is None else None, prompt_token_ids=ids)]
         self.check_room(prompts, request.max_completion_tokens or request.max_tokens,
                         "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return prompts
@@ -161,22 +163,45 @@ class ChatProcessor(OpenAIProcessorBase):
     def _logprobs(self, request: ChatCompletionRequest, c: Any) -> dict[str, Any] | None:
         if not request.logprobs or c.logprobs is None:
             return None
-        return chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, self.tokenizer)
+        return chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, self.tokenizer,
+                             as_ids=request.return_tokens_as_token_ids)
+
+    def echoed(self, request: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the last message's text when it has the reply's role (assistant), else ""."""
+        last = request.messages[-1]
+        if not request.echo or last.role != "assistant":
+            return ""
+        return _content_text(last.content, f"messages.{len(request.messages) - 1}")
+
+    def extras(self, request: ChatCompletionRequest, output: RequestOutput, choice: dict[str, Any],
+               c: Any, top: dict[str, Any] | None) -> None:
+        """vLLM's extra response fields, where the request asked: token ids (`return_token_ids`) on the
+        choice, and at the top (`top`, None on later stream chunks) the prompt's ids and logprobs."""
+        if request.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        if top is not None and request.return_token_ids:
+            top["prompt_token_ids"] = list(output.prompt_token_ids or [])
+        if top is not None and request.prompt_logprobs is not None:
+            top["prompt_logprobs"] = prompt_logprobs_json(output, self.tokenizer)
 
     def post_process(self, request: ChatCompletionRequest, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         tools = tool_request(request, self.tool_parser)
         choices = []
-        for o in outputs:
-            for c in o.outputs:
-                message, calls = self.message(c.text, tools)
-                choices.append({
-                    "index": c.index, "message": message, "logprobs": self._logprobs(request, c),
-                    "finish_reason": finish_reason(c.finish_reason, calls, tools), "stop_reason": c.stop_reason,
-                })
-        return {
+        response: dict[str, Any] = {
             "id": request.request_id, "object": "chat.completion", "created": request.created,
             "model": self.model_name(request), "choices": choices, "usage": usage(outputs),
         }
+        echo = self.echoed(request)
+        for o in outputs:
+            for c in o.outputs:
+                message, calls = self.message(echo + c.text, tools)
+                choice = {
+                    "index": c.index, "message": message, "logprobs": self._logprobs(request, c),
+                    "finish_reason": finish_reason(c.finish_reason, calls, tools), "stop_reason": c.stop_reason,
+                }
+                self.extras(request, o, choice, c, response)
+                choices.append(choice)
+        return response
 
     def create_stream(self, request: ChatCompletionRequest) -> ChatStream:
         return ChatStream(self, request)
@@ -209,19 +234,23 @@ class ChatStream(StreamBase):
         for c in output.outputs:
             if c.index not in self.started:
                 self.started.add(c.index)
-                chunks.append(self.envelope([{
-                    "index": c.index, "delta": {"role": "assistant", "content": ""},
+                first = self.envelope([{
+                    "index": c.index, "delta": {"role": "assistant", "content": self.chat.echoed(request)},
                     "logprobs": None, "finish_reason": None,
-                }]))
+                }])
+                self.chat.extras(request, output, {}, c, first)
+                chunks.append(first)
             if not (c.text or c.token_ids or c.finish_reason is not None):
                 continue
             delta = self._delta(c)
             calls = c.index in self.tool_streams and self.tool_streams[c.index].has_calls
-            chunks.append(self.envelope([{
+            choice = {
                 "index": c.index, "delta": delta,
                 "logprobs": self.chat._logprobs(request, c),
                 "finish_reason": finish_reason(c.finish_reason, calls, self.tools), "stop_reason": c.stop_reason,
-            }]))
+            }
+            self.chat.extras(request, output, choice, c, None)
+            chunks.append(self.envelope([choice]))
         return chunks
 
     def _delta(self, c: Any) -> dict[str, Any]:

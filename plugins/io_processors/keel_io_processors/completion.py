@@ -8,7 +8,7 @@ from typing import Any
 from keel.engine.outputs import RequestOutput
 from keel.engine.sampling_params import SamplingParams
 from keel.io import EnginePrompt
-from keel_io_processors.base import OpenAIProcessorBase, StreamBase, usage
+from keel_io_processors.base import OpenAIProcessorBase, StreamBase, prompt_logprobs_json, usage
 from keel_io_processors.logprobs import CompletionLogprobs
 from keel_io_processors.protocol import CompletionRequest, InvalidRequestError, validate
 from keel_io_processors.sampling import build_sampling_params
@@ -24,8 +24,11 @@ class CompletionProcessor(OpenAIProcessorBase):
         request = validate(CompletionRequest, payload, "cmpl")
         if request.suffix is not None:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise InvalidRequestError("best_of is only supported when equal to n", "best_of")
+        if request.best_of is not None and request.best_of < request.n:
+            raise InvalidRequestError(f"best_of ({request.best_of}) must be at least n ({request.n})", "best_of")
+        if request.best_of is not None and request.best_of > request.n and request.stream:
+            raise InvalidRequestError("best_of cannot be used with stream: the best completions are only "
+                                      "known at the end", "best_of")
         prompt = request.prompt
         if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
             raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -34,8 +37,18 @@ class CompletionProcessor(OpenAIProcessorBase):
     def sampling_params(self, request: CompletionRequest) -> SamplingParams:
         # Echoed prompts with logprobs need the prompt's logprobs too.
         prompt_lps = request.logprobs if request.echo and request.logprobs is not None else None
-        return build_sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
-                                     prompt_logprobs=prompt_lps)
+        if request.prompt_logprobs is not None:
+            prompt_lps = max(prompt_lps or 0, request.prompt_logprobs)
+        overrides, logprobs = {}, request.logprobs
+        if self._best_of(request) > request.n:  # sample best_of, keep the n of highest cumulative logprob
+            overrides, logprobs = {"n": self._best_of(request)}, request.logprobs or 0
+        return build_sampling_params(request, max_tokens=request.max_tokens, logprobs=logprobs,
+                                     prompt_logprobs=prompt_lps, defaults=self.default_sampling_params,
+                                     **overrides)
+
+    @staticmethod
+    def _best_of(request: CompletionRequest) -> int:
+        return request.best_of or request.n
 
     def pre_process(self, request: CompletionRequest) -> list[EnginePrompt]:
         """Runs on the tokenizer thread: text prompts are tokenized here (the engine takes the ids as
@@ -43,15 +56,18 @@ class CompletionProcessor(OpenAIProcessorBase):
         prompt = request.prompt
         if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
-        prompts = [self._engine_prompt(p) for p in prompt]
+        prompts = [self._engine_prompt(p, request.truncate_prompt_tokens, request.add_special_tokens) for p in prompt]
         self.check_room(prompts, request.max_tokens, "max_tokens")
         return prompts
 
-    def _engine_prompt(self, p: str | list[int]) -> EnginePrompt:
+    def _engine_prompt(self, p: str | list[int], truncate: int | None, add_special_tokens: bool) -> EnginePrompt:
         if not isinstance(p, str):
-            return EnginePrompt(prompt_token_ids=tuple(p))
-        ids = self.encode(p, add_special_tokens=True, param="prompt") if self.tokenizer is not None else None
-        return EnginePrompt(prompt=p, prompt_token_ids=ids)
+            return EnginePrompt(prompt_token_ids=self.truncate(p, truncate))
+        if self.tokenizer is None:
+            return EnginePrompt(prompt=p)
+        ids = self.encode(p, add_special_tokens=add_special_tokens, param="prompt", truncate=truncate)
+        # A truncated prompt is no longer the text: the engine (and echo) take the kept ids.
+        return EnginePrompt(prompt=p if truncate is None else None, prompt_token_ids=ids)
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -69,21 +85,45 @@ class CompletionProcessor(OpenAIProcessorBase):
             prompt_ids = list(output.prompt_token_ids or [])
             token_ids = prompt_ids + token_ids
             lps = list(output.prompt_logprobs or [None] * len(prompt_ids)) + lps
-        return {
+        choice = {
             "index": prompt_index * request.n + c.index,
             "text": text,
             "logprobs": lp_builder.build(token_ids, lps) if lp_builder is not None else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(output, self.tokenizer) if first else None
+        if request.return_token_ids:  # vLLM's: the prompt's ids on a choice's first chunk, then each delta's
+            choice["prompt_token_ids"] = list(output.prompt_token_ids or []) if first else None
+            choice["token_ids"] = list(c.token_ids)
+        return choice
+
+    def _builder(self, request: CompletionRequest) -> CompletionLogprobs | None:
+        if request.logprobs is None:
+            return None
+        return CompletionLogprobs(request.logprobs, self.tokenizer, as_ids=request.return_tokens_as_token_ids)
+
+    def _keep_best(self, request: CompletionRequest, output: RequestOutput) -> list[Any]:
+        """Of best_of samples, the n of highest cumulative logprob, renumbered 0..n-1 (OpenAI's best_of)."""
+        if self._best_of(request) == request.n:
+            return list(output.outputs)
+        def score(c: Any) -> float:
+            return sum(entries[t].logprob for t, entries in zip(c.token_ids, c.logprobs or []) if t in entries)
+        best = sorted(output.outputs, key=score, reverse=True)[: request.n]
+        kept = []
+        for i, c in enumerate(sorted(best, key=lambda c: c.index)):
+            c.index = i
+            if request.logprobs is None:
+                c.logprobs = None
+            kept.append(c)
+        return kept
 
     def post_process(self, request: CompletionRequest, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         choices = []
         for pi, output in enumerate(outputs):
-            for c in output.outputs:
-                builder = (CompletionLogprobs(request.logprobs, self.tokenizer)
-                           if request.logprobs is not None else None)
-                choices.append(self._choice(request, pi, output, c, True, builder))
+            for c in self._keep_best(request, output):
+                choices.append(self._choice(request, pi, output, c, True, self._builder(request)))
         return {
             "id": request.request_id, "object": "text_completion", "created": request.created,
             "model": self.model_name(request), "choices": choices, "usage": usage(outputs),
@@ -114,7 +154,6 @@ class CompletionStream(StreamBase):
             self.started.add(index)
             builder = None
             if request.logprobs is not None:
-                builder = self.builders.setdefault(
-                    index, CompletionLogprobs(request.logprobs, self.completion.tokenizer))
+                builder = self.builders.setdefault(index, self.completion._builder(request))
             choices.append(self.completion._choice(request, prompt_index, output, c, first, builder))
         return [self.envelope([choice]) for choice in choices]

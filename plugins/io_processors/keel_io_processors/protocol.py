@@ -89,8 +89,12 @@ class SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: NonNegInt | None = None
-    # vLLM's prompt truncation: declared so that it is refused by name (400) rather than ignored.
-    truncate_prompt_tokens: int | None = None
+    # Keep the prompt's last N tokens (-1: max_model_len), as vLLM does.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    cache_salt: str | None = Field(None, min_length=1)  # mixed into the prefix-cache hashes (tenants)
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0  # under --scheduling-policy priority
 
     _request_id: str = PrivateAttr(default="")
     _created: int = PrivateAttr(default=0)
@@ -112,6 +116,11 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM's `stream_options.continuous_usage_stats`)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -120,6 +129,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: PosInt | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and such) around the prompt
 
 
 class ChatMessage(_Strict):
@@ -139,6 +149,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the reply starts with the last message when it has the assistant's role
+    add_special_tokens: bool = False  # vLLM's: on top of the ones the chat template places
 
 
 def validate(model: type[SamplingFields], payload: Any, prefix: str) -> Any:
@@ -149,8 +161,10 @@ def validate(model: type[SamplingFields], payload: Any, prefix: str) -> Any:
         request = model.model_validate(payload)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    request.stamp(prefix)
     from keel_io_processors.unsupported import check_unsupported
 
     check_unsupported(request, chat=isinstance(request, ChatCompletionRequest))
-    request.stamp(prefix)
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
     return request

@@ -2,29 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from keel.engine.sampling_params import SamplingParams
 from keel_io_processors.protocol import InvalidRequestError, SamplingFields
 from keel_io_processors.structured import structured_outputs
 
+# Used for a field the request leaves unset and the model's generation config does not set either.
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
 
 def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                          prompt_logprobs: int | None = None, **overrides: Any) -> SamplingParams:
+                          prompt_logprobs: int | None = None,
+                          defaults: Mapping[str, Any] | None = None, **overrides: Any) -> SamplingParams:
     """The request's sampling parameters; `SamplingParams`' own range checks become 400s naming the field.
-    `overrides`: fields the caller decides (the chat processor's tool-choice constraint)."""
-    if request.truncate_prompt_tokens is not None:
-        raise InvalidRequestError("truncate_prompt_tokens is not supported: send a prompt that fits "
-                                  "max_model_len", "truncate_prompt_tokens")
+
+    `defaults` are the model's generation-config defaults (SamplingParams names, as vLLM's
+    `--generation-config auto` applies them): they fill fields the request leaves unset, max_tokens too.
+    `overrides`: fields the caller decides (the chat processor's tool-choice constraint, best_of's n).
+    """
+    defaults = defaults or {}
+
+    def unset_or_default(name: str) -> Any:
+        value = getattr(request, name)
+        return value if value is not None else defaults.get(name, NEUTRAL[name])
+
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     kwargs: dict[str, Any] = {
         "n": request.n,
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
-        "top_k": 0 if request.top_k is None else request.top_k,
-        "min_p": 0.0 if request.min_p is None else request.min_p,
-        "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        **{name: unset_or_default(name) for name in NEUTRAL},
         "seed": request.seed,
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,

@@ -155,7 +155,8 @@ def test_completion_response_shapes_logprobs_and_usage(completion):
     assert choice["text"] == "ac" and choice["finish_reason"] == "length"
     assert choice["logprobs"] == {"tokens": ["a", "c"], "token_logprobs": [-0.5, -0.2],
                                   "top_logprobs": [{"b": -0.1, "a": -0.5}, {"c": -0.2}], "text_offset": [0, 1]}
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_logprobs_shape(chat):
@@ -180,7 +181,8 @@ def test_chat_stream_role_first_finish_on_last_content_chunk_then_usage(chat):
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "He"}, {"content": "llo"}, None]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "stop"]
     assert all(c["usage"] is None for c in chunks[:3])
-    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     assert {c["id"] for c in chunks} == {req.request_id}
 
 

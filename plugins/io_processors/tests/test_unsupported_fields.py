@@ -39,3 +39,26 @@ def test_chat_only_fields_and_nulls(procs):
     assert err.value.param == "functions"
     # A null is "not set"; unrelated unknown extras stay accepted.
     chat.parse_request({"messages": MSG, "logits_processors": None, "some_future_field": 1})
+
+
+@pytest.mark.parametrize("field, value, chat", [
+    ("use_beam_search", True, False), ("length_penalty", 0.5, True), ("kv_transfer_params", {}, False),
+    ("store", True, True), ("documents", [{"text": "x"}], True), ("prompt_embeds", "AAAA", False),
+    ("request_id", "mine", True), ("mm_processor_kwargs", {}, False),
+])
+def test_more_known_fields_are_refused(procs, field, value, chat):
+    body = {"messages": MSG} if chat else {"prompt": "x"}
+    with pytest.raises(InvalidRequestError) as err:
+        procs[chat].parse_request({**body, field: value})
+    assert err.value.param == field
+
+
+def test_no_op_values_pass_and_unknown_fields_are_logged(procs, caplog):
+    completion, chat = procs
+    with caplog.at_level("WARNING", logger="keel.io_processors"):
+        chat.parse_request({"messages": MSG, "store": False, "service_tier": "auto", "use_beam_search": False,
+                            "my_field": 1, "tools": None})
+    assert "'my_field'" in caplog.text and "store" not in caplog.text and "tools" not in caplog.text
+    with pytest.raises(InvalidRequestError) as err:
+        completion.parse_request({"prompt": "x", "stream_options": {"include_usage": True}})
+    assert err.value.param == "stream_options"
