@@ -1,4 +1,4 @@
-"""The "openai" endpoint: POST /v1/completions and POST /v1/chat/completions.
+"""The "openai" endpoint: POST /v1/completions, POST /v1/chat/completions and POST /v1/responses.
 
 The HTTP side only: body decoding, model check, submission to the engine client, SSE transport and
 disconnects. Request parsing, prompt rendering and response shapes belong to the IO processors
@@ -96,6 +96,11 @@ class OpenAIEndpoint:
         @app.post("/v1/chat/completions", openapi_extra=json_body(procs["chat"]))
         async def chat_completions(request: Request) -> Response:
             return await self.handle(request, ctx, procs["chat"])
+
+        if "responses" in procs:  # OpenAI's Responses API (text), served through the chat processor
+            @app.post("/v1/responses", openapi_extra=json_body(procs["responses"]))
+            async def responses(request: Request) -> Response:
+                return await self.handle(request, ctx, procs["responses"])
 
     async def handle(self, raw: Request, ctx: EndpointContext, proc: Any) -> Response:
         engine = ctx.engine_client

@@ -64,7 +64,8 @@ def test_third_party_endpoint_selected_by_profile(tmp_path, monkeypatch, tokeniz
     app = build_app(StubEngine(tokenizer), Config, plugin_set=with_plugin, api_key="k")
     client = TestClient(app)
     r = client.get("/v1/hello", headers={"Authorization": "Bearer k"})
-    assert r.json() == {"model": "stub", "vocab": len(tokenizer), "io_processors": ["completion", "chat"]}
+    assert r.json() == {"model": "stub", "vocab": len(tokenizer),
+                        "io_processors": ["completion", "chat", "responses"]}
     assert client.get("/v1/hello").status_code == 401  # plugin routes are behind the API key too
 
     without = load_plugins(list(load_profile(str(tmp_path / "without.yaml")).plugins))
@@ -113,8 +114,8 @@ def test_openapi_describes_every_request_body(client):
     spec = client.get("/openapi.json").json()
     bodies = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
               for path, ops in spec["paths"].items() if "post" in ops}
-    assert set(bodies) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/embeddings",
-                           "/pooling"}
+    assert set(bodies) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+                           "/v1/embeddings", "/pooling"}
     assert "prompt" in bodies["/v1/completions"]["required"] and "messages" in bodies["/v1/chat/completions"]["required"]
     assert {"max_tokens", "top_k", "logit_bias", "stream_options"} <= set(bodies["/v1/completions"]["properties"])
     top_k = bodies["/v1/completions"]["properties"]["top_k"]["anyOf"][0]

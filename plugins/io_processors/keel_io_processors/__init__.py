@@ -1,7 +1,8 @@
 """keel-io-processors: OpenAI-compatible request/response processors for keel's API server.
 
-Registered under the `io_processor` kind: "completion" (/v1/completions) and "chat"
-(/v1/chat/completions, rendered with the model's chat template). An `io_processor` registry entry is a
+Registered under the `io_processor` kind: "completion" (/v1/completions), "chat"
+(/v1/chat/completions, rendered with the model's chat template) and "responses" (/v1/responses, OpenAI's
+Responses API for text, served through the chat processor). An `io_processor` registry entry is a
 factory called by the API server with keyword arguments `tokenizer`, `served_model_name` and
 `max_model_len` (factories accept and ignore keywords they do not know, so the server may pass more;
 the chat processor also reads `plugin_options` and `plugin_set`, for its `reasoning_parser`).
@@ -23,8 +24,9 @@ def manifest() -> PluginManifest:
             "io_processor": {
                 "completion": "keel_io_processors.completion:CompletionProcessor",
                 "chat": "keel_io_processors.chat:ChatProcessor",
+                "responses": "keel_io_processors.responses:ResponsesProcessor",
             }
         },
         hooks=("keel_io_processors.hooks:hooks",),
-        description="OpenAI completion and chat request/response processors",
+        description="OpenAI completion, chat and Responses request/response processors",
     )

@@ -153,14 +153,19 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # vLLM's: on top of the ones the chat template places
 
 
-def validate(model: type[SamplingFields], payload: Any, prefix: str) -> Any:
-    """Parse a decoded JSON body into `model`; InvalidRequestError (HTTP 400) on any problem."""
+def parse_model(model: type[BaseModel], payload: Any) -> Any:
+    """A decoded JSON body as `model`; InvalidRequestError (HTTP 400) naming the field on any problem."""
     if not isinstance(payload, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, got {type(payload).__name__}")
     try:
-        request = model.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def validate(model: type[SamplingFields], payload: Any, prefix: str) -> Any:
+    """Parse a decoded JSON body into `model` and check it; InvalidRequestError (HTTP 400) on any problem."""
+    request = parse_model(model, payload)
     request.stamp(prefix)
     from keel_io_processors.unsupported import check_unsupported
 
