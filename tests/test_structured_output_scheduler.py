@@ -129,8 +129,10 @@ def test_compiling_request_waits_while_others_run():
     add(s, "free", None)
     so, _, _ = run_step(s, lambda rid, ok: 9)
     assert list(so.num_scheduled_tokens) == ["free"] and [r.request_id for r in s.waiting] == ["slow"]
+    assert s.make_stats().num_waiting_deferred == 1  # vLLM's num_requests_waiting_by_reason{reason="deferred"}
     release.set()
     wait_ready(s, "slow")
+    assert s.make_stats().num_waiting_deferred == 0
     so, allowed, _ = run_step(s, lambda rid, ok: min(ok) if ok else 9)
     assert "slow" in so.num_scheduled_tokens and allowed["slow"] == {7}
 

@@ -33,6 +33,7 @@ class EngineCoreOutput:
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_deferred: int = 0  # of num_waiting_reqs, those held by a transient constraint (a grammar compiling)
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0

@@ -437,6 +437,9 @@ class Scheduler:
         s = self.stats
         s.num_running_reqs = len(self.running)
         s.num_waiting_reqs = len(self.waiting)
+        if self.structured_output is not None:  # waiting for their grammar, not for capacity
+            s.num_waiting_deferred = sum(1 for r in self.waiting
+                                         if r.structured_output is not None and not r.structured_output.is_ready())
         s.kv_cache_usage = self.kv.usage
         s.prefix_cache_queries_total = self.kv.prefix_cache_queries_total
         s.prefix_cache_hits_total = self.kv.prefix_cache_hits_total

@@ -95,8 +95,8 @@ class _SnapshotCollector(Collector):
         g = GaugeMetricFamily(f"{p}:num_requests_waiting_by_reason", "Number of waiting requests by reason "
                               "('capacity': waiting for scheduling capacity; 'deferred': by transient constraints).",
                               labels=[*labels, "reason"])
-        g.add_metric([*value, "capacity"], float(stats.num_waiting_reqs))
-        g.add_metric([*value, "deferred"], 0.0)
+        g.add_metric([*value, "capacity"], float(stats.num_waiting_reqs - stats.num_waiting_deferred))
+        g.add_metric([*value, "deferred"], float(stats.num_waiting_deferred))
         yield g
         g = GaugeMetricFamily(f"{p}:engine_sleep_state", "Engine sleep state; the active state is 1.",
                               labels=[*labels, "sleep_state"])

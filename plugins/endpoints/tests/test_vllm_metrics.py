@@ -111,7 +111,8 @@ def test_request_phases_from_the_core_schedule_time():
     assert it.num_prompt_tokens == 8 and it.num_generation_tokens == 3 and it.n_params == [1]
 
     logger = PrometheusStatLogger("m", max_model_len=64)
-    logger.record(SchedulerStats(prompt_tokens_total=8, prompt_tokens_cached_total=4,
+    logger.record(SchedulerStats(prompt_tokens_total=8, prompt_tokens_cached_total=4, num_waiting_reqs=3,
+                                 num_waiting_deferred=1,
                                  spec_decode_num_accepted_tokens_per_pos=[3, 1]), it)
     text = logger.render().decode()
     for line in ('keel:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.25',
@@ -120,7 +121,9 @@ def test_request_phases_from_the_core_schedule_time():
                  'keel:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 4.0',
                  'keel:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 1.0',
                  'keel:request_params_max_tokens_count{engine="0",model_name="m"} 1.0',
-                 'keel:iteration_tokens_total_sum{engine="0",model_name="m"} 11.0'):
+                 'keel:iteration_tokens_total_sum{engine="0",model_name="m"} 11.0',
+                 'keel:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 2.0',
+                 'keel:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 1.0'):
         assert line in text, line
 
 
