@@ -83,3 +83,19 @@ def test_server_flags_reach_the_server_config(monkeypatch):
     assert default == ServerConfig() and not default.request_limits.trust_request_chat_template
     with pytest.raises(SystemExit):
         build_parser(argv).parse_args([*argv[:5], "--max-request-body-bytes", "lots"])
+
+
+def test_metrics_prefix_tokenizer_info_and_scheduling_policy_flags(monkeypatch):
+    from keel_endpoints.options import ServerConfig
+
+    from keel.config import EngineArgs
+
+    monkeypatch.setattr("keel.cli._argv", [])
+    argv = ["serve", "--model", "m", "--profile", "cpu", "--metrics-prefix", "vllm",
+            "--enable-tokenizer-info-endpoint", "--scheduling-policy", "priority"]
+    args = EngineArgs.from_cli_args(build_parser(argv).parse_args(argv))
+    config = ServerConfig.from_plugin_options(args.plugin_options)
+    assert config.metrics_prefix == "vllm" and config.enable_tokenizer_info_endpoint
+    assert args.scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args([*argv[:5], "--metrics-prefix", "sglang"])
