@@ -22,7 +22,7 @@ from typing import Any
 
 from keel.config import EngineArgs, EngineConfig
 from keel.engine.engine_client import EngineCoreClient, EngineDeadError, ThreadedEngineCoreClient
-from keel.engine.llm_engine import _eos_token_id, load_tokenizer, resolve_model_shortcut
+from keel.engine.llm_engine import POOLING_ONLY, _eos_token_id, load_tokenizer, resolve_model_shortcut
 from keel.engine.output_processor import OutputProcessor, RequestOutputKind
 from keel.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from keel.engine.pooling_params import PoolingParams
@@ -108,10 +108,9 @@ class AsyncLLM:
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-tokenizer")
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._pooling: dict[str, list[int]] = {}  # pooling request id -> prompt token ids
-        from keel.models.registry import ModelRegistry
+        from keel.models.registry import is_pooling_model
 
-        info = ModelRegistry(config.plugin_set()).inspect_model_cls(getattr(hf_config, "architectures", None) or [])
-        self.is_pooling_model = info.is_pooling_model
+        self.is_pooling_model = is_pooling_model(config)
         self._request_stats = RequestStatsTracker()
         self._last_stats: Any = None
         self._output_task: asyncio.Task | None = None
@@ -156,8 +155,7 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         self._check_alive()
         if self.is_pooling_model:
-            raise ValueError("this model is an embedding (pooling) model: it serves pooling requests only "
-                             "(/v1/embeddings, /pooling), not generation")
+            raise ValueError(POOLING_ONLY)
         self._check_id(request_id)
         processed = await self.run_in_tokenizer_thread(self.processor.process_prompt, prompt)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))

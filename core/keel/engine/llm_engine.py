@@ -63,6 +63,10 @@ def _eos_token_id(tokenizer, hf_config) -> int | None:
     return eos
 
 
+POOLING_ONLY = ("this model is an embedding (pooling) model: it serves pooling requests only "
+                "(/v1/embeddings, /pooling, AsyncLLM.encode), not generation")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -82,6 +86,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0
+        from keel.models.registry import is_pooling_model
+
+        self.is_pooling_model = is_pooling_model(config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -104,6 +111,8 @@ class LLMEngine:
         orders requests under the "priority" scheduling policy (lower first); elsewhere it must be 0."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.is_pooling_model:
+            raise ValueError(POOLING_ONLY)
         arrival = time.time()
         processed = self.processor.process_prompt(prompt)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))

@@ -88,3 +88,10 @@ class ModelRegistry:
             name = f"{model!r}" if model else "the model"
             raise UnsupportedArchitectureError(f"the config.json of {name} declares no `architectures`")
         return self.resolve_model_cls(archs, model)
+
+
+def is_pooling_model(config: Any) -> bool:
+    """Whether the engine config's model is a pooling (embedding) model, which serves pooling requests
+    only. Called by the front ends (AsyncLLM, LLMEngine) to refuse generation on it before queuing."""
+    archs = getattr(config.model.hf_config, "architectures", None) or []
+    return bool(archs) and ModelRegistry(config.plugin_set()).inspect_model_cls(archs).is_pooling_model

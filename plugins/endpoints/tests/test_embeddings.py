@@ -53,9 +53,10 @@ def encode_all(engine: AsyncLLM, prompts) -> list:
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_vectors_equal_transformers(embed_dir, chunk):
+@pytest.mark.parametrize("chunk, async_scheduling", [(None, False), (8, False), (8, True)])
+def test_vectors_equal_transformers(embed_dir, chunk, async_scheduling):
     extra = {"max_num_batched_tokens": chunk, "max_num_seqs": 4} if chunk else {}
+    extra["async_scheduling"] = async_scheduling
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(embed_dir), profile="cpu", max_model_len=64,
                                                   dtype="float32", **extra))
     try:
@@ -123,3 +124,12 @@ def test_a_generation_model_refuses_embeddings(tmp_path):
                     plugin_set=load_plugins(["endpoints", "io-processors"]))
     r = TestClient(app).post("/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 400 and "generation model" in r.json()["error"]["message"]
+
+
+def test_offline_generation_on_an_embedding_model_is_refused_before_queuing(embed_dir):
+    from keel import LLM, SamplingParams
+
+    llm = LLM(model=str(embed_dir), max_model_len=64)
+    with pytest.raises(ValueError, match="embedding"):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.get_metrics()["num_requests_waiting"] == 0
