@@ -143,3 +143,19 @@ def test_chat_echo_prepends_the_last_assistant_message(server):
                       timeout=60) as r:
         first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Once upon"}
+
+
+def test_request_phase_metrics_after_real_requests(server):
+    import re
+
+    post(server, "completions", {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+
+    def value(name: str) -> float:
+        return float(re.search(rf'^keel:{name}\{{engine="0",model_name="m"\}} (\S+)$', text, re.M).group(1))
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(f"request_{phase}_time_seconds_count") >= 1
+    assert value("request_time_per_output_token_seconds_count") >= 1 and value("request_params_n_count") >= 1
+    assert value("request_generation_tokens_sum") >= 3 and value("iteration_tokens_total_count") >= 1
+    assert value("request_inference_time_seconds_sum") >= value("request_decode_time_seconds_sum")
