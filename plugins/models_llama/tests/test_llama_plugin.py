@@ -20,12 +20,13 @@ from keel.models.interface import CausalLM
 from keel.testing.checkpoints import make_checkpoint
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+EMBEDDING_ARCHS = ("LlamaModel", "Qwen2Model", "Qwen3Model")  # no LM head: pooling only
 
 
 def test_manifest_declares_all_architectures() -> None:
     m = manifest()
     assert (m.name, m.core_api) == ("models-llama", ">=1.0,<2")
-    assert set(m.provides["model_arch"]) == set(ARCHS)
+    assert set(m.provides["model_arch"]) == set(ARCHS) | set(EMBEDDING_ARCHS)
 
 
 def test_manifest_module_imports_no_torch() -> None:
@@ -41,6 +42,10 @@ def test_registry_resolves_every_architecture() -> None:
     for arch in ARCHS:
         cls = registry.get(arch)
         assert issubclass(cls, LlamaForCausalLM) and cls.__name__ == arch
+    from keel.models.capabilities import model_capabilities
+
+    for arch in EMBEDDING_ARCHS:
+        assert "pooling" in model_capabilities(registry.get(arch))
 
 
 @pytest.fixture(scope="module")
