@@ -66,3 +66,17 @@ def test_streaming_events(client):
 def test_what_is_not_served_is_a_400(server, extra, param):
     r = httpx.post(f"{server.base_url}/responses", json={"model": "m", "input": "hi", **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_text_format_json_schema_constrains_the_output(client):
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.responses.create(model="m", input="Give me JSON", max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "obj", "schema": schema}})
+    if r.status == "completed":
+        value = json.loads(r.output_text)
+        assert set(value) == {"a"} and isinstance(value["a"], int)
+    else:  # cut at max_output_tokens: still a prefix of a valid document
+        assert r.output_text.lstrip().startswith("{")
