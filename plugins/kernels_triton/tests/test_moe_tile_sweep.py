@@ -39,5 +39,8 @@ def test_pruning_by_token_count(sweep):
     assert {c.block_m for c in sweep.candidates(1)} == {16}
     assert {c.block_m for c in sweep.candidates(16)} == {16, 32}
     assert {c.block_m for c in sweep.candidates(128)} == {16, 32, 64}
-    assert {c.block_m for c in sweep.candidates(2048)} == {32, 64}
+    assert {c.block_m for c in sweep.candidates(2048)} == {32, 64, 128}
+    assert {c.block_m for c in sweep.candidates(512)} == {16, 32, 64}
+    assert {c.group_m for c in sweep.candidates(256)} == {1}  # grouped orders from prefill sizes on
+    assert {c.group_m for c in sweep.candidates(512)} >= {1, 8}
     assert sweep.LEGACY in sweep.candidates(1)
