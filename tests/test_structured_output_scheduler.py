@@ -46,6 +46,15 @@ class SequenceGrammar:
     def is_terminated(self):
         return self.pos == len(self.tokens)
 
+    def validate_tokens(self, tokens):
+        n = 0
+        while n < len(tokens) and self.pos + n < len(self.tokens) and tokens[n] == self.tokens[self.pos + n]:
+            n += 1
+        return list(tokens[:n])
+
+    def rollback(self, num_tokens):
+        self.pos -= num_tokens
+
 
 class FakeBackend:
     def __init__(self, ctx: BackendContext) -> None:
@@ -171,11 +180,41 @@ def test_front_end_refusals():
     base = {"tokenizer": object(), "max_model_len": 64, "vocab_size": VOCAB, "eos_token_id": EOS}
     with pytest.raises(ValueError, match="backend plugin"):
         Processor(**base).check_structured_outputs(params)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        Processor(**base, structured_output_backend=lambda: FakeBackend, speculative=True).check_structured_outputs(params)
     with pytest.raises(ValueError, match="regex is invalid: nope"):
         Processor(**base, structured_output_backend=lambda: FakeBackend).check_structured_outputs(params)
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(ValueError, match="unknown field"):
         SamplingParams(structured_outputs={"regexx": "a"})
+
+
+def allowed_rows(so) -> list[tuple[str, set[int] | None]]:
+    """(request, allowed tokens or None for "everything") per bitmask row."""
+    bits = so.grammar_bitmask.bitmask
+    out = []
+    for i, rid in enumerate(so.grammar_bitmask.req_ids):
+        ok = {t for t in range(VOCAB) if (int(bits[i, t // 32]) >> (t % 32)) & 1}
+        out.append((rid, None if len(ok) == VOCAB else ok))
+    return out
+
+
+def test_drafts_are_cut_to_the_grammar_and_every_verify_row_is_masked():
+    s = make_scheduler(num_spec_tokens=3)
+    add(s, "c", "5 6 7", n_prompt=3)
+    wait_ready(s, "c")
+    so = s.schedule()  # the prompt; the proposer drafts [6, 9, 7] after the first token 5
+    s.update_from_output(so, ModelRunnerOutput(req_ids=["c"], sampled_token_ids=[[5]],
+                                               spec_token_ids={"c": [6, 9, 7]}))
+    assert s.requests["c"].spec_token_ids == [6]  # 9 is refused by the grammar: 7 after it is moot
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {"c": [6]}
+    assert allowed_rows(so) == [("c", {6}), ("c", {7})]  # one row per verify position
+    assert s.requests["c"].structured_output.grammar.pos == 1  # the tentative advance is rolled back
+    # Draft 6 accepted, bonus 7; then drafts [EOS, 3]: the grammar ends at EOS, so 3 is cut.
+    s.update_from_output(so, ModelRunnerOutput(req_ids=["c"], sampled_token_ids=[[6, 7]],
+                                               spec_token_ids={"c": [EOS, 3]}))
+    assert s.requests["c"].spec_token_ids == [EOS]
+    so = s.schedule()
+    assert allowed_rows(so) == [("c", {EOS}), ("c", None)]  # past the grammar's end: unconstrained
+    outs = s.update_from_output(so, ModelRunnerOutput(req_ids=["c"], sampled_token_ids=[[EOS, 11]]))
+    assert outs[0].new_token_ids == [EOS] and outs[0].finish_reason == "stop"  # nothing after the end

@@ -100,7 +100,6 @@ class AsyncLLM:
             eos_token_id=_eos_token_id(self.tokenizer, hf_config), seed=config.model.seed,
             generation_config=config.model.generation_config_fields,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
-            speculative=config.speculative is not None,
             scheduling_policy=config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

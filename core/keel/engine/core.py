@@ -75,10 +75,10 @@ class EngineCore:
 
     def _structured_output_manager(self) -> StructuredOutputManager | None:
         """None when no `structured_output` plugin is loaded, or when the front end refuses constrained
-        requests anyway (speculative decoding, no tokenizer)."""
+        requests anyway (no tokenizer)."""
         backend = select_backend(self.plugins)
         mc = self.config.model
-        if backend is None or self.config.speculative is not None or mc.skip_tokenizer_init:
+        if backend is None or mc.skip_tokenizer_init:
             return None
 
         def context() -> BackendContext:

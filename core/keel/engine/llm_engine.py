@@ -81,7 +81,6 @@ class LLMEngine:
             seed=config.model.seed,
             generation_config=config.model.generation_config_fields,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
-            speculative=config.speculative is not None,
             scheduling_policy=config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -29,14 +29,13 @@ def child_request_id(parent_id: str, index: int) -> str:
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
                  seed: int = 0, generation_config: Mapping[str, Any] | None = None,
-                 structured_output_backend: Callable[[], type] | None = None, speculative: bool = False,
+                 structured_output_backend: Callable[[], type] | None = None,
                  scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
         # Loads the `structured_output` backend class (imported on first use), or None.
         self.structured_output_backend = structured_output_backend
-        self.speculative = speculative
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -106,9 +105,6 @@ class Processor:
         if self.structured_output_backend is None:
             raise ValueError("structured_outputs needs a structured_output backend plugin "
                              "(e.g. keel-structured-output-xgrammar); none is loaded")
-        if self.speculative:
-            raise ValueError("structured_outputs is not supported with speculative decoding yet "
-                             "(drafts are not checked against the grammar); serve without speculative_config")
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init=True was given)")
         self.structured_output_backend().validate(constraint)

@@ -224,7 +224,8 @@ class Scheduler:
                 request.num_output_placeholders += 1  # this step samples the next token
         if constrained:
             output.grammar_bitmask = self.structured_output.grammar_bitmask(
-                [r.request_id for r in constrained], [r.structured_output.grammar for r in constrained])
+                [r.request_id for r in constrained], [r.structured_output.grammar for r in constrained],
+                [spec_tokens.get(r.request_id, ()) for r in constrained] if spec_tokens else None)
         return output
 
     def _constraint_ready(self, request: Request) -> bool:
@@ -354,10 +355,10 @@ class Scheduler:
                 request.append_output_token_ids(token)
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
+                if request.structured_output is not None:  # token by token: a grammar's end stops here
+                    status = self._advance_grammar(request, token) or status
                 if status is not None:
                     break
-            if request.structured_output is not None and new_tokens:
-                status = self._advance_grammar(request, new_tokens) or status
             stats.generation_tokens_total += len(new_tokens)
 
             prompt_lp = prompt_lps.get(rid) if prompt_lps else None
@@ -383,19 +384,20 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _advance_grammar(self, request: Request, tokens: list[int]) -> RequestStatus | None:
-        """Feed committed tokens to the request's grammar. A grammar that has accepted its end stops the
+    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
+        """Feed a committed token to the request's grammar. A grammar that has accepted its end stops the
         request (also with ignore_eos); a token it refuses (only possible when another mask banned every
         allowed token, e.g. min_tokens against a forced EOS) aborts it rather than emit invalid output."""
         grammar = request.structured_output.grammar
-        if not grammar.accept_tokens(tokens):
-            logger.warning("request %s: token(s) %s violate its structured_outputs constraint; aborting it",
-                           request.request_id, tokens)
+        if not grammar.accept_tokens([token]):
+            logger.warning("request %s: token %s violates its structured_outputs constraint; aborting it",
+                           request.request_id, token)
             return RequestStatus.FINISHED_ABORTED
         return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
 
     def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
-        """Keep only drafts that could still be emitted (lengths, max_tokens: one token is always new)."""
+        """Keep only drafts that could still be emitted (lengths, max_tokens: one token is always new;
+        a constrained request's grammar must accept them)."""
         if not drafts:
             return
         room = min(
@@ -403,7 +405,10 @@ class Scheduler:
             request.max_tokens - request.num_output_tokens - 1,
             self.num_spec_tokens,
         )
-        request.spec_token_ids = list(drafts[: max(room, 0)])
+        drafts = list(drafts[: max(room, 0)])
+        if request.structured_output is not None and drafts:
+            drafts = request.structured_output.grammar.validate_tokens(drafts)
+        request.spec_token_ids = drafts
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -8,6 +8,9 @@ run on any device. A platform may later bind a fused kernel here; this is the re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -32,3 +35,20 @@ def apply_token_bitmask(
     allowed = unpack_token_bitmask(bitmask, logits.shape[-1])  # [R, vocab]
     masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [R, vocab]
     return logits.index_copy(0, rows, masked)
+
+
+def grammar_logits_rows(
+    bitmask_req_ids: Sequence[str],  # [R]: a request with drafts repeats, once per verify position
+    sampling_req_ids: Sequence[str],  # [S'] the requests that sample, in logits order
+    num_sample_rows: np.ndarray,  # [S'] logits rows of each (1, or 1 + its drafts)
+) -> np.ndarray:  # [R] int64: the logits row each bitmask row constrains
+    """Called by the model runner when it stages a step's bitmask: the k-th row of a request is its k-th
+    logits row."""
+    first = dict(zip(sampling_req_ids, (np.cumsum(num_sample_rows) - num_sample_rows).tolist()))
+    seen: dict[str, int] = {}
+    out = np.empty(len(bitmask_req_ids), dtype=np.int64)
+    for i, rid in enumerate(bitmask_req_ids):
+        k = seen.get(rid, 0)
+        out[i] = first[rid] + k
+        seen[rid] = k + 1
+    return out

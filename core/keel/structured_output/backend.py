@@ -11,6 +11,8 @@ library's name. Who calls what:
   (once per distinct `params.cache_key()`), and `grammar(compiled)` once per request.
 - The scheduler owns each request's `StructuredOutputGrammar`: `fill_bitmask` when the request samples
   a token this step, `accept_tokens` with the tokens it committed. Always on the engine loop's thread.
+  With speculative decoding it also keeps only the drafts `validate_tokens` returns, and fills one row
+  per verify position: `accept_tokens` through the drafts tentatively, then `rollback`.
 
 The token bitmask is int32 `[rows, ceil(vocab_size / 32)]`; bit `t % 32` of word `t // 32` set means
 token `t` is allowed (the layout xgrammar and vLLM use).
@@ -51,7 +53,13 @@ class StructuredOutputGrammar(Protocol):
         """Write the tokens allowed next into `bitmask[row]` (int32 [rows, words], CPU)."""
 
     def is_terminated(self) -> bool:
-        """The grammar has accepted a stop token: nothing may follow."""
+        """The grammar has accepted a stop token: nothing may follow (and no bitmask can be filled)."""
+
+    def validate_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar would accept from here; the state is unchanged."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
 
 
 @runtime_checkable

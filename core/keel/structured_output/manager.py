@@ -63,7 +63,8 @@ def loaded(load: Callable[[], type] | None) -> Callable[[], type] | None:
 @dataclass
 class GrammarBitmask:
     """One step's constraint for the runner (a field of SchedulerOutput): row i of `bitmask` holds the
-    tokens `req_ids[i]` may sample this step."""
+    tokens `req_ids[i]` may sample at one of its sampling rows this step. A request with k drafts has
+    k + 1 consecutive rows, one per verify position, in order (the position after each draft)."""
 
     req_ids: list[str]
     bitmask: torch.Tensor  # [len(req_ids), ceil(vocab / 32)] int32, CPU
@@ -124,12 +125,28 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
         return StructuredOutputRequest(future, lambda compiled: self._get_backend().grammar(compiled))
 
-    def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar]) -> GrammarBitmask:
-        """The allowed tokens of each request's next token, for a step in which they all sample."""
-        bitmask = torch.full((len(grammars), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
-        for row, grammar in enumerate(grammars):
-            grammar.fill_bitmask(bitmask, row)
-        return GrammarBitmask(req_ids=list(req_ids), bitmask=bitmask)
+    def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
+                        drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
+        """The allowed tokens of each request's next token, for a step in which they all sample; with
+        `drafts` (already `validate_tokens`-checked) also those after each draft, the grammar advanced
+        through the drafts tentatively and rolled back. A row past the grammar's end allows everything:
+        verification stops at the end token, so nothing sampled there is kept."""
+        drafts = drafts if drafts is not None else [()] * len(grammars)
+        num_rows = sum(1 + len(d) for d in drafts)
+        bitmask = torch.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        rows: list[str] = []
+        for rid, grammar, tokens in zip(req_ids, grammars, drafts, strict=True):
+            advanced, valid = 0, True
+            for i in range(len(tokens) + 1):
+                if valid and not grammar.is_terminated():
+                    grammar.fill_bitmask(bitmask, len(rows))
+                rows.append(rid)
+                # A refused draft (not validated) ends what is known: verification stops at it anyway.
+                valid = valid and i < len(tokens) and not grammar.is_terminated() and grammar.accept_tokens([tokens[i]])
+                advanced += valid
+            if advanced:
+                grammar.rollback(advanced)
+        return GrammarBitmask(req_ids=rows, bitmask=bitmask)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

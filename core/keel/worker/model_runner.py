@@ -21,7 +21,7 @@ from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
-from keel.layers.token_bitmask import apply_token_bitmask
+from keel.layers.token_bitmask import apply_token_bitmask, grammar_logits_rows
 from keel.spec_decode.proposer import DraftInput, DraftProposer
 from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
 from keel.worker.input_batch import InputBatch, table_width
@@ -300,11 +300,8 @@ class ModelRunner:
                 arrays["sampling." + name] = arr
         grammar = so.grammar_bitmask
         if grammar is not None:
-            if so.scheduled_spec_decode_tokens:
-                raise RuntimeError("structured outputs with draft tokens: the front end should have refused this")
-            logits_row = {req_ids[b]: j for j, b in enumerate(sampling_idx.tolist())}
-            arrays["grammar_rows"] = np.fromiter((logits_row[r] for r in grammar.req_ids), dtype=np.int64,
-                                                 count=len(grammar.req_ids))
+            arrays["grammar_rows"] = grammar_logits_rows(grammar.req_ids, [req_ids[b] for b in sampling_idx.tolist()],
+                                                         sample_counts)
             arrays["grammar_bitmask"] = grammar.bitmask.numpy()
         t = self.staging.stage(arrays)
         input_ids = t["input_ids"]
@@ -340,11 +337,11 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         launch = None
         if sampling_reqs:
+            constraint = (t["grammar_bitmask"], t["grammar_rows"]) if grammar is not None else None
             if so.scheduled_spec_decode_tokens:
-                self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out)
+                self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out, constraint)
             else:
                 staged = {k[9:]: v for k, v in t.items() if k.startswith("sampling.")} if one_each else None
-                constraint = (t["grammar_bitmask"], t["grammar_rows"]) if grammar is not None else None
                 launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
                                                out, staged=staged, constraint=constraint)
         query_start = step.query_start_loc.tolist()
@@ -443,11 +440,12 @@ class ModelRunner:
             logits = apply_token_bitmask(logits, *constraint)
         return self.sampler(logits, meta)
 
-    def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out) -> None:
+    def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out, constraint=None) -> None:
         """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.
 
         Row j of a request is sampled with the state a non-speculative step would have there: outputs
-        plus the j drafts before it (penalties, min_tokens) and seed counter outputs + j.
+        plus the j drafts before it (penalties, min_tokens) and seed counter outputs + j; a constraint
+        (grammar bitmask, its logits rows) masks every row as the grammar stands after those drafts.
         """
         dev = self.device
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab]
@@ -472,6 +470,8 @@ class ModelRunner:
             device=dev,
             stop_token_ids_for_min_tokens=stops,
         )
+        if constraint is not None:
+            logits = apply_token_bitmask(logits, *constraint)
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()  # the one host sync of the step
         # Penalty counts of these rows are rebuilt from their tokens when they next sample.

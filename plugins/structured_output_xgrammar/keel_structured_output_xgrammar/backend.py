@@ -61,6 +61,20 @@ class XGrammarMatcher:
                 return False
         return True
 
+    def validate_tokens(self, tokens: Sequence[int]) -> list[int]:
+        accepted = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return list(tokens[:accepted])
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
