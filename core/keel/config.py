@@ -68,8 +68,17 @@ class ModelConfig:
     # A `quantization` registry key. None: the checkpoint's `quantization_config` decides (unquantized
     # without one); set on an unquantized checkpoint it asks for online quantization (e.g. "fp8").
     quantization: str | None = None
+    # Batch-level logits processors (vLLM's): `logits_processor` registry keys, "pkg.module:Class" names
+    # or classes; every worker builds one of each (keel.logits_processor).
+    logits_processors: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
+        procs = self.logits_processors
+        if isinstance(procs, (str, type)) or not isinstance(procs, (list, tuple)) or any(
+                not (isinstance(p, type) or (isinstance(p, str) and p)) for p in procs):
+            raise ConfigError("model.logits_processors must be a list of logits_processor names or classes, "
+                              f"got {procs!r}")
+        object.__setattr__(self, "logits_processors", tuple(procs))
         if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
             raise ConfigError(f"model.quantization must be a quantization method name, got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -31,7 +31,7 @@ from keel.config import (
 _SECTION_OF = {
     **dict.fromkeys(("model", "tokenizer", "dtype", "seed", "max_model_len", "skip_tokenizer_init",
                      "trust_remote_code", "revision", "served_model_name", "load_format", "generation_config",
-                     "quantization"),
+                     "quantization", "logits_processors"),
                     "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization", "kv_cache_dtype"), "cache"),
@@ -99,6 +99,8 @@ class EngineArgs:
     quantization: str | None = None  # a quantization method ("fp8", "gptq", ...); default: the checkpoint's
     kv_cache_dtype: str | None = None  # "auto" (the model dtype)
     scheduling_policy: str | None = None  # "fcfs" (default) or "priority" (requests' `priority` first)
+    # logits_processor plugin keys or qualified class names ("pkg.module:Class"), or classes
+    logits_processors: list[str | type] | None = None
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod
@@ -132,6 +134,8 @@ class EngineArgs:
                 kw |= {"type": parse_size, "metavar": "BYTES"}
             elif f.name == "speculative_config":
                 kw |= {"type": json.loads, "metavar": "JSON"}
+            elif f.name == "logits_processors":
+                kw |= {"nargs": "+", "metavar": "NAME"}
             elif _matches(True, hint):
                 kw |= {"action": bool_action}
             elif _matches(1, hint) and not _matches("x", hint):
@@ -241,10 +245,25 @@ def _finish(config: EngineConfig) -> EngineConfig:
 
         known = UnknownKeyError("quantization", quantization, plugin_set.registry("quantization"))
         raise QuantizationError(f"quantization={quantization!r}: {known}")
+    if config.model is not None and config.model.logits_processors:
+        _check_logits_processors(config, plugin_set)
     backend = config.device.attention_backend
     if backend != "auto":
         plugin_set.registry("attention_backend").ref(backend)  # unknown key: error listing the known
     return config
+
+
+def _check_logits_processors(config: EngineConfig, plugin_set: Any) -> None:
+    """Every named logits processor resolves (a name nothing provides stops startup, naming it)."""
+    from keel.logits_processor import resolve_logits_processors
+
+    if config.speculative is not None:
+        raise ConfigError("logits_processors are not supported with speculative_config yet (verify rows are "
+                          "not laid out for them): turn one of them off")
+    try:
+        resolve_logits_processors(config.model.logits_processors, plugin_set)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _matches(value: Any, hint: Any) -> bool:

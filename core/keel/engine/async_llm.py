@@ -28,6 +28,7 @@ from keel.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutp
 from keel.engine.pooling_params import PoolingParams
 from keel.engine.processor import Processor, child_request_id
 from keel.engine.sampling_params import SamplingParams
+from keel.logits_processor import resolve_logits_processors
 from keel.metrics.stats import RequestStatsTracker, StatLogger
 from keel.structured_output.manager import loaded, select_backend
 
@@ -101,6 +102,7 @@ class AsyncLLM:
             generation_config=config.model.generation_config_fields,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
             scheduling_policy=config.scheduler.scheduling_policy,
+            logits_processors=resolve_logits_processors(config.model.logits_processors, config.plugin_set()),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)

@@ -17,6 +17,7 @@ from keel.engine.output_processor import OutputProcessor, RequestOutputKind
 from keel.engine.outputs import RequestOutput
 from keel.engine.processor import Processor
 from keel.engine.sampling_params import SamplingParams
+from keel.logits_processor import resolve_logits_processors
 from keel.structured_output.manager import loaded, select_backend
 
 logger = logging.getLogger("keel.engine")
@@ -82,6 +83,7 @@ class LLMEngine:
             generation_config=config.model.generation_config_fields,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
             scheduling_policy=config.scheduler.scheduling_policy,
+            logits_processors=resolve_logits_processors(config.model.logits_processors, config.plugin_set()),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0

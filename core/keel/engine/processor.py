@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +30,11 @@ class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
                  seed: int = 0, generation_config: Mapping[str, Any] | None = None,
                  structured_output_backend: Callable[[], type] | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", logits_processors: Sequence[type] = ()) -> None:
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
+        # The engine's logits processor classes: each validates every request's params (extra_args).
+        self.logits_processors = tuple(logits_processors)
         self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
         # Loads the `structured_output` backend class (imported on first use), or None.
         self.structured_output_backend = structured_output_backend
@@ -109,6 +111,20 @@ class Processor:
             raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init=True was given)")
         self.structured_output_backend().validate(constraint)
 
+    def check_logits_processor_args(self, params: SamplingParams) -> None:
+        """`extra_args` is read by logits processors only: without any it is refused, not ignored; with
+        some, each processor's `validate_params` judges the request (a ParamError naming the argument)."""
+        if params.extra_args and not self.logits_processors:
+            raise ParamError("extra_args", "extra_args are read by logits processors, and this engine has none "
+                                           "(start it with logits_processors / --logits-processors)")
+        for cls in self.logits_processors:
+            try:
+                cls.validate_params(params)
+            except ParamError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise ParamError("extra_args", f"{cls.__name__}: {exc}") from None
+
     def max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
         return room if params.max_tokens is None else min(params.max_tokens, room)
@@ -137,6 +153,7 @@ class Processor:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init")
         self.check_token_ids(params)
         self.check_structured_outputs(params)
+        self.check_logits_processor_args(params)
         if self.generation_config.get("eos_token_id"):
             # the model's extra end-of-turn ids stop it too (Llama-3.x / Qwen2.5 chat turns end on them);
             # on a copy: the caller's params may serve other requests and engines

@@ -74,6 +74,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words never to generate (tokenized by the front end)
+    # Arguments for the engine's logits processors (vLLM's extra_args; the server's vllm_xargs)
+    extra_args: dict[str, Any] | None = None
 
     # Derived; not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
@@ -151,6 +153,9 @@ class SamplingParams:
                 not isinstance(self.bad_words, (list, tuple))
                 or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise ParamError("bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.")
+        if self.extra_args is not None and (
+                not isinstance(self.extra_args, dict) or any(not isinstance(k, str) for k in self.extra_args)):
+            raise ParamError("extra_args", f"extra_args must be a mapping with string keys, got {self.extra_args!r}.")
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:

@@ -174,9 +174,10 @@ class Sampler(torch.nn.Module):
     """Turns one step's logits into tokens. Called by the model runner once per step.
 
     Order (as vLLM): raw logprobs (of the unprocessed logits) -> allowed_token_ids -> bans (stop tokens
-    before min_tokens, bad_words) ->
-    logit_bias -> penalties -> [greedy rows: argmax] -> temperature -> min_p -> top_k -> top_p ->
-    exponential race with hash noise. The input logits are not modified.
+    before min_tokens, bad_words) -> logit_bias -> plugin logits processors that can change the argmax ->
+    penalties -> [greedy rows: argmax] -> temperature -> argmax-invariant plugin processors -> min_p ->
+    top_k -> top_p -> exponential race with hash noise. Built-in steps do not modify the input logits
+    (a plugin processor may, in place).
     """
 
     def forward(
@@ -198,13 +199,15 @@ class Sampler(torch.nn.Module):
         meta: SamplingMetadata,
     ) -> torch.Tensor:  # [B, vocab]
         """The steps that can change the argmax: allowed_token_ids, bans (min_tokens, bad_words),
-        logit_bias, penalties."""
+        logit_bias, plugin processors that are not argmax-invariant, penalties."""
         if meta.allowed_token_mask is not None:
             logits = logits.masked_fill(~meta.allowed_token_mask, float("-inf"))
         if meta.min_tokens_mask is not None:
             logits = logits.masked_fill(meta.min_tokens_mask, float("-inf"))
         if meta.logit_bias is not None:
             logits = logits + meta.logit_bias
+        for processor in meta.logitsprocs.non_argmax_invariant if meta.logitsprocs is not None else ():
+            logits = processor.apply(logits)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         return logits
@@ -214,9 +217,12 @@ class Sampler(torch.nn.Module):
         logits: torch.Tensor,  # [B, vocab], after apply_logits_processors
         meta: SamplingMetadata,
     ) -> torch.Tensor:  # [B, vocab]: temperature-scaled, filtered tokens at -inf
-        """Temperature, min_p, top_k, top_p for random rows (greedy rows are scaled by 1)."""
+        """Temperature, argmax-invariant plugin processors, min_p, top_k, top_p for random rows (greedy
+        rows are scaled by 1)."""
         temp = torch.where(meta.temperature < _SAMPLING_EPS, 1.0, meta.temperature)
         logits = logits / temp[:, None]
+        for processor in meta.logitsprocs.argmax_invariant if meta.logitsprocs is not None else ():
+            logits = processor.apply(logits)
         if not meta.no_min_p:
             probs = logits.softmax(dim=-1)
             threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)

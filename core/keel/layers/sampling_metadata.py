@@ -14,6 +14,7 @@ import torch
 
 from keel.engine.sampling_params import _SAMPLING_EPS, SamplingParams
 from keel.layers.bad_words import banned_by_bad_words
+from keel.logits_processor import LogitsProcessors
 
 _U64 = (1 << 64) - 1
 
@@ -51,6 +52,7 @@ class SamplingMetadata:
     min_tokens_mask: torch.Tensor | None = None
     allowed_token_mask: torch.Tensor | None = None  # [B, vocab] bool: True = may be sampled, or None
     logit_bias: torch.Tensor | None = None  # [B, vocab] float32, or None
+    logitsprocs: LogitsProcessors | None = None  # plugin logits processors, set by the model runner
 
     @classmethod
     def build(

@@ -26,6 +26,7 @@ KINDS: tuple[str, ...] = (
     "custom_op",
     "executor",
     "structured_output",
+    "logits_processor",
     "reasoning_parser",
     "tool_parser",
 )

@@ -22,9 +22,11 @@ from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
 from keel.layers.token_bitmask import apply_token_bitmask, grammar_logits_rows
+from keel.logits_processor import LogitsProcessor
 from keel.spec_decode.proposer import DraftInput, DraftProposer
 from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
 from keel.worker.input_batch import InputBatch, table_width
+from keel.worker.logits_batch import LogitsProcessorBatch
 from keel.worker.request_state import CachedRequestState
 from keel.worker.sampling_batch import BatchSamplingState
 from keel.worker.staging import StagingBuffer, pinned_empty, record_event
@@ -35,8 +37,11 @@ logger = logging.getLogger("keel.worker")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
                  proposer: DraftProposer | None = None, num_speculative_tokens: int = 0,
-                 max_model_len: int | None = None, pipeline=None) -> None:
+                 max_model_len: int | None = None, pipeline=None,
+                 logits_processors: Sequence[LogitsProcessor] = ()) -> None:
         self.model = model
+        # Plugin logits processors (keel.logits_processor) and the layout of their rows, or None.
+        self.logits_processors = LogitsProcessorBatch(logits_processors) if logits_processors else None
         # keel.distributed.pipeline.PipelineStage under pipeline parallelism: only its last stage samples.
         self.pipeline = pipeline
         self.proposer = proposer
@@ -251,8 +256,8 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), None)
-        if so.scheduled_spec_decode_tokens or self.proposer is not None:
-            self.in_flight.wait()
+        if so.scheduled_spec_decode_tokens or self.proposer is not None or self.logits_processors is not None:
+            self.in_flight.wait()  # logits processors see every committed output token, too
 
         req_ids = list(so.num_scheduled_tokens)
         requests = self.requests
@@ -393,8 +398,9 @@ class ModelRunner:
         values reach the input batch and `out` when the returned launch is committed.
         """
         batch = self.input_batch
+        rows_states = [states[i] for i in sampling_idx.tolist()] if self.logits_processors is not None else ()
         result = None if hidden is None else self._sample(hidden, sample_rows, sample_batch_rows, staged,
-                                                                constraint)
+                                                                constraint, rows_states)
         sampled = None if result is None else result.sampled_token_ids  # [S] int64, device
         if self.pipeline is not None:  # every stage appends the last stage's tokens
             sampled = self.pipeline.share_sampled(sampled, int(sample_batch_rows.shape[0]))
@@ -425,10 +431,12 @@ class ModelRunner:
 
     def _sample(self, hidden, sample_rows: torch.Tensor, sample_batch_rows: np.ndarray,
                 staged: dict[str, torch.Tensor] | None,
-                constraint: tuple[torch.Tensor, torch.Tensor] | None = None):
+                constraint: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rows_states: Sequence[CachedRequestState] = ()):
         """Logits at `sample_rows` of `hidden` and the sampler's result for those batch rows; a
         constraint (grammar bitmask [R, W], its logits rows [R]) masks the logits first, so every path
-        that samples (eager, CUDA graphs, the last pipeline stage) applies it."""
+        that samples (eager, CUDA graphs, the last pipeline stage) applies it. `rows_states`: the requests
+        of the rows, in order, for the logits processors (given when there are some)."""
         logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
         vocab = logits.shape[-1]
         if self.vocab_size is None:
@@ -438,6 +446,8 @@ class ModelRunner:
         meta = self.sampling_state.build(self.input_batch, sample_batch_rows, vocab, staged=staged)
         if constraint is not None:
             logits = apply_token_bitmask(logits, *constraint)
+        if self.logits_processors is not None:
+            meta.logitsprocs = self.logits_processors.step(rows_states)
         return self.sampler(logits, meta)
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out, constraint=None) -> None:

@@ -17,6 +17,7 @@ from keel.attention.selector import select_attention_backend
 from keel.config import EngineConfig
 from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.layers.custom_op import bind_custom_ops
+from keel.logits_processor import resolve_logits_processors
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
 from keel.models.capabilities import supports
@@ -121,8 +122,10 @@ class Worker:
             from keel.distributed.pipeline import PipelineStage
 
             stage = PipelineStage(pp, hf_config.hidden_size, dtype, self.device)
+        procs = [cls(self.config, self.device, self.device.type == "cuda")
+                 for cls in resolve_logits_processors(mc.logits_processors, self.plugins)]
         self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
-                                  max_model_len=mc.derived_max_model_len, pipeline=stage)
+                                  max_model_len=mc.derived_max_model_len, pipeline=stage, logits_processors=procs)
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s%s) with attention backend(s) %s", mc.model, arch, dtype,
                     f", quantization {quant.name}" if quant is not None else "", names)

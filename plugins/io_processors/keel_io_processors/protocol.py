@@ -95,6 +95,8 @@ class SamplingFields(_Strict):
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     cache_salt: str | None = Field(None, min_length=1)  # mixed into the prefix-cache hashes (tenants)
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0  # under --scheduling-policy priority
+    # Arguments for the server's logits processors (SamplingParams.extra_args); each processor checks its own.
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     _request_id: str = PrivateAttr(default="")
     _created: int = PrivateAttr(default=0)

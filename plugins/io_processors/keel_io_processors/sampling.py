@@ -51,6 +51,7 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
         # vLLM extras read from the body's extra fields; SamplingParams checks their types and values.
         "allowed_token_ids": (request.model_extra or {}).get("allowed_token_ids"),
         "bad_words": (request.model_extra or {}).get("bad_words"),
+        "extra_args": request.vllm_xargs,
     }
     kwargs.update(overrides)
     try:

@@ -18,11 +18,11 @@ logger = logging.getLogger("keel.io_processors")
 # field -> what it asks for (for the message); both endpoints.
 _COMMON = {
     "structural_tag": "structured outputs",
-    "logits_processors": "logits processors",
+    "logits_processors": "per-request logits processors: the server's --logits-processors apply, with "
+                         "arguments in vllm_xargs",
     "use_beam_search": "beam search",
     "length_penalty": "beam search",
     "kv_transfer_params": "KV transfer (disaggregated prefill)",
-    "vllm_xargs": "vLLM's extra sampling arguments",
     "mm_processor_kwargs": "multi-modal inputs",
     "request_id": "client-chosen request ids",
     "store": "stored completions",
