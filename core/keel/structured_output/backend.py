@@ -73,3 +73,7 @@ class StructuredOutputBackend(Protocol):
 
     def grammar(self, compiled: Any) -> StructuredOutputGrammar:
         """A fresh matcher for one request."""
+
+    # Optional: `fill_bitmasks(grammars, bitmask, rows)` fills `bitmask[rows[i]]` for `grammars[i]` (its own
+    # grammars, none terminated) in one call -- e.g. on threads. The manager uses it for the rows of a
+    # step that need no tentative advance; without it, each grammar's `fill_bitmask`.

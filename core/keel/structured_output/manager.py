@@ -134,6 +134,11 @@ class StructuredOutputManager:
         drafts = drafts if drafts is not None else [()] * len(grammars)
         num_rows = sum(1 + len(d) for d in drafts)
         bitmask = torch.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        batch_fill = getattr(self._backend, "fill_bitmasks", None)
+        if batch_fill is not None and num_rows == len(grammars):  # no drafts: every row at the current state
+            live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
+            batch_fill([grammars[i] for i in live], bitmask, live)
+            return GrammarBitmask(req_ids=list(req_ids), bitmask=bitmask)
         rows: list[str] = []
         for rid, grammar, tokens in zip(req_ids, grammars, drafts, strict=True):
             advanced, valid = 0, True

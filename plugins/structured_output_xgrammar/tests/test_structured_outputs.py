@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -158,3 +159,31 @@ def test_invalid_constraints_refused_before_queuing(llm, spec, problem):
     with pytest.raises(ValueError, match=re.escape(problem)):
         llm.generate(["Hello"], SamplingParams(structured_outputs=spec), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_batch_fill_equals_one_by_one(llm):
+    """The manager fills a step's rows in one threaded xgrammar call; rows equal each matcher's own fill,
+    and a terminated matcher's row stays all-allowed."""
+    import torch
+
+    from keel.structured_output.backend import BackendContext
+    from keel.structured_output.manager import StructuredOutputManager
+    from keel.structured_output.params import StructuredOutputsParams
+
+    tok = llm.get_tokenizer()
+    load = select_backend(load_plugins(["structured-output-xgrammar"]))
+    vocab = len(tok)
+    manager = StructuredOutputManager(load, lambda: BackendContext(tok, vocab, tok.eos_token_id), vocab)
+    requests = [manager.add_request(StructuredOutputsParams.from_dict(c)) for c, _ in CONSTRAINTS.values()]
+    while not all(r.is_ready() for r in requests):
+        time.sleep(0.01)
+    grammars = [r.grammar for r in requests]
+    assert grammars[1].accept_tokens(tok.encode("cat-", add_special_tokens=False))
+    assert grammars[2].accept_tokens(tok.encode("no", add_special_tokens=False) + [tok.eos_token_id])
+    out = manager.grammar_bitmask(["a", "b", "c", "d"], grammars)
+    for row, grammar in enumerate(grammars):
+        one = torch.full_like(out.bitmask[:1], -1)
+        if not grammar.is_terminated():
+            grammar.fill_bitmask(one, 0)
+        assert torch.equal(one[0], out.bitmask[row])
+    manager.shutdown()
