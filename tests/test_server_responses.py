@@ -152,10 +152,40 @@ def test_request_phase_metrics_after_real_requests(server):
     text = httpx.get(f"{server.url}/metrics").text
 
     def value(name: str) -> float:
-        return float(re.search(rf'^keel:{name}\{{engine="0",model_name="m"\}} (\S+)$', text, re.M).group(1))
+        return float(re.search(rf'^keel:{name}\{{engine="0",model_name="m"\}} (\S+)$', text, re.MULTILINE).group(1))
 
     for phase in ("queue", "prefill", "decode", "inference"):
         assert value(f"request_{phase}_time_seconds_count") >= 1
     assert value("request_time_per_output_token_seconds_count") >= 1 and value("request_params_n_count") >= 1
     assert value("request_generation_tokens_sum") >= 3 and value("iteration_tokens_total_count") >= 1
     assert value("request_inference_time_seconds_sum") >= value("request_decode_time_seconds_sum")
+
+
+def reference_beam_search(model_dir, prompt_ids: list[int], width: int, steps: int) -> list[list[int]]:
+    """vLLM's beam search (no EOS: ignore_eos) on transformers' float32 logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    beams = [(list(prompt_ids), 0.0)]
+    with torch.no_grad():
+        for _ in range(steps):
+            grown = []
+            for tokens, cum in beams:
+                lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+                top = torch.topk(lp, 2 * width)
+                grown += [(tokens + [int(t)], cum + float(v)) for v, t in zip(top.values, top.indices)]
+            beams = sorted(grown, key=lambda b: b[1] / len(b[0]), reverse=True)[:width]
+    return [tokens[len(prompt_ids):] for tokens, _ in beams]
+
+
+def test_use_beam_search_matches_a_reference(server, model_dir):
+    out = post(server, "completions", {"prompt": "Hello", "n": 2, "max_tokens": 3, "use_beam_search": True,
+                                       "ignore_eos": True, "return_token_ids": True})
+    ids = server.engine.tokenizer.encode("Hello")
+    assert [c["token_ids"] for c in out["choices"]] == reference_beam_search(model_dir, ids, 2, 3)
+    assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 6
+    chat = post(server, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                             "max_tokens": 2, "use_beam_search": True, "ignore_eos": True})
+    assert len(chat["choices"]) == 2
+    r = httpx.post(f"{server.base_url}/completions", json={"prompt": "x", "use_beam_search": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"

@@ -112,6 +112,8 @@ class OpenAIEndpoint:
             prompts = await run_preprocess(raw, proc.pre_process, request)
         except USER_ERRORS as exc:
             raise bad_request(exc) from None
+        if getattr(request, "use_beam_search", False):
+            return await self._beam_search(raw, ctx, proc, request, params, prompts)
         stream = proc.is_stream(request)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         rid = request.request_id
@@ -133,6 +135,28 @@ class OpenAIEndpoint:
             return JSONResponse(proc.post_process(request, firsts))
         resumed = [_resume(first, gen) for first, gen in zip(firsts, gens)]
         return SSEResponse(self._events(proc, request, resumed))
+
+    async def _beam_search(self, raw: Request, ctx: EndpointContext, proc: Any, request: Any, params: Any,
+                           prompts: list[EnginePrompt]) -> Response:
+        """`use_beam_search`: n beams per prompt (`keel_endpoints.beam_search`), answered once."""
+        from keel_endpoints.beam_search import beam_search
+
+        engine = ctx.engine_client
+        rid = request.request_id
+        try:
+            ids = [list(p.prompt_token_ids) if p.prompt_token_ids is not None
+                   else engine.processor.process_prompt(engine_input(p)).prompt_token_ids for p in prompts]
+            searches = [beam_search(engine, p, f"{rid}-{i}", beam_width=params.n,
+                                    max_tokens=params.max_tokens or engine.max_model_len - len(p),
+                                    temperature=params.temperature, length_penalty=request.length_penalty,
+                                    ignore_eos=params.ignore_eos, with_logprobs=params.logprobs is not None)
+                        for i, p in enumerate(ids)]
+            outs = await run_until_disconnect(raw, asyncio.gather(*searches))
+        except USER_ERRORS as exc:
+            raise bad_request(exc) from None
+        if outs is None:
+            return Response(status_code=499)
+        return JSONResponse(proc.post_process(request, outs))
 
     async def _events(self, proc: Any, request: Any, gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         stream = proc.create_stream(request)

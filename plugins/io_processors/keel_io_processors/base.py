@@ -69,6 +69,15 @@ class OpenAIProcessorBase:
                                       f"({self.max_model_len}); send a smaller value", "truncate_prompt_tokens")
         return tuple(ids[-limit:]) if limit else ()
 
+    @staticmethod
+    def check_beam_search(request: SamplingFields) -> None:
+        """Beam search answers once, at the end, with n beams: no streaming, no best_of."""
+        if request.use_beam_search and request.stream:
+            raise InvalidRequestError("use_beam_search cannot be streamed: the best beams are only known at the "
+                                      "end", "use_beam_search")
+        if request.use_beam_search and getattr(request, "best_of", None) not in (None, request.n):
+            raise InvalidRequestError("use_beam_search takes n beams; best_of does not apply", "best_of")
+
     def check_room(self, prompts: Sequence[EnginePrompt], max_tokens: int | None, param: str) -> None:
         """OpenAI's (and vLLM's) rule: an explicit max_tokens that does not fit beside the prompt is a 400,
         not a silently shorter completion. Prompts too long by themselves are refused by the engine."""

@@ -102,6 +102,7 @@ class ChatProcessor(OpenAIProcessorBase):
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         for i, m in enumerate(request.messages):
             _content_text(m.content, f"messages.{i}")  # reject unsupported parts before any work
+        self.check_beam_search(request)
         return request
 
     def sampling_params(self, request: ChatCompletionRequest) -> SamplingParams:

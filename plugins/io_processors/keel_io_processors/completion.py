@@ -29,6 +29,7 @@ class CompletionProcessor(OpenAIProcessorBase):
         if request.best_of is not None and request.best_of > request.n and request.stream:
             raise InvalidRequestError("best_of cannot be used with stream: the best completions are only "
                                       "known at the end", "best_of")
+        self.check_beam_search(request)
         prompt = request.prompt
         if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
             raise InvalidRequestError("prompt must not be empty", "prompt")

@@ -97,6 +97,9 @@ class SamplingFields(_Strict):
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0  # under --scheduling-policy priority
     # Arguments for the server's logits processors (SamplingParams.extra_args); each processor checks its own.
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # vLLM's beam search: n beams; the score is cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
 
     _request_id: str = PrivateAttr(default="")
     _created: int = PrivateAttr(default=0)

@@ -20,8 +20,6 @@ _COMMON = {
     "structural_tag": "structured outputs",
     "logits_processors": "per-request logits processors: the server's --logits-processors apply, with "
                          "arguments in vllm_xargs",
-    "use_beam_search": "beam search",
-    "length_penalty": "beam search",
     "kv_transfer_params": "KV transfer (disaggregated prefill)",
     "mm_processor_kwargs": "multi-modal inputs",
     "request_id": "client-chosen request ids",
@@ -46,8 +44,7 @@ _CHAT = {
     "web_search_options": "web search",
 }
 # Values of a field above that ask for nothing (OpenAI clients send them by default).
-_NO_OP = {"store": (False,), "service_tier": ("auto", "default"), "use_beam_search": (False,),
-          "length_penalty": (1.0, 1)}
+_NO_OP = {"store": (False,), "service_tier": ("auto", "default")}
 # Fields the processors read from the body's extras rather than declare.
 READ_FROM_EXTRAS = frozenset({
     "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex",

@@ -42,7 +42,7 @@ def test_chat_only_fields_and_nulls(procs):
 
 
 @pytest.mark.parametrize("field, value, chat", [
-    ("use_beam_search", True, False), ("length_penalty", 0.5, True), ("kv_transfer_params", {}, False),
+    ("prediction", {"type": "content"}, False), ("logits_processors", ["m:P"], True), ("kv_transfer_params", {}, False),
     ("store", True, True), ("documents", [{"text": "x"}], True), ("prompt_embeds", "AAAA", False),
     ("request_id", "mine", True), ("mm_processor_kwargs", {}, False),
 ])
@@ -56,7 +56,7 @@ def test_more_known_fields_are_refused(procs, field, value, chat):
 def test_no_op_values_pass_and_unknown_fields_are_logged(procs, caplog):
     completion, chat = procs
     with caplog.at_level("WARNING", logger="keel.io_processors"):
-        chat.parse_request({"messages": MSG, "store": False, "service_tier": "auto", "use_beam_search": False,
+        chat.parse_request({"messages": MSG, "store": False, "service_tier": "auto",
                             "my_field": 1, "tools": None})
     assert "'my_field'" in caplog.text and "store" not in caplog.text and "tools" not in caplog.text
     with pytest.raises(InvalidRequestError) as err:
