@@ -13,6 +13,9 @@ A `QuantizationConfig` class is registered under the `quantization` kind with th
 3. `method.create_weights(module, layer)` registers the parameters (each with a `weight_loader`).
 4. Weight loading fills them; then `method.process_weights_after_loading(module)` once.
 5. `method.apply(module, x, bias)` every forward.
+
+Routed experts (`FusedMoE`) ask `config.get_moe_method(spec)` instead (see `moe_quant_method`); the
+returned `FusedMoEMethod` follows the same create / load / process / apply steps for the stacked experts.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ class LinearLayerSpec:
     output_partition_sizes: tuple[int, ...]
     params_dtype: Any  # torch.dtype
     bias: bool = False
+
+
+@dataclass(frozen=True)
+class MoELayerSpec:
+    """A FusedMoE layer as the model builds it (this rank's share). Frozen: fields are only ever added."""
+
+    prefix: str  # e.g. "model.layers.1.mlp.experts"; checkpoint names are f"{prefix}.{e}.gate_proj" ...
+    num_experts: int  # all experts (checkpoint ids)
+    local_num_experts: int  # stored on this rank
+    hidden_size: int
+    intermediate_size_per_partition: int  # this rank's slice of each expert's intermediate size
+    params_dtype: Any  # torch.dtype
 
 
 @dataclass(frozen=True)
@@ -72,11 +87,43 @@ class QuantizationMethod(Protocol):
         ...
 
 
+@runtime_checkable
+class FusedMoEMethod(Protocol):
+    """Per FusedMoE layer: creates, post-processes and applies the quantized expert weights."""
+
+    def create_weights(self, layer: torch.nn.Module, spec: MoELayerSpec) -> None:
+        """Called once while the layer is built; registers `w13_*` / `w2_*` parameters on it, each with a
+        `weight_loader(param, tensor, shard_id=(expert, "w1" | "w2" | "w3"))` and `shard_ids`."""
+        ...
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Called once after every checkpoint tensor is loaded (repacking into the runtime form)."""
+        ...
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
+        """Called after loading, by kernel providers at bind time (`supports_layer`) and by `apply`: the
+        `keel.layers.fused_moe.quant_config.FusedMoEQuantConfig` describing the stored experts."""
+        ...
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] int (this rank's expert ids)
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size], added to the result
+        fused_experts: Any,  # the layer's bound `fused_experts` op, or None: the method's torch reference
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """Called every forward by the layer, after routing."""
+        ...
+
+
 class QuantizationConfig(Protocol):
     """Registered class (not instance) under the `quantization` kind.
 
     Optional members: `from_online()` (classmethod) for methods that quantize an unquantized checkpoint
-    at load; `prepare_checkpoint(weights)` to rewrite the checkpoint's tensor stream; a method's `dequantize_weight(module) -> [out, in]` for layers that read their weight
+    at load; `get_moe_method(spec: MoELayerSpec) -> FusedMoEMethod | None` for methods that serve
+    quantized routed experts (None: that layer's experts stay unquantized); `prepare_checkpoint(weights)` to rewrite the checkpoint's tensor stream; a method's `dequantize_weight(module) -> [out, in]` for layers that read their weight
     directly (MLA absorbs kv_b_proj; see `dense_weight`).
     """
 
@@ -145,10 +192,23 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the m
     return dequantize(module)
 
 
+def moe_quant_method(quant_config: Any, spec: MoELayerSpec) -> FusedMoEMethod | None:
+    """The method for one FusedMoE layer (called while it is built), or None for dense experts. A config
+    without `get_moe_method` cannot lay out quantized experts: an error naming the method and the layer."""
+    if quant_config is None:
+        return None
+    get = getattr(quant_config, "get_moe_method", None)
+    if get is None:
+        raise QuantizationError(
+            f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r} has no fused-MoE method; "
+            f"it cannot serve the routed experts of {spec.prefix}"
+        )
+    return get(spec)
+
+
 def prepare_checkpoint(quant_config: Any, weights: Any) -> Any:
     """The checkpoint's (name, tensor) stream as the model loads it. Called by the model loader and by
-    draft-model loaders: a config with a `prepare_checkpoint(weights)` member may rewrite tensors first
-    (fp8 dequantizes routed experts that no fused-MoE kernel reads yet)."""
+    draft-model loaders: a config with a `prepare_checkpoint(weights)` member may rewrite tensors first."""
     hook = getattr(quant_config, "prepare_checkpoint", None)
     return weights if hook is None else hook(weights)
 

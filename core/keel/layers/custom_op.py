@@ -35,6 +35,9 @@ Op contracts (every op returns new tensors and leaves its inputs unchanged, like
         w13 [E, 2 * I, H] (gate rows, then up rows); w2 [E, H, I]; weights/ids from select_experts;
         activation a `get_act_and_mul_fn` name; residual [n, H] or None; out [n, H] in hidden's dtype.
         No host sync; launch shapes may depend on n only, never on the routing (graph replays).
+        Quantized experts add an eighth argument, `quant` (a `FusedMoEQuantConfig`: w13 / w2 are then
+        the quantized tensors it describes); a provider that does not implement its kind declines such
+        layers in `supports_layer`, so they are never called with it.
 """
 
 from __future__ import annotations

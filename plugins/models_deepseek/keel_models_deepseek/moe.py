@@ -111,6 +111,7 @@ class DeepseekV2MoE(nn.Module):
             activation=act,
             prefix=f"{prefix}.experts",
             parallel=FusedMoEParallelConfig.make(build.tp_size, build.tp_rank, build.enable_expert_parallel),
+            quant_config=build.quant_method,
         )
         n_shared = getattr(config, "n_shared_experts", None) or 0
         # Under TP the shared and routed experts' partial sums are reduced together, once.

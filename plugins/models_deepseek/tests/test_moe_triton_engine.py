@@ -45,3 +45,43 @@ def test_engine_with_triton_routing_and_align(tmp_path, monkeypatch, name):
     results = run_requests(LLMEngine.from_engine_args(args), prompts, params)
     assert calls["route"] > 0 and calls["align"] == calls["route"]  # every MoE call used both kernels
     assert_matches_hf(path, prompts, results, 3, atol=1e-4)
+
+
+QUANT_CASES = {  # layout, quantizer options, logprob tolerance vs transformers on the dequantized weights
+    "fp8-block": ("fp8-block", {"block": (16, 16)}, 0.6),  # activations quantized per token group
+    "gptq-g32-asym": ("gptq", {"group_size": 32, "sym": False}, 1e-4),  # weight-only
+}
+
+
+@pytest.mark.parametrize("name", list(QUANT_CASES))
+def test_engine_with_quantized_experts_in_the_triton_grouped_gemm(tmp_path, monkeypatch, name):
+    """The experts stay quantized and the bound kernel dequantizes them inside its grouped GEMMs; its
+    tokens and logprobs match the reference path of the same checkpoint (1e-3) and transformers on the
+    dequantized weights (the method's tolerance)."""
+    from keel_quantization.quantizer import quantize_checkpoint
+
+    from keel.testing.fidelity import assert_close_to_hf
+
+    layout, options, atol = QUANT_CASES[name]
+    src = make_deepseek_checkpoint(3, tmp_path / "src")
+    q = quantize_checkpoint(src, tmp_path / "q", layout, dequantized_to=tmp_path / "ref", **options)
+    prompts = random_prompts([7, 3], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    kw = {"model": str(q), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 4, "max_model_len": 64,
+          "seed": 0, "max_num_batched_tokens": 8,
+          "plugins": ["platform-cpu", "attention-torch", "models-deepseek", "kernels-triton", "quantization"]}
+    reference = run_requests(LLMEngine.from_engine_args(EngineArgs(**kw)), prompts, params)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(CpuPlatform, "use_custom_ops", lambda self: True)
+    calls = []
+    original = ops.fused_experts_quant_triton
+    monkeypatch.setattr(ops, "fused_experts_quant_triton", lambda *a, **k: calls.append(a[-1].kind) or original(*a, **k))
+    results = run_requests(LLMEngine.from_engine_args(EngineArgs(**kw)), prompts, params)
+    assert calls and set(calls) == {"fp8_block" if layout == "fp8-block" else "int4"}
+    for key, out in results.items():
+        ref = reference[key].outputs[0]
+        assert list(out.outputs[0].token_ids) == list(ref.token_ids)
+        got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        want = [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+    assert_close_to_hf(tmp_path / "ref", prompts, results, atol=atol, min_margin=0.5)

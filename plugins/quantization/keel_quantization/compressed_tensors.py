@@ -13,10 +13,11 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from keel.quantization import LinearLayerSpec, QuantizationError, QuantizationRequest
-from keel_quantization.config_fields import check_fields, is_layer_skipped
-from keel_quantization.fp8 import validate_fp8
+from keel.quantization import LinearLayerSpec, MoELayerSpec, QuantizationError, QuantizationRequest
+from keel_quantization.config_fields import EXPERT_PROJECTIONS, check_fields, is_layer_skipped
+from keel_quantization.fp8 import fp8_moe_method, validate_fp8
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
+from keel_quantization.fp8_moe import Fp8MoEMethod
 
 NAME = "compressed-tensors"
 _ARGS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder")
@@ -127,3 +128,13 @@ class CompressedTensorsConfig:
             raise QuantizationError(f"{NAME}: fused layer {layer.prefix} packs {parts} with different schemes")
         scheme = schemes.pop()
         return None if scheme is None else Fp8LinearMethod(scheme, NAME)
+
+    def get_moe_method(self, spec: MoELayerSpec) -> Fp8MoEMethod | None:
+        parts = [f"{spec.prefix}.{e}.{p}" for e in range(spec.num_experts) for p in EXPERT_PROJECTIONS]
+        schemes = {self._scheme_for(p) for p in parts}
+        if len(schemes) > 1:
+            raise QuantizationError(f"{NAME}: the routed experts of {spec.prefix} use different schemes")
+        scheme = schemes.pop()
+        if scheme is None:
+            return None
+        return fp8_moe_method(NAME, scheme, spec, self.ignore, self.packed_modules_mapping)

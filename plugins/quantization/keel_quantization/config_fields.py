@@ -51,3 +51,14 @@ def is_layer_skipped(method: str, prefix: str, ignored: Iterable[str], packed: M
             f"({[p for p, s in zip(parts, skipped) if s]}); keel cannot serve a partly quantized fused layer"
         )
     return all(skipped)
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def experts_skipped(method: str, spec: Any, ignored: Iterable[str], packed: Mapping[str, list[str]]) -> bool:
+    """Whether a FusedMoE layer's experts (checkpoint modules f"{prefix}.{e}.gate_proj", ...) stay
+    unquantized; some listed and some not is an error (one stacked weight cannot be both)."""
+    leaf = spec.prefix.rpartition(".")[2]
+    parts = [f"{leaf}.{e}.{p}" for e in range(spec.num_experts) for p in EXPERT_PROJECTIONS]
+    return is_layer_skipped(method, spec.prefix, ignored, {**packed, leaf: parts})

@@ -9,18 +9,27 @@ config.json `quantization_config` fields:
 - `ignored_layers` / `modules_to_not_convert`: modules left unquantized.
 
 `quantization="fp8"` on an unquantized checkpoint quantizes every linear layer at load (per output
-channel, dynamic per-token activations).
+channel, dynamic per-token activations); routed experts then stay in the model dtype (logged).
+
+Routed experts (FusedMoE) of a checkpoint are served in block FP8 (`fp8_moe`), kept in e4m3.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
 from typing import Any, ClassVar
 
-from keel.quantization import LinearLayerSpec, QuantizationError, QuantizationRequest
-from keel_quantization.config_fields import check_fields, float_dtype_reasons, is_layer_skipped
-from keel_quantization.expert_dequant import dequantize_experts
+from keel.quantization import LinearLayerSpec, MoELayerSpec, QuantizationError, QuantizationRequest
+from keel_quantization.config_fields import (
+    check_fields,
+    experts_skipped,
+    float_dtype_reasons,
+    is_layer_skipped,
+)
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
+from keel_quantization.fp8_moe import Fp8MoEMethod
+
+logger = logging.getLogger("keel.quantization.fp8")
 
 
 def validate_fp8(request: QuantizationRequest) -> list[str]:
@@ -70,14 +79,29 @@ class Fp8Config:
     def validate(self, request: QuantizationRequest) -> list[str]:
         return validate_fp8(request)
 
-    def prepare_checkpoint(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        """Called by the model loaders on the checkpoint stream: FP8 routed experts are dequantized once
-        (logged; see `expert_dequant`). Online fp8 leaves experts as they are (dense)."""
-        if not self.scheme.serialized:
-            return weights
-        return dequantize_experts(weights, self.scheme, self.name)
-
     def get_quant_method(self, layer: LinearLayerSpec) -> Fp8LinearMethod | None:
         if is_layer_skipped(self.name, layer.prefix, self.ignored_layers, self.packed_modules_mapping):
             return None
         return Fp8LinearMethod(self.scheme, self.name)
+
+    def get_moe_method(self, spec: MoELayerSpec) -> Fp8MoEMethod | None:
+        return fp8_moe_method(self.name, self.scheme, spec, self.ignored_layers, self.packed_modules_mapping)
+
+
+def fp8_moe_method(method: str, scheme: Fp8Scheme, spec: MoELayerSpec, ignored: tuple[str, ...],
+                   packed: dict[str, list[str]]) -> Fp8MoEMethod | None:
+    """The routed experts' method for an FP8 scheme: block FP8 with per-token-group activations (None when
+    the experts are left unquantized); other schemes are an error naming the layer."""
+    if experts_skipped(method, spec, ignored, packed):
+        return None
+    if not scheme.serialized:
+        logger.info("%s: online fp8 quantizes linear layers; the routed experts of %s stay in the model dtype",
+                    method, spec.prefix)
+        return None
+    if scheme.block is None or scheme.activation != "dynamic_group":
+        raise QuantizationError(
+            f"{method}: routed experts of {spec.prefix} are FP8 with activation scheme {scheme.activation!r} and "
+            f"weight blocks {scheme.block}; fused-MoE kernels serve block FP8 experts (weight_block_size, dynamic "
+            "per-token-group activations) only"
+        )
+    return Fp8MoEMethod(scheme.block, scheme.scale_name, method)

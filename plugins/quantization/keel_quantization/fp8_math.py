@@ -10,10 +10,9 @@ import math
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-# Smallest scale: an all-zero row or group quantizes to zeros instead of dividing by zero (as vLLM).
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+from keel.layers.fp8_utils import FP8, FP8_MAX, MIN_SCALE, dequant_per_token_group, per_token_group_quant_fp8
+
+__all__ = ["FP8", "FP8_MAX", "MIN_SCALE"]
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -75,11 +74,5 @@ def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
 def fake_quant_per_token_group(x: torch.Tensor, group: int) -> torch.Tensor:
     """x [tokens, k] through dynamic per-token, per-`group`-inputs fp8 quantization and back (DeepSeek-V3's
     activation scheme for block FP8); a partial last group is quantized on its own elements."""
-    t, k = x.shape
-    kb = math.ceil(k / group)
-    padded = torch.zeros(t, kb * group, dtype=torch.float32, device=x.device)
-    padded[:, :k] = x.float()
-    g = padded.view(t, kb, group)
-    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    deq = to_fp8(g, scale).float() * scale
-    return deq.view(t, kb * group)[:, :k].to(x.dtype)
+    q, scale = per_token_group_quant_fp8(x, group)
+    return dequant_per_token_group(q, scale, group, x.dtype)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from keel.quantization import LinearLayerSpec, QuantizationRequest
-from keel_quantization.config_fields import float_dtype_reasons, is_layer_skipped
+from keel.quantization import LinearLayerSpec, MoELayerSpec, QuantizationRequest
+from keel_quantization.config_fields import experts_skipped, float_dtype_reasons, is_layer_skipped
 from keel_quantization.int4_linear import Int4Format, Int4LinearMethod
+from keel_quantization.int4_moe import Int4MoEMethod
 
 
 def validate_int4(request: QuantizationRequest) -> list[str]:
@@ -44,3 +45,10 @@ class Int4Config:
             if listed == self.names_skip:
                 return None
         return Int4LinearMethod(self.fmt)
+
+    def get_moe_method(self, spec: MoELayerSpec) -> Int4MoEMethod | None:
+        if self.names is not None:
+            listed = experts_skipped(self.name, spec, self.names, self.packed_modules_mapping)
+            if listed == self.names_skip:
+                return None
+        return Int4MoEMethod(self.fmt)

@@ -25,7 +25,7 @@ def _units(s: Any, unit: int) -> tuple[int, int, int]:
     return s.offset // unit, math.ceil(s.size / unit), math.ceil(s.full_size / unit)
 
 
-def _narrow_rank(src: torch.Tensor, dim: int, full: int, rank_index: int, size: int, what: str) -> torch.Tensor:
+def narrow_rank(src: torch.Tensor, dim: int, full: int, rank_index: int, size: int, what: str) -> torch.Tensor:
     if src.dim() <= dim or src.shape[dim] != full:
         raise WeightLoadError(
             f"{what}: checkpoint tensor of shape {tuple(src.shape)} needs {full} entries along dim {dim}"
@@ -59,11 +59,11 @@ def load_sharded(
     if out_dim is not None:
         offset, size, full = _units(s, out_unit)
         dst = dst.narrow(out_dim, offset, size)
-        src = _narrow_rank(src, out_dim, full, s.rank_index, size, what)
+        src = narrow_rank(src, out_dim, full, s.rank_index, size, what)
     if in_dim is not None:
         i = module.input_shard()
         _, size, full = _units(i, in_unit)
-        src = _narrow_rank(src, in_dim, full, i.rank_index, size, what)
+        src = narrow_rank(src, in_dim, full, i.rank_index, size, what)
     check_shape(dst, src, what)
     dst.copy_(src)
 
@@ -76,7 +76,7 @@ def load_per_shard(module: Any, param: torch.Tensor, loaded: torch.Tensor, shard
     dst, src = param.data[s.index], loaded
     if in_dim is not None:
         i = module.input_shard()
-        src = _narrow_rank(src, in_dim, i.full_size, i.rank_index, i.size, module.prefix)
+        src = narrow_rank(src, in_dim, i.full_size, i.rank_index, i.size, module.prefix)
     elif loaded.numel() == 1:
         src = loaded.reshape(dst.shape)
     check_shape(dst, src, module.prefix)

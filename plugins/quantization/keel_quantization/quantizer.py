@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,13 @@ def quantizable(name: str, experts: bool = True) -> bool:
     if not _LINEAR.match(name) or ".eh_proj." in name:
         return False
     return experts or not _EXPERT.search(name)
+
+
+def _input_seed(name: str) -> int:
+    """One activation order per input: projections reading the same input (q/k/v, gate/up; an expert's
+    gate/up) share it, as GPTQ's desc_act derives the order from that input's statistics."""
+    shared = re.sub(r"\.(q|k|v)_proj\.", ".qkv.", re.sub(r"\.(gate|up)_proj\.", ".gate_up.", name))
+    return zlib.crc32(shared.encode())
 
 
 def _calibrate_input_amax(src: Path, names: set[str], seed: int = 0) -> dict[str, float]:
@@ -154,9 +162,10 @@ def quantize_checkpoint(
     amax = _calibrate_input_amax(src, chosen) if layout.endswith("tensor") and not weight_only else {}
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
-    for i, (name, t) in enumerate(tensors.items()):
+    for name, t in tensors.items():
         if name in chosen and layout in INT4:
-            stored, deq = int4_tensors(layout, name, t, group_size=group_size, sym=sym, desc_act=desc_act, seed=i)
+            stored, deq = int4_tensors(layout, name, t, group_size=group_size, sym=sym, desc_act=desc_act,
+                                         seed=_input_seed(name))
             quantized.update(stored)
             dequantized[name] = deq
         elif name in chosen:

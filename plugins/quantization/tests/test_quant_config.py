@@ -157,3 +157,27 @@ def test_int4_module_lists_leave_layers_dense(ckpts, tmp_path, layout):
                                skip=lambda n: ".down_proj." in n)
     mlp = make_engine(path).core.worker.runner.model.model.layers[0].mlp
     assert mlp.down_proj.quant_method is None and mlp.gate_up_proj.quant_method is not None
+
+
+def test_routed_experts_methods_per_config():
+    import torch
+    from keel_quantization.fp8_moe import Fp8MoEMethod
+    from keel_quantization.gptq import GPTQConfig
+    from keel_quantization.int4_moe import Int4MoEMethod
+
+    from keel.quantization import MoELayerSpec
+
+    spec = MoELayerSpec("model.layers.1.mlp.experts", 4, 4, 64, 32, torch.float32)
+    block = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [16, 16]})
+    assert isinstance(block.get_moe_method(spec), Fp8MoEMethod)
+    with pytest.raises(QuantizationError, match=r"routed experts of model\.layers\.1\.mlp\.experts .*block FP8"):
+        Fp8Config.from_config({"quant_method": "fp8"}).get_moe_method(spec)
+    assert Fp8Config.from_online().get_moe_method(spec) is None  # online fp8: dense experts (logged)
+    every = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    skipped = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [16, 16], "ignored_layers": every})
+    assert skipped.get_moe_method(spec) is None
+    partly = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [16, 16], "ignored_layers": every[:3]})
+    with pytest.raises(QuantizationError, match="only some are left unquantized"):
+        partly.get_moe_method(spec)
+    gptq = GPTQConfig.from_config({"quant_method": "gptq", "bits": 4, "group_size": 32})
+    assert isinstance(gptq.get_moe_method(spec), Int4MoEMethod)

@@ -11,6 +11,12 @@ Routing and expert computation are custom ops (`select_experts`, `fused_experts`
 `keel.layers.custom_op`): the worker binds a kernel plugin's providers after loading, and an op left
 unbound runs the torch reference here (`select_experts`, `fused_experts_torch`). Which path runs is fixed
 at bind time, never decided per call.
+
+Quantized experts: with a `quant_config` whose `get_moe_method` returns a `FusedMoEMethod`
+(`keel.quantization`), that method registers the expert parameters (`w13_weight` plus its scales, or
+int4 `w13_qweight`, ...) and computes the experts after routing, through the bound `fused_experts` op
+(given a `FusedMoEQuantConfig`, `quant_config.py`) or its own torch reference. The experts stay
+quantized in memory on either path.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from keel.layers.fused_moe.parallel import FusedMoEParallelConfig
 from keel.layers.fused_moe.router import RoutingConfig, select_experts
 from keel.layers.fused_moe.torch_ref import fused_experts_torch
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs, shard_size
+from keel.quantization import MoELayerSpec, moe_quant_method
 
 
 class FusedMoE(nn.Module):
@@ -48,6 +55,7 @@ class FusedMoE(nn.Module):
         activation: str = "silu",
         prefix: str = "",
         parallel: FusedMoEParallelConfig | None = None,
+        quant_config: Any = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel = parallel or FusedMoEParallelConfig()
@@ -66,6 +74,11 @@ class FusedMoE(nn.Module):
         self.activation = activation
         self.prefix = prefix
         e_local, i_part = self.local_num_experts, self.intermediate_size_per_partition
+        spec = MoELayerSpec(prefix, num_experts, e_local, hidden_size, i_part, torch.get_default_dtype())
+        self.quant_method = moe_quant_method(quant_config, spec)
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, spec)
+            return
         self.w13_weight = nn.Parameter(torch.empty(e_local, 2 * i_part, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(e_local, hidden_size, i_part))
         local = range(self.expert_start, self.expert_start + e_local)
@@ -137,6 +150,8 @@ class FusedMoE(nn.Module):
         if self.parallel.use_ep:
             topk_weights, topk_ids = self._keep_local_routes(topk_weights, topk_ids)
         experts = self.bound_ops.get("fused_experts")
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, topk_weights, topk_ids, residual, experts)
         if experts is not None:
             return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
                            residual)

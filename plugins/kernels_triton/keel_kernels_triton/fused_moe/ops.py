@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel.layers.fused_moe.router import RoutingConfig
 from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton
+from keel_kernels_triton.fused_moe.quant_gemm import fused_experts_quant_triton, quant_kernel_supports
 from keel_kernels_triton.fused_moe.routing import routing_triton_supported, select_experts_triton
 from keel_kernels_triton.support import TritonOp
 
@@ -35,8 +37,14 @@ class TritonSelectExperts(TritonOp):
 
 
 class TritonFusedExperts(TritonOp):
-    """`fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, residual) -> out`: alignment,
-    both grouped GEMMs (activation in the second one's operand load) and the combine."""
+    """`fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, residual[, quant]) -> out`:
+    alignment, both grouped GEMMs (activation in the second one's operand load) and the combine; quantized
+    experts (block FP8, int4) through the dequantizing GEMMs of quant_gemm.py. Declines (at bind time)
+    layers whose quantized experts it does not implement; their method's reference path serves them."""
+
+    def supports_layer(self, layer: torch.nn.Module) -> bool:
+        method = getattr(layer, "quant_method", None)
+        return method is None or quant_kernel_supports(method.get_fused_moe_quant_config(layer))
 
     def __call__(
         self,
@@ -47,5 +55,8 @@ class TritonFusedExperts(TritonOp):
         topk_ids: torch.Tensor,  # [num_tokens, top_k] int
         activation: str,
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]
+        quant: FusedMoEQuantConfig | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if quant is not None:
+            return fused_experts_quant_triton(hidden, w13, w2, topk_weights, topk_ids, activation, residual, quant)
         return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, activation, residual)
