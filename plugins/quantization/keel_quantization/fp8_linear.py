@@ -12,9 +12,10 @@ quantization); an `Fp8Scheme` says what the checkpoint holds:
 - activations: static per-tensor (`input_scale` per shard; a fused layer uses the largest, as vLLM),
   dynamic per token, dynamic per token and `bk`-input group (block FP8), or none (weight-only).
 
-Forward (every device, the reference path): activations go through their fp8 quantization and back,
-the weight is dequantized, then one matmul -- the same numbers an fp8 GEMM computes, up to summation
-order. Dynamic scales are per token, never per batch, so a request's result does not depend on the
+Forward on a GPU (sm89+): an fp8 GEMM on the stored weight (`fp8_native`: torch._scaled_mm or the
+Triton block GEMM), chosen once after loading. Elsewhere, the reference path: activations go through
+their fp8 quantization and back, the weight is dequantized, then one matmul -- the same numbers an fp8
+GEMM computes, up to summation order. Dynamic scales are per token, never per batch, so a request's result does not depend on the
 other requests in the batch.
 """
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import fp8_math
+from keel_quantization.fp8_native import choose_native, native_linear
 from keel_quantization.loading import add_param, load_per_shard, load_row_scale, load_sharded
 
 ACTIVATIONS = ("static", "dynamic_token", "dynamic_group", "none")
@@ -54,6 +56,7 @@ class Fp8LinearMethod:
         self.scheme = scheme
         self.method_name = method_name
         self.params_dtype = torch.float32
+        self.native: str | None = None  # the GPU path chosen after loading (fp8_native), None: reference
 
     def _check_blocks(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
         bn, bk = self.scheme.block
@@ -99,6 +102,7 @@ class Fp8LinearMethod:
         if s.activation == "static":
             scale = module.input_scale.data.amax().reshape(1)
             module.input_scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.native = choose_native(module.weight, s.activation, s.block, self.params_dtype)
 
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
         return fp8_math.dequantize(module.weight, getattr(module, self.scheme.scale_name), self.scheme.block,
@@ -120,6 +124,11 @@ class Fp8LinearMethod:
         x: torch.Tensor,  # [num_tokens, input_size]
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
-        x2 = self.quantize_input(module, x.reshape(-1, x.shape[-1]))
-        out = F.linear(x2, self.dequantize_weight(module).to(x.dtype), bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.native is not None and x2.is_cuda:
+            s = self.scheme
+            out = native_linear(self.native, x2, module.weight, getattr(module, s.scale_name), s.activation, s.block,
+                                getattr(module, "input_scale", None), bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        out = F.linear(self.quantize_input(module, x2), self.dequantize_weight(module).to(x.dtype), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])

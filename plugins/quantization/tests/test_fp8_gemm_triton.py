@@ -1,0 +1,50 @@
+"""The Triton W8A8 FP8 GEMM (interpreted on the CPU; compiled on a GPU) against a float64 reference on the
+dequantized operands: block scales with partial edge blocks (N = 24, K = 40 in 16 x 16 blocks), one group
+per row (per-channel weights, per-token activations), fresh inputs and a NaN-poisoned output buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from keel_quantization import fp8_math
+
+from keel.layers.fp8_utils import dequant_per_token_group, per_token_group_quant_fp8
+
+pytest.importorskip("triton")
+fp8_triton = pytest.importorskip("keel_quantization.fp8_triton")
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_quant.py runs it compiled")
+
+
+def operands(m: int, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
+
+
+@pytest.mark.parametrize("m", [1, 5, 19])
+def test_block_fp8_gemm_matches_the_reference(m):
+    x, w = operands(m, 24, 40, m)
+    a_q, a_s = per_token_group_quant_fp8(x, 16)
+    b_q, b_s = fp8_math.quantize_blocks(w, (16, 16))
+    out = torch.full((m, 24), float("nan"))
+    fp8_triton.fp8_gemm(a_q, a_s, b_q, b_s, 16, 16, torch.float32, tiles=(16, 16, 16), out=out)
+    ref = dequant_per_token_group(a_q, a_s, 16, torch.float64) @ fp8_math.dequantize(b_q, b_s, (16, 16),
+                                                                                      torch.float64).T
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_per_channel_fp8_gemm_is_one_group_per_row():
+    x, w = operands(6, 32, 40, 7)
+    a_q, a_s = per_token_group_quant_fp8(x, 40)
+    b_q, b_s = fp8_math.quantize_per_row(w)
+    out = fp8_triton.fp8_gemm(a_q, a_s, b_q, b_s.reshape(-1, 1), 1, 40, torch.float32, tiles=(16, 16, 16))
+    ref = (a_q.double() * a_s.double()) @ (b_q.double() * b_s.double()[:, None]).T
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_k_that_does_not_divide_the_group_is_refused():
+    x, w = operands(2, 16, 64, 1)
+    a_q, a_s = per_token_group_quant_fp8(x, 32)
+    b_q, b_s = fp8_math.quantize_blocks(w, (16, 32))
+    with pytest.raises(ValueError, match="BLOCK_K 64 must divide the scale group 32"):
+        fp8_triton.fp8_gemm(a_q, a_s, b_q, b_s, 16, 32, torch.float32, tiles=(16, 16, 64))
