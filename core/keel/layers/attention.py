@@ -8,6 +8,7 @@ from torch import nn
 from keel.attention.backend import AttentionLayerConfig
 from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from keel.layers.kv_scales import register_kv_scales
 from keel.models.interface import ModelBuildContext
 
 
@@ -41,6 +42,8 @@ class Attention(nn.Module):
         )
         self.backend = build.backend_for(self.config, self.kv_cache_spec().kind)
         self.impl = self.backend.get_impl(self.config)
+        if self.config.cache_dtype != self.config.dtype:
+            register_kv_scales(self, self.impl, self.backend.name)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

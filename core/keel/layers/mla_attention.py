@@ -50,6 +50,7 @@ from torch import nn
 from keel.attention.backend import AttentionLayerConfig
 from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import MLALatentSpec
+from keel.layers.kv_scales import register_kv_scales
 from keel.models.interface import ModelBuildContext
 
 
@@ -120,6 +121,8 @@ class MLAAttention(nn.Module):
         )
         self.backend = build.backend_for(self.config, self.kv_cache_spec().kind)
         self.impl: MLAAttentionImpl = self.backend.get_impl(self.config)
+        if self.config.cache_dtype != self.config.dtype:
+            register_kv_scales(self, self.impl, self.backend.name)  # the latent cache reads k_scale
 
     def kv_cache_spec(self) -> MLALatentSpec:
         c = self.config

@@ -195,7 +195,8 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
         loaded = init_dummy_weights(model)
     else:
         loaded = model.load_weights(prepare_checkpoint(build.quant_method, iterate_safetensors(path, lazy=True)))
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    missing = sorted(name for name, p in model.named_parameters()
+                     if name not in loaded and not getattr(p, "optional", False))
     if missing:
         raise WeightLoadError(
             f"checkpoint {path} did not fill these parameters of {model_cls.__name__} "

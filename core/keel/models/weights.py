@@ -89,7 +89,10 @@ def load_mapped_weights(
     counts as loaded only when every id in its `shard_ids` attribute arrived. Unconsumed names and
     shape mismatches are collected and raised together as one `WeightLoadError`.
     """
+    from keel.layers.kv_scales import kv_scale_aliases  # layers import this module
+
     params = dict(model.named_parameters())
+    aliases = kv_scale_aliases(list(params))
     loaded_shards: dict[str, set[Any]] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
@@ -102,6 +105,9 @@ def load_mapped_weights(
                 param_name, shard_id = ckpt_name.replace(ckpt_frag, param_frag), sid
                 break
         param = params.get(param_name)
+        if param is None and param_name in aliases:
+            param_name = aliases[param_name]
+            param = params[param_name]
         if param is None:
             unexpected.append(ckpt_name)
             continue

@@ -62,6 +62,7 @@ class TritonFlashAttentionBackend:
         supports_sliding_window=True,
         supports_encoder=False,
         supports_soft_cap=False,
+        kv_cache_dtypes=(torch.float8_e4m3fn,),
     )
 
     @classmethod

@@ -7,6 +7,7 @@ import math
 import torch
 
 from keel.attention.backend import AttentionLayerConfig
+from keel.layers.kv_scales import quantize_kv
 from keel_attention_flash import kernels
 from keel_attention_flash.metadata import FlashAttentionMetadata
 
@@ -75,6 +76,16 @@ uniform speculative verify step), else the varlen kernel over
         # (tile tokens, warps, pipeline stages) of the decode kernel; tuning runs fix it, else it follows
         # the split count (_BATCH_LAUNCH / _SPLIT_LAUNCH; wide heads keep their tile).
         self.decode_launch = decode_launch
+        self.fp8_kv = layer.cache_dtype != layer.dtype
+        self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
+        self.v_scale: torch.Tensor | None = None
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Called once by the attention layer when its cache is fp8 (float32 [1] each)."""
+        self.k_scale, self.v_scale = k_scale, v_scale
+
+    def _scales(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.k_scale, self.v_scale) if self.fp8_kv else (like, like)
 
     def forward(
         self,
@@ -89,6 +100,11 @@ uniform speculative verify step), else the varlen kernel over
         page = kv_cache.shape[2]
         kv_stride = kv_cache.stride(0)
         n = metadata.num_actual_tokens
+        if n and self.fp8_kv:
+            # Quantized in torch, copied as bytes by the kernel: Triton's CPU interpreter rounds in-kernel
+            # fp8 casts wrongly at binade edges, and torch's rounding is the reference's.
+            k = quantize_kv(k, self.k_scale, kv_cache.dtype)
+            v = quantize_kv(v, self.v_scale, kv_cache.dtype)
         if n:
             kernels.reshape_and_cache_kernel[(n,)](
                 k, v, kv_cache, common.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -116,10 +132,10 @@ uniform speculative verify step), else the varlen kernel over
         kernels.varlen_paged_attention_kernel[grid](
             q, out, kv_cache, kv_cache.stride(0), tile_req, tile_q0,
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.sm_scale_log2,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.sm_scale_log2, *self._scales(q),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.varlen_g_pad, BLOCK_Q=self.block_q,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=self.block_n, PAGE=page, WINDOW=self.window,
-            PRECISION=self.precision, DOT_F32=q.device.type == "cpu",
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", FP8_KV=self.fp8_kv,
         )
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
@@ -151,10 +167,11 @@ uniform speculative verify step), else the varlen kernel over
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse, out, out.stride(0), out.stride(1),
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
-            q.stride(0), q.stride(1), self.sm_scale_log2,
+            q.stride(0), q.stride(1), self.sm_scale_log2, *self._scales(q),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
+            FP8_KV=self.fp8_kv,
             num_warps=warps, num_stages=stages,
         )
         if direct:

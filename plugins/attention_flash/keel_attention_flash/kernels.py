@@ -53,8 +53,10 @@ def _attend_tile(
     q_pos,  # [BLOCK_M] int32 position of each row's query token
     key_lo,  # lowest key position any row may see (sliding window), else 0
     sm_scale_log2,
+    k_scale, v_scale,  # fp8 caches: real = stored * scale (FP8_KV), else unused
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     pos = n_start + tl.arange(0, BLOCK_N)
     in_ctx = (pos < seq_len) & (pos >= key_lo)
@@ -64,6 +66,8 @@ def _attend_tile(
     kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
     kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
     k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if FP8_KV:  # dequantized as the reference reads the cache: value * scale, rounded once to q's dtype
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
     if DOT_F32:  # Triton's interpreter mis-multiplies 16-bit dot operands: give it float32
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -78,6 +82,8 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
+    if FP8_KV:
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     p = p.to(v.dtype)
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -93,9 +99,10 @@ def varlen_paged_attention_kernel(
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh,
     sm_scale_log2,
+    k_scale_ptr, v_scale_ptr,  # float32 [1] each (read when FP8_KV)
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """One program: BLOCK_Q query tokens of one request x the GROUP query heads of one KV head."""
     tile = tl.program_id(0)
@@ -123,6 +130,11 @@ def varlen_paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     # Keys this tile can see: up to its last query's position, from the window of its first query.
     hi = tl.minimum(seq_len, ctx_len + q0 + BLOCK_Q)
     key_lo = 0
@@ -132,7 +144,8 @@ def varlen_paged_attention_kernel(
     for n_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, seq_len, q_pos, key_lo,
-            sm_scale_log2, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32,
+            sm_scale_log2, k_scale, v_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION,
+            DOT_F32, FP8_KV,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -149,10 +162,11 @@ def split_decode_kernel(
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qt, stride_qh,
     sm_scale_log2,
+    k_scale_ptr, v_scale_ptr,  # float32 [1] each (read when FP8_KV)
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr, DIRECT: tl.constexpr,
+    QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr, DIRECT: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """Flash-decoding: one program = one request x one KV head x one slice of the context.
 
@@ -194,10 +208,16 @@ def split_decode_kernel(
     l_i = tl.zeros([Q_PAD * G_PAD], dtype=tl.float32)
     q_pos_rows = ctx_len + j
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     for n_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
-            sm_scale_log2, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32,
+            sm_scale_log2, k_scale, v_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION,
+            DOT_F32, FP8_KV,
         )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

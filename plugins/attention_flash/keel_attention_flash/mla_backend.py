@@ -48,6 +48,7 @@ class TritonMLABackend:
         device_types=("cuda", "cpu"),
         kv_cache_kinds=("mla_latent",),
         supports_mla=True,
+        kv_cache_dtypes=(torch.float8_e4m3fn,),
     )
 
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from keel.attention.backend import AttentionLayerConfig
+from keel.layers.kv_scales import quantize_kv
 from keel_attention_flash import kernels as flash_kernels
 from keel_attention_flash import mla_kernels
 from keel_attention_flash.impl import _pow2, _sm_count, choose_num_splits
@@ -59,6 +60,12 @@ class TritonMLAImpl:
         self.prefill_stages = 1 if f32_wide else 2
         self.w_uk: torch.Tensor | None = None  # [H, N, L]
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V]
+        self.fp8_kv = layer.cache_dtype != layer.dtype
+        self.k_scale: torch.Tensor | None = None  # fp8 latent caches: the layer's scale (keel.layers.kv_scales)
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Called once by the MLA layer when its latent cache is fp8; the latent uses `k_scale`."""
+        self.k_scale = k_scale
 
     def process_weights_after_loading(
         self,
@@ -105,6 +112,9 @@ class TritonMLAImpl:
             return
         kv_c = kv_c if kv_c.stride(-1) == 1 else kv_c.contiguous()
         k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+        if self.fp8_kv:  # quantized in torch, copied as bytes (see impl.TritonFlashAttentionImpl.forward)
+            kv_c = quantize_kv(kv_c, self.k_scale, kv_cache.dtype)
+            k_pe = quantize_kv(k_pe, self.k_scale, kv_cache.dtype)
         mla_kernels.mla_write_latent_kernel[(num,)](
             kv_c, k_pe, kv_cache, md.common.slot_mapping, kv_c.stride(0), k_pe.stride(0),
             kv_cache.stride(0), kv_cache.stride(1), PAGE=kv_cache.shape[1], LORA=self.kv_lora_rank,
@@ -128,11 +138,12 @@ class TritonMLAImpl:
             q_c.stride(0), q_c.stride(1), q_pe.stride(0), q_pe.stride(1),
             kv_cache.stride(0), kv_cache.stride(1),
             0 if split_out else out.stride(0), 0 if split_out else out.stride(1), self.sm_scale_log2,
+            self.k_scale if self.fp8_kv else dummy,
             NUM_HEADS=self.num_heads, BLOCK_H=block_h, BLOCK_Q=block_q, LORA=self.kv_lora_rank,
             BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim, BLOCK_R=self.block_r, BLOCK_N=block_n,
             PAGE=kv_cache.shape[1], NUM_SPLITS=splits, TILED=tile_req is not None,
             TILE_Q0=tile_q0 is not None, SPLIT_OUT=split_out,
-            PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", QUERY_LEN=query_len,
+            PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", QUERY_LEN=query_len, FP8_KV=self.fp8_kv,
             num_warps=warps, num_stages=stages,
         )
 

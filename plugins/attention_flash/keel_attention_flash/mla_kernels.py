@@ -67,11 +67,12 @@ def mla_attention_kernel(
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qct, stride_qch, stride_qpt, stride_qph, stride_cb, stride_cs, stride_ot, stride_oh,
     sm_scale_log2,
+    k_scale_ptr,  # float32 [1]: FP8_KV latents are stored / k_scale
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     LORA: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILED: tl.constexpr, TILE_Q0: tl.constexpr, SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, QUERY_LEN: tl.constexpr,
+    DOT_F32: tl.constexpr, QUERY_LEN: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """One program: BLOCK_Q query tokens of one request x BLOCK_H heads x one slice of the keys.
 
@@ -120,6 +121,9 @@ def mla_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_scale = 1.0
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr)
     for n_start in range(lo, hi, BLOCK_N):
         pos = n_start + tl.arange(0, BLOCK_N)
         in_ctx = pos < hi
@@ -128,6 +132,9 @@ def mla_attention_kernel(
         c = tl.load(base[:, None] + dl[None, :], mask=in_ctx[:, None] & (dl[None, :] < LORA), other=0.0)
         pe = tl.load(base[:, None] + LORA + dr[None, :], mask=in_ctx[:, None] & (dr[None, :] < ROPE),
                      other=0.0)
+        if FP8_KV:  # dequantized as the reference reads the cache: value * scale, rounded once to q's dtype
+            c = (c.to(tl.float32) * k_scale).to(q_c_ptr.dtype.element_ty)
+            pe = (pe.to(tl.float32) * k_scale).to(q_c_ptr.dtype.element_ty)
         if DOT_F32:
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)

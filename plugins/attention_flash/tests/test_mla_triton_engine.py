@@ -86,3 +86,39 @@ def test_triton_mla_engine_matches_transformers(tmp_path, monkeypatch):
         assert list(got.token_ids) == tokens
         ours = [next(iter(d.values())).logprob for d in got.logprobs]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("k_scale", [None, 0.02], ids=["unit-scale", "checkpoint-scale"])
+def test_triton_mla_fp8_latent_cache_matches_the_torch_reference(tmp_path, monkeypatch, k_scale):
+    """An fp8 latent cache: triton_mla's tokens and logprobs equal torch_mla's fp8 path (1e-4), with a unit
+    scale and with per-layer `self_attn.k_scale` from the checkpoint; a chunked prompt next to a decode."""
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = make_tiny_deepseek_v2(tmp_path / "dsv2")
+    if k_scale is not None:
+        file = next(path.glob("*.safetensors"))
+        w = load_file(str(file))
+        for i in range(2):
+            w[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale)
+        save_file(w, str(file), metadata={"format": "pt"})
+
+    def run(backend, plugin):
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64,
+            plugins=["platform-cpu", plugin, "models-deepseek"], attention_backend=backend, kv_cache_dtype="fp8",
+            max_num_batched_tokens=12,
+        ))
+        assert engine.core.worker.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        from keel.testing.fidelity import run_requests
+
+        params = SamplingParams(temperature=0, max_tokens=3, logprobs=0, ignore_eos=True)
+        results = run_requests(engine, [[5, 17, 42, 7, 99], list(range(3, 20))], params)
+        return {k: (list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)])
+                for k, o in results.items()}
+
+    got, want = run("triton_mla", "attention-flash"), run("torch_mla", "attention-torch")
+    for key, (toks, lps) in want.items():
+        assert got[key][0] == toks
+        torch.testing.assert_close(torch.tensor(got[key][1]), torch.tensor(lps), atol=1e-4, rtol=0)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from keel.attention.backend import AttentionLayerConfig
-from keel_attention_torch.cache_ops import store_slots
+from keel_attention_torch.cache_ops import read_cache, store_slots
 from keel_attention_torch.metadata import AttentionPlan, TorchPagedAttentionMetadata
 
 
@@ -27,6 +27,12 @@ class TorchPagedAttentionImpl:
         self.scale = layer.scale
         self.sliding_window = layer.sliding_window
         self.num_queries_per_kv = layer.num_heads // layer.num_kv_heads
+        self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
+        self.v_scale: torch.Tensor | None = None
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Called once by the attention layer when its cache is fp8 (float32 [1] each)."""
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def forward(
         self,
@@ -73,8 +79,8 @@ class TorchPagedAttentionImpl:
             k, v = k[:n], v[:n]
         else:
             k, v = k.index_select(0, md.write_rows), v.index_select(0, md.write_rows)
-        store_slots(key_cache, slots, k)
-        store_slots(value_cache, slots, v)
+        store_slots(key_cache, slots, k, self.k_scale)
+        store_slots(value_cache, slots, v, self.v_scale)
 
     def _decode(
         self,
@@ -92,7 +98,8 @@ class TorchPagedAttentionImpl:
         keys = key_cache.index_select(0, dec.slots).view(b, dec.key_len, hkv, d).transpose(1, 2)
         values = value_cache.index_select(0, dec.slots).view(b, dec.key_len, hkv, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            qd, keys.to(qd.dtype), values.to(qd.dtype), attn_mask=dec.mask, scale=self.scale
+            qd, read_cache(keys, self.k_scale, qd.dtype), read_cache(values, self.v_scale, qd.dtype),
+            attn_mask=dec.mask, scale=self.scale
         )  # [B, kv_heads, G, head_size]
         return out.reshape(b, self.num_heads, d)
 
@@ -104,8 +111,9 @@ class TorchPagedAttentionImpl:
         plan: AttentionPlan,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size], filled in place
     ) -> None:
-        keys = key_cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum key_len, kv_heads, head]
-        values = value_cache.index_select(0, plan.prefill_slots).to(q.dtype)
+        # [sum key_len, kv_heads, head]
+        keys = read_cache(key_cache.index_select(0, plan.prefill_slots), self.k_scale, q.dtype)
+        values = read_cache(value_cache.index_select(0, plan.prefill_slots), self.v_scale, q.dtype)
         gqa = self.num_queries_per_kv > 1
         # 4-D inputs: with 3-D ones SDPA on the CPU skips its flash kernel and materializes the scores.
         for seq in plan.prefill:

@@ -24,7 +24,7 @@ from keel.attention.backend import (
 )
 from keel.kv_cache.spec import KVCacheSpec
 from keel_attention_torch.backend import UnsupportedLayerError
-from keel_attention_torch.cache_ops import store_slots
+from keel_attention_torch.cache_ops import read_cache, store_slots
 from keel_attention_torch.metadata import TorchPagedAttentionMetadata, TorchPagedMetadataBuilder
 
 
@@ -82,6 +82,11 @@ class TorchMLAImpl:
         self.v_head_dim: int = extra["v_head_dim"]
         self.w_uk: torch.Tensor | None = None  # [H, N, L]
         self.w_uv: torch.Tensor | None = None  # [H, V, L]
+        self.k_scale: torch.Tensor | None = None  # fp8 latent caches: the layer's scale (keel.layers.kv_scales)
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Called once by the MLA layer when its latent cache is fp8; the latent uses `k_scale`."""
+        self.k_scale = k_scale
 
     def process_weights_after_loading(
         self,
@@ -120,7 +125,7 @@ class TorchMLAImpl:
                 out.index_copy_(0, dec.rows, dec_out)
         if plan.prefill:
             assert plan.prefill_slots is not None  # internal: set whenever prefill is non-empty
-            latents = cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum key_len, L + R]
+            latents = read_cache(cache.index_select(0, plan.prefill_slots), self.k_scale, q.dtype)  # [S, L + R]
             for seq in plan.prefill:
                 out[seq.token_start : seq.token_end] = self._prefill_expanded(
                     q[seq.token_start : seq.token_end], latents[seq.key_start : seq.key_end], seq.mask
@@ -137,7 +142,7 @@ class TorchMLAImpl:
         slots = md.write_slots
         latent = torch.cat((kv_c, k_pe), dim=-1)  # [T, L + R]
         latent = latent[: slots.shape[0]] if md.write_rows is None else latent.index_select(0, md.write_rows)
-        store_slots(cache, slots, latent)
+        store_slots(cache, slots, latent, self.k_scale)
 
     def _decode_absorbed(
         self,
@@ -151,7 +156,7 @@ class TorchMLAImpl:
         q_nope, q_pe = q[..., :n], q[..., n:]
         q_latent = torch.einsum("bhn,hnl->bhl", q_nope, self.w_uk)  # W_UK folded into the query
         q_cat = torch.cat((q_latent, q_pe), dim=-1)[:, None]  # [B, 1, H, L + R]: heads as the query axis
-        latents = cache.index_select(0, slots).view(b, 1, key_len, -1).to(q.dtype)  # [B, 1, key_len, L + R]
+        latents = read_cache(cache.index_select(0, slots).view(b, 1, key_len, -1), self.k_scale, q.dtype)
         o = F.scaled_dot_product_attention(
             q_cat, latents, latents[..., :lora], attn_mask=mask, scale=self.scale
         )  # [B, 1, H, L]

@@ -176,7 +176,8 @@ class DeepSeekMTPProposer:
                     f"{prefix}* tensors (some conversions drop them); use a checkpoint with its MTP weights"
                 )
             loaded = load_mapped_weights(self.layer, tensors, model.stacked_params_mapping(), skip)
-        missing = sorted(name for name, _ in self.layer.named_parameters() if name not in loaded)
+        missing = sorted(name for name, p in self.layer.named_parameters()
+                     if name not in loaded and not getattr(p, "optional", False))
         if missing:
             raise WeightLoadError(
                 f"checkpoint {ctx.model_path} did not fill these MTP parameters (under {prefix}): {missing}",

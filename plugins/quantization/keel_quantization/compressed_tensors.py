@@ -94,7 +94,8 @@ class CompressedTensorsConfig:
                                     "sparsity_config", "transform_config"),
                      inert=("global_compression_ratio", "version", "provider"))
         if config.get("kv_cache_scheme") is not None:
-            raise QuantizationError(f"{NAME}: kv_cache_scheme is not served (fp8 KV caches are not implemented yet)")
+            raise QuantizationError(f"{NAME}: kv_cache_scheme is not served; an fp8 KV cache is the kv_cache_dtype "
+                                   "engine argument ('fp8'), which loads the checkpoint's k_scale / v_scale")
         for key in ("sparsity_config", "transform_config"):
             if config.get(key):
                 raise QuantizationError(f"{NAME}: {key} is not served")

@@ -1,9 +1,9 @@
-"""FP8 KV cache (`kv_cache_dtype="fp8"`: e4m3 storage, unit scales) in the torch reference backends:
+"""FP8 KV cache (`kv_cache_dtype="fp8"`: e4m3 storage) in the torch reference backends:
 the cache holds half the bytes per block (so twice the blocks fit a budget), attention reads it back
 upcast, and outputs stay close to transformers (keys and values rounded to e4m3: logprobs within 0.3
 on the sharpened tiny models, greedy tokens equal where transformers' top-2 margin exceeds 0.5),
-through chunked prefill, preemption and prefix hits. Backends that cannot read fp8 caches refuse
-the layer by name."""
+through chunked prefill, preemption and prefix hits. Per-layer `k_scale` / `v_scale` from the
+checkpoint load (range-checked); 1.0 without them. (triton_flash / triton_mla: their own tests.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from keel_quantization.quantizer import quantize_checkpoint
 from quant_test_utils import GREEDY, check_layout, float_llama, make_engine, prompts_for
 
-from keel.attention.selector import AttentionBackendError
 from keel.testing.fidelity import assert_close_to_hf, run_requests
 
 TOLERANCE = (0.3, 0.5)
@@ -47,6 +46,23 @@ def test_fp8_cache_with_fp8_weights_through_stress(source, tmp_path):
     check_layout(quantized, tmp_path / "ref", TOLERANCE, kv_cache_dtype="fp8")
 
 
-def test_backends_without_fp8_caches_refuse_by_name(source):
-    with pytest.raises(AttentionBackendError, match="triton_flash.*KV cache dtype torch.float8_e4m3fn not supported"):
-        make_engine(source, kv_cache_dtype="fp8", attention_backend="triton_flash", block_size=16)
+def test_checkpoint_kv_scales_load_and_are_range_checked(source, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from keel.models.weights import WeightLoadError
+
+    def with_scales(name, k, v):
+        path = tmp_path / name
+        shutil.copytree(source, path)
+        w = load_file(str(path / "model.safetensors"))
+        w["model.layers.0.self_attn.k_scale"], w["model.layers.0.self_attn.v_scale"] = torch.tensor(k), torch.tensor(v)
+        save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    attn = make_engine(with_scales("ok", 0.25, 0.5), kv_cache_dtype="fp8").core.worker.runner.attn_layers[0]
+    assert (float(attn.k_scale), float(attn.v_scale)) == (0.25, 0.5)
+    assert float(make_engine(source, kv_cache_dtype="fp8").core.worker.runner.attn_layers[0].k_scale) == 1.0
+    with pytest.raises(WeightLoadError, match="k_scale.*finite positive number"):
+        make_engine(with_scales("bad", -1.0, 0.5), kv_cache_dtype="fp8")
