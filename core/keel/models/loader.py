@@ -150,14 +150,20 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> set[str]:
 
     Scales keep activations O(1) through any depth (norm weights 1, biases 0, embeddings N(0, 1),
     matrices N(0, 1/fan_in), fp8 matrices too, with quantization scales 1), so a benchmark on dummy
-    weights does the same work as on real ones.
+    weights does the same work as on real ones. A parameter with a `dummy_init(tensor, generator)`
+    attribute (4-bit packed weights, group indices) is filled by it.
     """
     names: set[str] = set()
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
-        if not p.dtype.is_floating_point:
+        init = getattr(p, "dummy_init", None)  # a layout with its own valid values (packed ints, group ids)
+        if init is None and not p.dtype.is_floating_point:
             continue
         gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        if init is not None:
+            init(p.data, gen)
+            names.add(name)
+            continue
         if name.endswith(("_scale", "_scale_inv")):  # quantization scales: weights keep their own scale
             p.fill_(1.0)
         elif p.element_size() == 1:  # fp8 storage: no random kernels; draw in float32

@@ -60,3 +60,21 @@ def test_int4_deepseek_v3_experts_stay_packed_and_match_transformers(source, tmp
     m = engine.get_metrics()
     assert m["num_preemptions_total"] > 0 and m["prefix_cache_hits_total"] > 0, {k: v for k, v in m.items() if "total" in k}
     assert_close_to_hf(ref, stressed_prompts, stressed, atol=1e-4, min_margin=0.5)
+
+
+def test_dummy_gptq_experts(source, tmp_path):
+    """load_format="dummy" with a GPTQ config: the packed experts get valid words and group ids."""
+    import json
+    import math
+    import shutil
+
+    path = tmp_path / "dummy"
+    shutil.copytree(source, path)
+    cfg = json.loads((path / "config.json").read_text())
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}))
+    engine = make_engine(path, load_format="dummy")
+    experts = engine.core.worker.runner.model.model.layers[1].mlp.experts
+    assert int(experts.w2_g_idx.max()) == experts.w2_scales.shape[1] - 1
+    out = run_requests(engine, [[5, 6, 7, 8]], GREEDY)["0"].outputs[0]
+    assert all(math.isfinite(d[t].logprob) for d, t in zip(out.logprobs, out.token_ids))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from keel.quantization import LinearLayerSpec, QuantizationError
-from keel_quantization import int4_math
+from keel_quantization import int4_dummy, int4_math
 from keel_quantization.loading import add_param, load_per_shard, load_sharded
 
 BACKENDS = ("auto", "torch", "triton")
@@ -77,6 +77,10 @@ class Int4LinearMethod:
         _ints(module, "qzeros", (groups, n // pack), out_dim=1, out_unit=pack, in_dim=0, in_unit=group)
         add_param(module, "scales", torch.zeros(groups, n, dtype=torch.float16), load_sharded, out_dim=1, in_dim=0,
                   in_unit=group)
+        first = module.input_shard().rank_index * k  # this rank's first checkpoint input
+        int4_dummy.mark(module, qweight=int4_dummy.random_words, qzeros=int4_dummy.random_words,
+                        scales=int4_dummy.scales(module.input_size),
+                        **({"g_idx": int4_dummy.group_ids(group, first)} if self.fmt.method == "gptq" else {}))
 
     def process_weights_after_loading(self, module: torch.nn.Module) -> None:
         f = self.fmt

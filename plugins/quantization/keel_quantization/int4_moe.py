@@ -18,7 +18,7 @@ import torch
 
 from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel.quantization import MoELayerSpec, QuantizationError
-from keel_quantization import int4_math
+from keel_quantization import int4_dummy, int4_math
 from keel_quantization.int4_linear import Int4Format
 from keel_quantization.moe_loading import add_expert_param, apply_experts, frozen
 
@@ -64,6 +64,10 @@ class Int4MoEMethod:
                              out_dim=1, out_unit=PACK, in_dim=0, in_unit=group)
             add_expert_param(layer, p + "scales", torch.zeros(e, groups, n, dtype=torch.float16), w13,
                              out_dim=1, in_dim=0, in_unit=group)
+            first = 0 if w13 else layer.parallel.tp_rank * i  # this rank's first checkpoint input
+            int4_dummy.mark(layer, **{p + "qweight": int4_dummy.random_words, p + "qzeros": int4_dummy.random_words,
+                                      p + "scales": int4_dummy.scales(h if w13 else layer.intermediate_size)},
+                            **({p + "g_idx": int4_dummy.group_ids(group, first)} if f.method == "gptq" else {}))
 
     def _runtime(self, layer: torch.nn.Module, p: str) -> None:
         """Replace projection `p`'s checkpoint tensors by the runtime form (see the module docstring)."""
