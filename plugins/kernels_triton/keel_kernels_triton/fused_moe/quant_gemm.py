@@ -148,7 +148,8 @@ def invoke_fused_moe_quant_kernel(
         b_g_idx.stride(0) if b_g_idx is not None else 0, b_g_idx.stride(1) if b_g_idx is not None else 0,
         c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, QUANT=FP8_BLOCK if fp8 else INT4,
-        GROUP_N=bn, GROUP_K=bk, UPCAST_DOT=interpret or a.dtype == torch.float32,
+        # fp8 MMA instructions take K tiles of 32 and more; the interpreter has no fp8 dot
+        GROUP_N=bn, GROUP_K=bk, UPCAST_DOT=interpret or a.dtype == torch.float32 or (fp8 and block_k < 32),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or fp8 else "tf32",
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,0 +1,220 @@
+"""Quantization on a GPU (skipped without one): the compiled kernels against float references, and engines
+on quantized checkpoints (keel's quantizer) against transformers on the dequantized weights.
+
+- fp8_gemm (Triton W8A8, block and one-group-per-row scales) and the _scaled_mm path vs float64 on the
+  dequantized operands; the fused-MoE quant GEMMs (block FP8, int4 with a shuffled g_idx) vs the torch
+  reference on the dequantized experts.
+- An fp8 Llama (block 128x128 and per-channel) and a GPTQ Llama on CUDA: the fp8 layers take their GPU
+  paths (no per-step dequantization); float32 logprobs within the CPU tests' tolerances (W8A8 0.6,
+  weight-only 1e-3: the int4 GEMM sums in another order than the reference), greedy tokens equal where
+  transformers' top-2 margin exceeds 0.5; bf16 with _scaled_mm within 1.0.
+- A block-FP8 DeepSeek-V3 (MoE experts in the quant grouped GEMM) vs transformers, 0.6; an fp8 KV cache
+  in triton_flash, 0.3.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from keel import SamplingParams
+from keel.config import EngineArgs
+from keel.engine.llm_engine import LLMEngine
+from keel.layers.fp8_utils import dequant_per_token_group, per_token_group_quant_fp8
+from keel.testing.checkpoints import make_checkpoint
+from keel.testing.fidelity import assert_close_to_hf, run_requests
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+fp8_math = pytest.importorskip("keel_quantization.fp8_math")
+quantizer = pytest.importorskip("keel_quantization.quantizer")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "num_hidden_layers": 2}
+
+
+def _sm89() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("m", [1, 7, 200])
+def test_fp8_block_gemm_compiled(m):
+    from keel_quantization.fp8_triton import fp8_gemm
+
+    if not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 320, device="cuda", generator=gen)
+    w = torch.randn(576, 320, device="cuda", generator=gen) / 320**0.5  # partial blocks on both dims
+    a_q, a_s = per_token_group_quant_fp8(x, 128)
+    b_q, b_s = fp8_math.quantize_blocks(w, (128, 128))
+    out = torch.full((m, 576), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fp8_gemm(a_q, a_s, b_q, b_s, 128, 128, torch.bfloat16, out=out)
+    ref = dequant_per_token_group(a_q, a_s, 128, torch.float64) @ fp8_math.dequantize(b_q, b_s, (128, 128),
+                                                                                        torch.float64).T
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_native_paths_match_the_reference_path():
+    from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
+
+    from keel.layers.linear import ReplicatedLinear
+    from keel.models.loader import default_dtype
+
+    if not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    torch.manual_seed(0)
+    for scheme, dtype, path in ((Fp8Scheme("dynamic_token"), torch.bfloat16, "scaled_mm"),
+                                (Fp8Scheme("dynamic_token"), torch.float16, "triton"),
+                                (Fp8Scheme("dynamic_group", (128, 128), "weight_scale_inv"), torch.bfloat16, "triton")):
+        with torch.device("cuda"), default_dtype(dtype):
+            layer = ReplicatedLinear(256, 384, False, quant_config=Fp8LinearMethod(scheme, "fp8"))
+        w = torch.randn(384, 256, device="cuda") / 16
+        if scheme.block is None:
+            q, s = fp8_math.quantize_per_row(w)
+        else:
+            q, s = fp8_math.quantize_blocks(w, scheme.block)
+        layer.weight.data.copy_(q)
+        getattr(layer, scheme.scale_name).data.copy_(s)
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.quant_method.native == path
+        x = torch.randn(33, 256, device="cuda", dtype=dtype)
+        got = layer(x)
+        layer.quant_method.native = None
+        want = layer(x)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kind", ["fp8_block", "int4"])
+def test_fused_moe_quant_gemms_compiled(kind):
+    from keel_kernels_triton.fused_moe.quant_gemm import fused_experts_quant_triton
+    from keel_quantization import int4_math
+
+    from keel.layers.fused_moe import fused_experts_torch
+    from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
+
+    if kind == "fp8_block" and not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    e, h, i, t, k = 8, 256, 128, 37, 2
+    x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", generator=gen) / i**0.5
+    weights = torch.rand(t, k, device="cuda", generator=gen)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(t)])
+    if kind == "fp8_block":
+        q13 = [fp8_math.quantize_blocks(we, (128, 128)) for we in w13]
+        q2 = [fp8_math.quantize_blocks(we, (128, 128)) for we in w2]
+        d13 = torch.stack([fp8_math.dequantize(a, b, (128, 128), torch.bfloat16) for a, b in q13])
+        d2 = torch.stack([fp8_math.dequantize(a, b, (128, 128), torch.bfloat16) for a, b in q2])
+        quant = FusedMoEQuantConfig("fp8_block", torch.stack([b for _, b in q13]), torch.stack([b for _, b in q2]),
+                                    block_shape=(128, 128))
+        b13, b2 = torch.stack([a for a, _ in q13]), torch.stack([a for a, _ in q2])
+        act = lambda y: fp8_math.fake_quant_per_token_group(y, 128)
+    else:
+        def pack(w, group):
+            n, kk = w.shape[1], w.shape[2]
+            q = torch.randint(0, 16, (e, kk, n), device="cuda", generator=gen)
+            z = torch.randint(1, 16, (e, kk // group, n), device="cuda", generator=gen).to(torch.bfloat16)
+            s = (torch.rand(e, kk // group, n, device="cuda", generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+            g = torch.stack([(torch.arange(kk, device="cuda") // group)[torch.randperm(kk, device="cuda",
+                                                                                       generator=gen)]
+                             for _ in range(e)]).int()
+            d = torch.stack([int4_math.dequantize_int4(q[j], z[j], s[j], g[j], torch.bfloat16).T for j in range(e)])
+            return torch.stack([int4_math.pack_rows(q[j]) for j in range(e)]), s, z, g, d
+        b13, s13, z13, g13, d13 = pack(w13, 64)
+        b2, s2, z2, g2, d2 = pack(w2, 32)
+        quant = FusedMoEQuantConfig("int4", s13, s2, w13_zeros=z13, w2_zeros=z2, w13_g_idx=g13, w2_g_idx=g2)
+        act = None
+    ref = fused_experts_torch(x, b13, b2, weights, ids, expert_weights=lambda j: (d13[j], d2[j]),
+                              quantize_input=act)
+    out = fused_experts_quant_triton(x, b13, b2, weights, ids, "silu", None, quant)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def _engine(path, **kw) -> LLMEngine:
+    args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 16,
+            "max_model_len": 256, "profile": "cuda", "max_num_seqs": 16, "gpu_memory_utilization": 0.3, **kw}
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint("llama", tmp_path_factory.mktemp("cq") / "llama", **LLAMA)
+    w = load_file(str(path / "model.safetensors"))
+    w["lm_head.weight"] = w["lm_head.weight"] * 6  # clear greedy margins (as the CPU tests)
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("layout,options,atol,native", [
+    ("fp8-block", {"block": (128, 128)}, 0.6, "triton"),
+    ("fp8-channel", {}, 0.6, "triton"),
+    ("gptq", {"group_size": 64, "sym": False, "desc_act": True}, 1e-3, None),
+])
+def test_quantized_llama_on_cuda_matches_transformers(llama, tmp_path, layout, options, atol, native):
+    if layout.startswith("fp8") and not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    q = quantizer.quantize_checkpoint(llama, tmp_path / "q", layout, dequantized_to=tmp_path / "ref", **options)
+    engine = _engine(q)
+    layer = engine.core.worker.runner.model.model.layers[0].self_attn.qkv_proj
+    if native is not None:
+        assert layer.quant_method.native == native  # fp8 GEMM on the stored weight, no per-step dequantize
+    prompts = _prompts(3, [5, 33, 17, 70])
+    stats = assert_close_to_hf(tmp_path / "ref", prompts, run_requests(engine, prompts, GREEDY), atol=atol,
+                               min_margin=0.5)
+    assert stats["near_ties"] < 16
+
+
+def test_fp8_llama_bf16_takes_scaled_mm(llama, tmp_path):
+    if not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    q = quantizer.quantize_checkpoint(llama, tmp_path / "q", "fp8-channel", dequantized_to=tmp_path / "ref")
+    engine = _engine(q, dtype="bfloat16")
+    assert engine.core.worker.runner.model.model.layers[0].mlp.down_proj.quant_method.native == "scaled_mm"
+    prompts = _prompts(4, [9, 40])
+    assert_close_to_hf(tmp_path / "ref", prompts, run_requests(engine, prompts, GREEDY), atol=1.0, min_margin=1.0)
+
+
+def test_block_fp8_deepseek_v3_moe_on_cuda(tmp_path):
+    from transformers import DeepseekV3Config
+
+    if not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    cfg = DeepseekV3Config(vocab_size=300, hidden_size=256, intermediate_size=384, moe_intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128,
+                           q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                           max_position_embeddings=512, n_group=1, topk_group=1, tie_word_embeddings=False)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)
+    model.save_pretrained(tmp_path / "src")
+    q = quantizer.quantize_checkpoint(tmp_path / "src", tmp_path / "q", "fp8-block", dequantized_to=tmp_path / "ref")
+    engine = _engine(q)
+    experts = engine.core.worker.runner.model.model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and "fused_experts" in experts.bound_ops
+    prompts = _prompts(5, [7, 30])
+    assert_close_to_hf(tmp_path / "ref", prompts, run_requests(engine, prompts, GREEDY), atol=0.6, min_margin=0.5)
+
+
+def test_fp8_kv_cache_in_triton_flash_on_cuda(llama):
+    """kv_cache_dtype fp8 in triton_flash, compiled: e4m3 keys and values (0.3, as the CPU tests)."""
+    engine = _engine(llama, kv_cache_dtype="fp8", attention_backend="triton_flash")
+    runner = engine.core.worker.runner
+    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert {layer.backend.name for layer in runner.attn_layers} == {"triton_flash"}
+    prompts = _prompts(6, [5, 33, 17, 70])
+    assert_close_to_hf(llama, prompts, run_requests(engine, prompts, GREEDY), atol=0.3, min_margin=0.5)
