@@ -2,7 +2,8 @@
 its own process (the vllm-peer harness's protocol, plus what the comparison needs to be trusted).
 
     python benchmarks/h200_vs_vllm.py --arch llama8b|dsv2lite [--engines keel,vllm] [--vllm-site DIR]
-        [--model-dir DIR | --write-checkpoint DIR] [--num-prompts 1000] [--out FILE.json] [--diagnose]
+        [--model-dir DIR | --write-checkpoint DIR | --quantization fp8-tensor|fp8-block] [--num-prompts 1000]
+        [--out FILE.json] [--diagnose]
 
 Per engine: start time; a 16 x 16-token warm call (the same for both engines); then two rounds of
 `num_prompts` distinct random prompts (128 in / 128 out, greedy, ignore_eos), other prompts each round, so
@@ -117,7 +118,14 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
-def write_config(out: Path, arch: str) -> None:
+# --quantization: a quantization_config both engines read from config.json (dummy weights are then drawn
+# in that layout); vLLM's "fp8" checkpoint format, per-tensor or DeepSeek's 128x128 blocks.
+QUANTIZATION = {"fp8-tensor": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
+                "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}}
+
+
+def write_config(out: Path, arch: str, quantization: str | None = None) -> None:
     from transformers import DeepseekV2Config, LlamaConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +137,9 @@ def write_config(out: Path, arch: str) -> None:
         cfg.architectures = ["DeepseekV2ForCausalLM"]
     cfg.torch_dtype = "bfloat16"
     cfg.save_pretrained(out)
+    if quantization is not None:
+        raw = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**raw, "quantization_config": QUANTIZATION[quantization]}))
 
 
 # ------------------------------------------------------------------ keel diagnosis hooks
@@ -308,6 +319,8 @@ def main() -> None:
     ap.add_argument("--write-checkpoint", default=None, help="write a seeded random checkpoint here first")
     ap.add_argument("--vllm-site", default=None, help="PYTHONPATH for the vLLM process only")
     ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--quantization", choices=sorted(QUANTIZATION), default=None,
+                    help="dummy weights in this quantized layout, for both engines (no checkpoint)")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -324,8 +337,10 @@ def main() -> None:
     model_dir = a.model_dir or a.write_checkpoint
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
-        write_config(Path(model_dir), a.arch)
-    result = {"arch": a.arch, "limits": LIMITS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+        write_config(Path(model_dir), a.arch, a.quantization)
+    elif a.quantization:
+        ap.error("--quantization describes dummy weights; a checkpoint carries its own quantization_config")
+    result = {"arch": a.arch, "quantization": a.quantization, "limits": LIMITS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
               "same_weights": not dummy, "commit": os.environ.get("KEEL_COMMIT", "?"), "engines": {}}
     for engine in a.engines.split(","):
         env = dict(os.environ)
