@@ -1,9 +1,18 @@
+import os
 import sys
 import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
+
+# The suite pins its platform: the in-tree one this machine has (what `platform: auto` picks among keel's
+# own), so an installed third-party platform -- docs/plugins.md's example -- never changes its results.
+# Tests of auto-detection clear it. A run may pin another one by setting KEEL_PLATFORM itself.
+if "KEEL_PLATFORM" not in os.environ:
+    import torch
+
+    os.environ["KEEL_PLATFORM"] = "cuda" if torch.cuda.is_available() else "cpu"
 
 # --import-mode=importlib does not put test directories on sys.path; helper modules beside these tests
 # (kv_test_utils) are imported by name.

@@ -12,8 +12,11 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "platform_toyaccel"
 
 
-def _run(args, target, cwd):
+def _run(args, target, cwd, **extra_env):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
+    env.pop("KEEL_PLATFORM", None)  # auto-detection as a user's machine does it
+    env.pop("TOYACCEL_VISIBLE_DEVICES", None)
+    env.update(extra_env)
     return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=300)
 
@@ -46,7 +49,8 @@ def test_selected_through_profile(installed, platform):
     target, _, tmp = installed
     profile = tmp / f"vendor-{platform}.yaml"
     profile.write_text(f"plugins: [platform-cpu, platform-toyaccel]\nplatform: {platform}\n")
-    result = _run(["-m", "keel.cli", "profile", "show", str(profile), "--json"], target, tmp)
+    result = _run(["-m", "keel.cli", "profile", "show", str(profile), "--json"], target, tmp,
+                  TOYACCEL_VISIBLE_DEVICES="0")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["platform_selected"]["name"] == "toyaccel"  # auto: higher priority than cpu
@@ -54,8 +58,22 @@ def test_selected_through_profile(installed, platform):
     assert out["cache"]["block_size"] == 32  # the platform's config patch was applied
 
 
+def test_installed_example_never_outranks_the_default_by_accident(installed):
+    """Following docs/plugins.md (the example installed, no ToyAccel device) keeps the CPU platform for
+    `platform: auto`, and the suite's pin (KEEL_PLATFORM) holds even where the toy is available."""
+    target, _, tmp = installed
+    profile = tmp / "everything-auto.yaml"
+    profile.write_text("plugins: auto\nplatform: auto\n")
+    for extra, expected in (({}, "cpu"), ({"KEEL_PLATFORM": "cpu", "TOYACCEL_VISIBLE_DEVICES": "0"}, "cpu"),
+                            ({"TOYACCEL_VISIBLE_DEVICES": "0"}, "toyaccel")):
+        result = _run(["-m", "keel.cli", "profile", "show", str(profile), "--json"], target, tmp, **extra)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["platform_selected"]["name"] == expected, extra
+
+
 def test_conformance_suite_passes(installed):
     target, src, tmp = installed
-    result = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "tests")], target, tmp)
+    result = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "tests")], target, tmp,
+                  TOYACCEL_VISIBLE_DEVICES="0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "passed" in result.stdout

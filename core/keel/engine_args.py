@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -44,6 +45,8 @@ _SECTION_OF = {
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+# Overrides `platform: auto` below the profile and the flags (`--platform`).
+PLATFORM_ENV = "KEEL_PLATFORM"
 _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -151,7 +154,7 @@ class EngineArgs:
         return cls(**values, plugin_options=extra or None)
 
     def resolve(self) -> tuple[dict[str, Any], dict[str, str], Any]:
-        """(effective flat values, where each came from: default|profile|args, the Profile)."""
+        """(effective flat values, where each came from: default|env|profile|args, the Profile)."""
         from keel.profile import DEFAULT_PROFILE, load_profile
 
         profile = load_profile(self.profile) if self.profile else DEFAULT_PROFILE
@@ -240,6 +243,8 @@ def _finish(config: EngineConfig) -> EngineConfig:
     executor_cls.validate_config(config, platform)
     quantization = config.model.quantization if config.model is not None else None
     if quantization is not None and quantization not in plugin_set.registry("quantization"):
+        if os.environ.get(PLATFORM_ENV):  # the default platform of this environment (a test suite pins it)
+            values["platform"], sources["platform"] = os.environ[PLATFORM_ENV], "env"
         from keel.plugins.errors import UnknownKeyError
         from keel.quantization import QuantizationError
 

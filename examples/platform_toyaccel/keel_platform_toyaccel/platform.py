@@ -16,13 +16,15 @@ class ToyAccelPlatform(Platform):
     name: ClassVar[str] = "toyaccel"
     device_type: ClassVar[str] = "cpu"  # a real plugin: its torch device type ("cuda", "xpu", "npu", ...)
     dist_backend: ClassVar[str] = "gloo"  # a real plugin: its collective library ("nccl", "hccl", ...)
-    priority: ClassVar[int] = 50  # above the CPU platform, so `platform: auto` prefers it when available
+    priority: ClassVar[int] = 50  # above the CPU platform: `platform: auto` prefers it when it is available
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
 
     @classmethod
     def is_available(cls) -> bool:
-        # A real plugin probes its driver here, cheaply and without raising.
-        return os.environ.get("TOYACCEL_VISIBLE_DEVICES", "0") != ""
+        # A real plugin probes its driver here, cheaply and without raising. The toy has no driver: it is
+        # available only where TOYACCEL_VISIBLE_DEVICES names devices, so installing it never outranks
+        # the CPU platform on a machine that has no ToyAccel.
+        return os.environ.get("TOYACCEL_VISIBLE_DEVICES", "") != ""
 
     def total_memory(self, index: int = 0) -> int:
         return int(os.environ.get("TOYACCEL_MEMORY_BYTES", str(8 * 2**30)))
