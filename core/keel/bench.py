@@ -12,6 +12,7 @@ import statistics
 import time
 from typing import Any
 
+from keel.cli import add_engine_cli_args
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.engine.output_processor import RequestOutputKind
@@ -82,17 +83,17 @@ def add_bench_args(parser) -> None:
     sub = parser.add_subparsers(dest="bench_kind", required=True)
     for kind in ("throughput", "latency"):
         p = sub.add_parser(kind, help=f"offline {kind} benchmark")
-        EngineArgs.add_cli_args(p)
-        p.add_argument("--input-len", type=int, default=128)
-        p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        add_engine_cli_args(p, f"bench {kind}")
+        p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+        p.add_argument("--output-len", type=int, default=128, help="generated tokens (default: 128)")
+        p.add_argument("--json", action="store_true", help="print the result as JSON (default: off)")
         if kind == "throughput":
-            p.add_argument("--num-prompts", type=int, default=100)
+            p.add_argument("--num-prompts", type=int, default=100, help="prompts per round (default: 100)")
             p.add_argument("--num-rounds", type=int, default=2,
-                           help="rounds of distinct prompts (round 1 is the first after start)")
+                           help="rounds of distinct prompts; round 1 is the first after start (default: 2)")
         else:
-            p.add_argument("--batch-size", type=int, default=1)
-            p.add_argument("--num-iters", type=int, default=3)
+            p.add_argument("--batch-size", type=int, default=1, help="prompts per batch (default: 1)")
+            p.add_argument("--num-iters", type=int, default=3, help="timed iterations (default: 3)")
 
 
 def run_bench(ns) -> int:

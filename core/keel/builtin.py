@@ -17,7 +17,7 @@ def manifest() -> PluginManifest:
         name="core",
         version=__version__,
         core_api=f"=={CORE_API_VERSION}",
-        description="keel core built-ins (KV cache spec kinds, n-gram drafts, uni/mp executors)",
+        description="keel core built-ins (KV cache spec kinds, n-gram drafts, uni/mp executors, the logging stat logger)",
         provides={
             "kv_cache_spec": {
                 "full_attention": f"{_SINGLE_TYPE}:FullAttentionManager",
@@ -32,5 +32,7 @@ def manifest() -> PluginManifest:
                 "uni": "keel.distributed.uni_executor:UniProcExecutor",
                 "mp": "keel.distributed.mp_executor:MultiprocExecutor",
             },
+            # The server's periodic throughput line (off with --disable-log-stats); prometheus is endpoints'.
+            "stat_logger": {"logging": "keel.metrics.logging_logger:LoggingStatLogger"},
         },
     )

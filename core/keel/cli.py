@@ -11,8 +11,10 @@ modules are imported only when their subcommand runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,17 @@ class Command:
 _COMMANDS: dict[str, Command] = {}
 # Set by `main` for the duration of one invocation, so `add_engine_cli_args` can see --profile/--plugins.
 _argv: list[str] = []
+# Parsers that got engine flags in this invocation: vLLM's unimplemented flags are refused on them last.
+_engine_parsers: list[argparse.ArgumentParser] = []
+# `--log-level`'s default, as vLLM's VLLM_LOGGING_LEVEL (KEEL_ first).
+LOG_LEVEL_ENV = ("KEEL_LOGGING_LEVEL", "VLLM_LOGGING_LEVEL")
+
+
+class KeelArgumentParser(argparse.ArgumentParser):
+    """A usage error is one line naming the problem (argparse prints the whole usage block first)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def register_command(
@@ -62,8 +75,10 @@ def _preparse_plugins(argv: Sequence[str]) -> tuple[str | None, str | None]:
     return ns.profile, ns.plugins
 
 
-def add_engine_cli_args(parser: argparse.ArgumentParser, command: str, profile: str | None = None) -> None:
-    """Engine flags (`EngineArgs.add_cli_args`) plus the options of the plugins this run will load.
+def add_engine_cli_args(parser: argparse.ArgumentParser, command: str, profile: str | None = None,
+                        args_cls: Any = None) -> None:
+    """Engine flags (`args_cls.add_cli_args`, default EngineArgs) plus the options of the plugins this run
+    will load. vLLM flags keel does not implement become errors once the command has added its own.
 
     The plugins are those of `--plugins`, else of `--profile` (or `profile`), else every discovered one.
     """
@@ -71,7 +86,8 @@ def add_engine_cli_args(parser: argparse.ArgumentParser, command: str, profile: 
     from keel.plugins.loader import load_plugins
     from keel.profile import load_profile
 
-    EngineArgs.add_cli_args(parser)
+    (args_cls or EngineArgs).add_cli_args(parser)
+    _engine_parsers.append(parser)
     flag_profile, flag_plugins = _preparse_plugins(_argv)
     profile = flag_profile or profile
     if flag_plugins:
@@ -91,7 +107,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser, command: str, profile: 
 def _plugins_add(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="plugins_cmd", required=True)
     ls = sub.add_parser("list", help="every discovered plugin, what it provides and its load status")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument("--json", action="store_true", help="machine-readable output (default: off)")
 
 
 def _plugins_run(ns: argparse.Namespace) -> int:
@@ -126,8 +142,8 @@ def _plugins_run(ns: argparse.Namespace) -> int:
 def _profile_add(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="profile_cmd", required=True)
     show = sub.add_parser("show", help="print the effective, validated configuration of a profile")
-    show.add_argument("profile_name", metavar="PROFILE", help="profile name (profiles/NAME.yaml) or path")
-    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("profile_name", metavar="PROFILE", help="profile name (profiles/NAME.yaml) or path (default: required)")
+    show.add_argument("--json", action="store_true", help="machine-readable output (default: off)")
     after = _argv[_argv.index("show") + 1:] if "show" in _argv else []
     positional = [a for a in after if not a.startswith("-")]
     add_engine_cli_args(show, "profile show", profile=positional[0] if positional else None)
@@ -171,18 +187,26 @@ register_command("serve", "keel.serve_cmd:add_serve_args", "keel.serve_cmd:run_s
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The full parser; only the invoked subcommand's `add_parser_fn` runs (keeps startup light)."""
-    parser = argparse.ArgumentParser(prog="keel", description="keel: LLM inference and serving")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    from keel.vllm_flags import refuse_unimplemented_vllm_flags
     from keel.version import __version__
 
-    parser.add_argument("--version", action="version", version=f"keel {__version__}")
+    parser = KeelArgumentParser(prog="keel", description="keel: LLM inference and serving")
+    level = next((os.environ[e] for e in LOG_LEVEL_ENV if os.environ.get(e)), "WARNING")
+    parser.add_argument("--log-level", default=level, type=_log_level,
+                        help=f"logging level: DEBUG, INFO, WARNING, ERROR (default: {level}; "
+                             f"${LOG_LEVEL_ENV[0]} or ${LOG_LEVEL_ENV[1]} set it)")
+    parser.add_argument("--version", action="version", version=f"keel {__version__}",
+                        help="print keel's version and exit (default: off)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if a in _COMMANDS), None)
+    _engine_parsers.clear()
     for name, command in _COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help)
         p.set_defaults(_keel_command=name)
         if name == chosen:
             _resolve(command.add_parser)(p)
+    for p in _engine_parsers:
+        refuse_unimplemented_vllm_flags(p)
     return parser
 
 
@@ -195,6 +219,9 @@ _USER_ERRORS = {
     "keel.quantization": ("QuantizationError",),
     "keel.models.weights": ("WeightLoadError",),
     "keel.engine.engine_client": ("EngineDeadError",),  # e.g. the engine core process failed to start
+    "keel.engine.limits": ("ParamError",),  # a sampling value out of range (keel generate --temperature -1)
+    "keel.worker.worker": ("KVCacheSizeError",),
+    "keel.demo": ("DemoCheckpointError",),
 }
 
 
@@ -215,12 +242,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(_argv)
         logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         status = _resolve(_COMMANDS[ns._keel_command].run)(ns)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except KeyboardInterrupt:
+        print("keel: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `keel generate ... | head -1`: the reader left. Later flushes of stdout must not raise again.
+        with contextlib.suppress(OSError, ValueError):  # stdout without a file descriptor (captured)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("keel: error: output closed before everything was written (broken pipe)", file=sys.stderr)
+        return 141
     except Exception as exc:
         if not _is_user_error(exc):
             raise
-        print(f"keel: error: {exc}", file=sys.stderr)
+        print(f"keel: error: {_one_line(str(exc))}", file=sys.stderr)
         return 1
     return int(status or 0)
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return text.upper()
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

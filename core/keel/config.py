@@ -71,8 +71,13 @@ class ModelConfig:
     # Batch-level logits processors (vLLM's): `logits_processor` registry keys, "pkg.module:Class" names
     # or classes; every worker builds one of each (keel.logits_processor).
     logits_processors: tuple[Any, ...] = ()
+    # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: the vocabulary size.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        m = self.max_logprobs
+        if isinstance(m, bool) or not isinstance(m, int) or m < -1:
+            raise ConfigError(f"model.max_logprobs must be an integer >= -1 (-1: the vocabulary size), got {m!r}")
         procs = self.logits_processors
         if isinstance(procs, (str, type)) or not isinstance(procs, (list, tuple)) or any(
                 not (isinstance(p, type) or (isinstance(p, str) and p)) for p in procs):

@@ -7,10 +7,11 @@ plugins' config patches (see keel.config).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-import re
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ from keel.config import (
 _SECTION_OF = {
     **dict.fromkeys(("model", "tokenizer", "dtype", "seed", "max_model_len", "skip_tokenizer_init",
                      "trust_remote_code", "revision", "served_model_name", "load_format", "generation_config",
-                     "quantization", "logits_processors"),
+                     "quantization", "logits_processors", "max_logprobs"),
                     "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization", "kv_cache_dtype"), "cache"),
@@ -44,9 +45,9 @@ _SECTION_OF = {
                     "parallel"),
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 # Overrides `platform: auto` below the profile and the flags (`--platform`).
 PLATFORM_ENV = "KEEL_PLATFORM"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -57,6 +58,70 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 1073741824, 4GiB, 512MB)")
     unit = (m.group(2) or "").lower().rstrip("b")
     return int(float(m.group(1)) * (_UNITS[unit] if unit else 1))
+
+
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG])$")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integer syntax (--max-model-len 8k): k/m/g are 10**3/6/9 (25.6k -> 25600), K/M/G are
+    2**10/20/30 (whole numbers only: 8K -> 8192); plain integers as they are."""
+    value = str(text).strip()
+    m = _HUMAN_INT.match(value)
+    if m:
+        number, suffix = m.groups()
+        if suffix.islower():
+            return int(float(number) * 10 ** {"k": 3, "m": 6, "g": 9}[suffix])
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{value!r}: no decimals with binary suffix {suffix} "
+                                             f"(did you mean {number}{suffix.lower()}?)")
+        return int(number) * 2 ** {"K": 10, "M": 20, "G": 30}[suffix]
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r} (examples: 4096, 8k, 8K)") from None
+
+
+class _OneNameAction(argparse.Action):
+    """--served-model-name takes vLLM's list syntax (NAME [NAME ...]); keel serves a model under one name."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) != 1:
+            parser.error(f"{option_string}: keel serves a model under one name, got {len(values)}: {values}")
+        setattr(namespace, self.dest, values[0])
+
+
+# Short and vLLM-alias spellings of engine flags (vLLM's -tp / -pp / -q, --num-gpu-blocks-override).
+_ALIASES = {
+    "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
+    "quantization": ("-q",),
+    "num_kv_blocks": ("--num-gpu-blocks-override",),
+}
+# What "not set" ends up as where the field's config section has no value of its own.
+_UNSET_DEFAULTS = {
+    "model": "none", "tokenizer": "the model's", "max_model_len": "the model's max_position_embeddings",
+    "max_num_batched_tokens": "2048 with chunked prefill, else max_model_len",
+    "async_scheduling": "on where the device runs apart from the host (not the CPU)",
+    "kv_cache_memory_bytes": "from memory", "num_kv_blocks": "from the memory budget",
+    "revision": "the default branch", "served_model_name": "the model", "quantization": "the checkpoint's",
+    "distributed_executor_backend": "uni for one rank, else mp", "plugins": "auto", "profile": "none",
+    "speculative_config": "off", "platform": "auto", "attention_backend": "auto (the platform's preference)",
+}
+
+
+def _default_text(name: str) -> str:
+    section = _SECTION_OF.get(name)
+    default: Any = None
+    if section is not None:
+        fields = {f.name: f.default for f in dataclasses.fields(SECTION_CLASSES[section])}
+        default = fields.get(name)
+        default = None if default is dataclasses.MISSING else default
+    if default is None:
+        return _UNSET_DEFAULTS.get(name, "off")
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
 
 
 def _plugins_arg(text: str) -> list[str] | str:
@@ -104,6 +169,7 @@ class EngineArgs:
     scheduling_policy: str | None = None  # "fcfs" (default) or "priority" (requests' `priority` first)
     # logits_processor plugin keys or qualified class names ("pkg.module:Class"), or classes
     logits_processors: list[str | type] | None = None
+    max_logprobs: int | None = None  # most logprobs a request may ask for (20); -1: the vocabulary size
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod
@@ -120,8 +186,9 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: Any) -> Any:
-        """Add `--model`, `--block-size`, ... (all defaulting to "not set") to an argparse parser."""
-        import argparse
+        """Add `--model`, `--block-size`, ... (all defaulting to "not set") to an argparse parser, with
+        vLLM's spellings and value syntax; the help of each names its effective default."""
+        from keel.engine_args_help import HELP
 
         group = parser.add_argument_group("engine arguments (override the profile)")
         bool_action = argparse.BooleanOptionalAction
@@ -130,7 +197,8 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             hint = typing.get_type_hints(cls)[f.name]
-            kw: dict[str, Any] = {"default": None, "dest": f.name}
+            help_text = f"{HELP[f.name]} (default: {_default_text(f.name)})".replace("%", "%%")
+            kw: dict[str, Any] = {"default": None, "dest": f.name, "help": help_text}
             if f.name == "plugins":
                 kw |= {"type": _plugins_arg, "metavar": "NAME,NAME|auto"}
             elif f.name == "kv_cache_memory_bytes":
@@ -139,11 +207,19 @@ class EngineArgs:
                 kw |= {"type": json.loads, "metavar": "JSON"}
             elif f.name == "logits_processors":
                 kw |= {"nargs": "+", "metavar": "NAME"}
+            elif f.name == "max_model_len":
+                kw |= {"type": human_readable_int, "metavar": "N"}
+            elif f.name == "served_model_name":
+                kw |= {"nargs": "+", "action": _OneNameAction, "metavar": "NAME"}
             elif _matches(True, hint):
                 kw |= {"action": bool_action}
             elif _matches(1, hint) and not _matches("x", hint):
                 kw |= {"type": float if _matches(0.5, hint) else int}
-            group.add_argument(flag, **kw)
+            group.add_argument(*_ALIASES.get(f.name, ()), flag, **kw)
+        if "enable_log_requests" in {f.name for f in dataclasses.fields(cls)}:
+            # vLLM's older spelling: request logging used to be on unless this was given
+            group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                               default=None, help="do not log requests (default: not logged)")
         return parser
 
     @classmethod
@@ -167,6 +243,8 @@ class EngineArgs:
             sources[name] = "default"
         values.update(plugins="auto", speculative_config=None)
         sources.update(plugins="default", speculative_config="default")
+        if os.environ.get(PLATFORM_ENV):  # the default platform of this environment (a test suite pins it)
+            values["platform"], sources["platform"] = os.environ[PLATFORM_ENV], "env"
         from_profile = {"plugins": profile.plugins, **dict(profile.engine)}
         if profile.platform != "auto":
             from_profile["platform"] = profile.platform
@@ -228,6 +306,14 @@ class EngineArgs:
         return _finish(config)
 
 
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs plus the settings of the server's front end (`AsyncLLM`), as vLLM's AsyncEngineArgs."""
+
+    disable_log_stats: bool | None = None  # no periodic throughput / cache-usage log line
+    enable_log_requests: bool | None = None  # log each request's prompt and sampling parameters
+
+
 def _finish(config: EngineConfig) -> EngineConfig:
     """Load plugins, resolve platform and named attention backend, apply platform and hook patches."""
     plugin_set = config.plugin_set()
@@ -243,8 +329,6 @@ def _finish(config: EngineConfig) -> EngineConfig:
     executor_cls.validate_config(config, platform)
     quantization = config.model.quantization if config.model is not None else None
     if quantization is not None and quantization not in plugin_set.registry("quantization"):
-        if os.environ.get(PLATFORM_ENV):  # the default platform of this environment (a test suite pins it)
-            values["platform"], sources["platform"] = os.environ[PLATFORM_ENV], "env"
         from keel.plugins.errors import UnknownKeyError
         from keel.quantization import QuantizationError
 

@@ -33,6 +33,7 @@ from keel.metrics.stats import RequestStatsTracker, StatLogger
 from keel.structured_output.manager import loaded, select_backend
 
 logger = logging.getLogger("keel.engine")
+request_logger = logging.getLogger("keel.requests")
 
 # Outputs detokenized between two yields to the event loop, so a large batch never stalls HTTP work.
 OUTPUT_CHUNK_SIZE = 64
@@ -79,8 +80,11 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, *, core_client: EngineCoreClient | None = None,
-                 stat_loggers: Iterable[StatLogger] = ()) -> None:
+                 stat_loggers: Iterable[StatLogger] = (), log_requests: bool = False) -> None:
         self.config = config
+        self.log_requests = log_requests  # each request's prompt and params at INFO on "keel.requests"
+        if log_requests:
+            request_logger.setLevel(logging.INFO)
         self.tokenizer = load_tokenizer(config)
         hf_config = config.model.hf_config
         self._max_model_len = config.model.derived_max_model_len
@@ -99,7 +103,7 @@ class AsyncLLM:
         self.processor = Processor(
             self.tokenizer, max_model_len=self._max_model_len, vocab_size=hf_config.vocab_size,
             eos_token_id=_eos_token_id(self.tokenizer, hf_config), seed=config.model.seed,
-            generation_config=config.model.generation_config_fields,
+            generation_config=config.model.generation_config_fields, max_logprobs=config.model.max_logprobs,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
             scheduling_policy=config.scheduler.scheduling_policy,
             logits_processors=resolve_logits_processors(config.model.logits_processors, config.plugin_set()),
@@ -120,8 +124,17 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """`AsyncEngineArgs` also set request logging (off) and the periodic stats line (on), as vLLM's."""
+        from keel.engine_args import AsyncEngineArgs
+
         resolve_model_shortcut(args)
-        return cls(args.create_engine_config(), **kwargs)
+        config = args.create_engine_config()
+        if isinstance(args, AsyncEngineArgs):
+            kwargs.setdefault("log_requests", bool(args.enable_log_requests))
+            if not args.disable_log_stats:
+                logging_logger = config.plugin_set().registry("stat_logger").get("logging")
+                kwargs["stat_loggers"] = [*kwargs.get("stat_loggers", ()), logging_logger()]
+        return cls(config, **kwargs)
 
     # -- EngineClient ----------------------------------------------------------------------------------
 
@@ -159,6 +172,9 @@ class AsyncLLM:
             raise ValueError(POOLING_ONLY)
         self._check_id(request_id)
         processed = await self.run_in_tokenizer_thread(self.processor.process_prompt, prompt)
+        if self.log_requests:
+            request_logger.info("Received request %s: prompt: %r, params: %r, prompt_token_ids: %s", request_id,
+                                processed.prompt, params, processed.prompt_token_ids)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))
         core_requests = self.processor.make_requests(request_id, processed, params, time.monotonic(), priority)
         self._check_alive()

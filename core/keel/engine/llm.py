@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,12 +17,78 @@ from keel.engine.llm_engine import LLMEngine
 from keel.engine.outputs import RequestOutput
 from keel.engine.sampling_params import SamplingParams
 
-PromptType = str | Mapping[str, Any]
+PromptType = str | Mapping[str, Any]  # text, or keel.inputs.TextPrompt / TokensPrompt
+
+
+# EngineArgs fields of the server only: the offline engine runs its core in this process, unwatched.
+SERVER_ONLY_ARGS = ("engine_core_process", "engine_iteration_timeout_s")
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+    """The offline engine: `generate` / `chat` run prompts to completion in this process.
+
+    Every argument but `model` is keyword-only and mirrors vLLM's `LLM(...)` / engine argument of the
+    same name. None means "not set": the profile decides, else keel's built-in default (shown in
+    brackets where it differs from vLLM's). A vLLM argument keel does not implement is a TypeError
+    naming it.
+
+    Model: `model` (a checkpoint folder, a Hub id, or "demo"), `tokenizer` [the model], `dtype` [auto],
+    `seed` [0], `max_model_len` [max_position_embeddings], `skip_tokenizer_init`, `trust_remote_code`,
+    `revision`, `served_model_name`, `load_format` ("auto" | "dummy"), `generation_config` ("auto" |
+    "vllm" | a folder), `quantization` [the checkpoint's], `max_logprobs` [20].
+    Cache: `block_size` [16], `enable_prefix_caching` [True], `kv_cache_memory_bytes`, `num_kv_blocks`,
+    `gpu_memory_utilization` [0.9], `kv_cache_dtype` ["auto"].
+    Scheduler: `max_num_seqs` [256], `max_num_batched_tokens`, `enable_chunked_prefill` [True],
+    `async_scheduling` [on off the CPU].
+    Parallelism: `tensor_parallel_size` [1], `pipeline_parallel_size` [1], `enable_expert_parallel`,
+    `distributed_executor_backend` ("uni" | "mp" | "ray").
+    Device: `platform` ["auto"], `attention_backend` ["auto"], `enforce_eager` [False].
+    Speculative decoding: `speculative_config` ({"method": ..., "num_speculative_tokens": ...}).
+    keel's own: `plugins` (entry-point names or "auto"), `profile` (a profile name or YAML path),
+    `plugin_options` (values of options that plugins define).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | None = None,
+        seed: int | None = None,
+        max_model_len: int | None = None,
+        skip_tokenizer_init: bool | None = None,
+        trust_remote_code: bool | None = None,
+        revision: str | None = None,
+        served_model_name: str | None = None,
+        load_format: str | None = None,
+        generation_config: str | None = None,
+        quantization: str | None = None,
+        max_logprobs: int | None = None,
+        block_size: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_dtype: str | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool | None = None,
+        async_scheduling: bool | None = None,
+        tensor_parallel_size: int | None = None,
+        pipeline_parallel_size: int | None = None,
+        enable_expert_parallel: bool | None = None,
+        distributed_executor_backend: str | None = None,
+        platform: str | None = None,
+        attention_backend: str | None = None,
+        enforce_eager: bool | None = None,
+        speculative_config: dict[str, Any] | None = None,
+        plugins: list[str] | str | None = None,
+        profile: str | None = None,
+        plugin_options: dict[str, Any] | None = None,
+    ) -> None:
+        values = dict(locals())
+        args = EngineArgs(**{name: values[name] for name in _LLM_ARGS})
+        self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -130,3 +197,6 @@ class LLM:
         # At interpreter teardown the engine's modules may be gone already: nothing left to tell then.
         with contextlib.suppress(Exception):
             self.shutdown()
+
+
+_LLM_ARGS = [f.name for f in dataclasses.fields(EngineArgs) if f.name not in SERVER_ONLY_ARGS]

@@ -30,6 +30,8 @@ def resolve_model_shortcut(args: EngineArgs) -> None:
         from keel.demo import build_demo_checkpoint, default_demo_path
 
         args.model = str(build_demo_checkpoint(default_demo_path()))
+        logger.warning("model 'demo': a tiny model with random weights, built on this machine -- its text is "
+                       "noise, not answers (%s)", args.model)
         if args.served_model_name is None:
             args.served_model_name = "demo"
 
@@ -80,7 +82,7 @@ class LLMEngine:
             vocab_size=hf_config.vocab_size,
             eos_token_id=_eos_token_id(self.tokenizer, hf_config),
             seed=config.model.seed,
-            generation_config=config.model.generation_config_fields,
+            generation_config=config.model.generation_config_fields, max_logprobs=config.model.max_logprobs,
             structured_output_backend=loaded(select_backend(config.plugin_set())),
             scheduling_policy=config.scheduler.scheduling_policy,
             logits_processors=resolve_logits_processors(config.model.logits_processors, config.plugin_set()),

@@ -30,11 +30,13 @@ class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
                  seed: int = 0, generation_config: Mapping[str, Any] | None = None,
                  structured_output_backend: Callable[[], type] | None = None,
-                 scheduling_policy: str = "fcfs", logits_processors: Sequence[type] = ()) -> None:
+                 scheduling_policy: str = "fcfs", logits_processors: Sequence[type] = (),
+                 max_logprobs: int = -1) -> None:
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         # The engine's logits processor classes: each validates every request's params (extra_args).
         self.logits_processors = tuple(logits_processors)
+        self.max_logprobs = max_logprobs  # ModelConfig.max_logprobs; -1: the vocabulary size
         self.generation_config = dict(generation_config or {})  # ModelConfig.generation_config_fields
         # Loads the `structured_output` backend class (imported on first use), or None.
         self.structured_output_backend = structured_output_backend
@@ -92,6 +94,9 @@ class Processor:
             k = getattr(params, field)
             if k is not None and k > self.vocab_size:
                 raise ParamError(field, f"{field} must be at most the vocabulary size {self.vocab_size}, got {k}")
+            if k is not None and 0 <= self.max_logprobs < k:
+                raise ParamError(field, f"{field} must be at most max_logprobs={self.max_logprobs} (the engine's "
+                                        f"--max-logprobs), got {k}")
         for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ()),
                            ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = sorted(t for t in ids if not 0 <= int(t) < self.vocab_size)

@@ -16,6 +16,7 @@ from keel.config import ConfigError
 # Hugging Face Hub repo ids: "name" or "namespace/name" (huggingface_hub's validate_repo_id).
 _REPO_ID = re.compile(r"^(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?$")
 TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_VOCAB_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
 
 
 class CheckpointError(ConfigError):
@@ -64,6 +65,10 @@ def check_config_dir(path: Path) -> None:
 
 
 def check_tokenizer_dir(path: Path) -> None:
-    """The tokenizer's JSON files that a local directory holds are JSON."""
+    """The tokenizer's JSON files that a local directory holds are JSON, and it holds some tokenizer."""
     for name in TOKENIZER_JSON_FILES:
         check_json_file(path / name)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", *_VOCAB_FILES)):
+        raise CheckpointError(
+            f"{path} has no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json ...): "
+            "pass --tokenizer PATH, or --skip-tokenizer-init to send token ids only")
