@@ -1,6 +1,6 @@
 """keel: a plugin-first microkernel for LLM inference and serving.
 
-The public API mirrors vLLM's (`LLM`, `SamplingParams`, `RequestOutput`). Names are imported lazily so
+The public API mirrors vLLM's (`LLM`, `SamplingParams`, `RequestOutput`, `EngineArgs`, `TokensPrompt`, ...). Names are imported lazily so
 that `import keel` (done by every plugin manifest at discovery) stays cheap: no torch until needed.
 """
 
@@ -12,12 +12,22 @@ _LAZY = {
     "RequestOutput": "keel.engine.outputs",
     "CompletionOutput": "keel.engine.outputs",
     "Logprob": "keel.engine.outputs",
-    "EngineArgs": "keel.config",
+    "EngineArgs": "keel.engine_args",
+    "AsyncEngineArgs": "keel.engine_args",
+    "AsyncLLM": "keel.engine.async_llm",
+    "TextPrompt": "keel.inputs",
+    "TokensPrompt": "keel.inputs",
+    "BeamSearchParams": "keel.engine.beam_search",
 }
 
 __all__ = [
     "CORE_API_VERSION",
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "BeamSearchParams",
+    "TextPrompt",
+    "TokensPrompt",
     "CompletionOutput",
     "EngineArgs",
     "Logprob",

@@ -20,6 +20,8 @@ from keel.structured_output.manager import StructuredOutputManager, select_backe
 
 logger = logging.getLogger("keel.engine")
 
+WAKE_UP_TAGS = ("weights", "kv_cache")  # vLLM's, in the order they are restored
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins=None) -> None:
@@ -66,6 +68,7 @@ class EngineCore:
         self._in_flight: deque = deque()
         self._hooks = self.plugins.hooks.hook
         self._shut_down = False
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (see sleep)
         self._hooks.keel_engine_start(config=config)
         logger.info(
             "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d, async scheduling %s",
@@ -100,7 +103,12 @@ class EngineCore:
         return worker
 
     def add_request(self, request: EngineCoreRequest, max_tokens: int) -> None:
+        self.check_awake()
         self.scheduler.add_request(request, max_tokens)
+
+    def check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}): call wake_up() first")
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -155,6 +163,37 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._report_finished(outputs)
         return outputs
+
+    # -- LLM.reset_prefix_cache / sleep / wake_up ---------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while a request holds blocks."""
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2) on every rank; the cached prefixes are
+        forgotten. Only between requests."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (also the weights), got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot sleep while requests are unfinished: wait for them or abort them first")
+        if not self.reset_prefix_cache():
+            raise RuntimeError("cannot sleep: KV blocks are still held")
+        self.executor.collective_rpc("sleep", (level,))
+        self.sleep_level = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed: `tags` from "weights", "kv_cache" (None: both; weights first)."""
+        tags = list(WAKE_UP_TAGS if tags is None else tags)
+        unknown = [t for t in tags if t not in WAKE_UP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tag(s) {unknown}: use {list(WAKE_UP_TAGS)}")
+        self.executor.collective_rpc("wake_up", (tuple(t for t in WAKE_UP_TAGS if t in tags),))
+        if "kv_cache" in tags:
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.config import EngineArgs
+
+if TYPE_CHECKING:
+    from keel.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from keel.engine.llm_engine import LLMEngine
 from keel.engine.outputs import RequestOutput
 from keel.engine.sampling_params import SamplingParams
@@ -28,9 +31,8 @@ class LLM:
     """The offline engine: `generate` / `chat` run prompts to completion in this process.
 
     Every argument but `model` is keyword-only and mirrors vLLM's `LLM(...)` / engine argument of the
-    same name. None means "not set": the profile decides, else keel's built-in default (shown in
-    brackets where it differs from vLLM's). A vLLM argument keel does not implement is a TypeError
-    naming it.
+    same name. None means "not set": the profile decides, else keel's built-in default (in brackets
+    below). A vLLM argument keel does not implement is a TypeError naming it.
 
     Model: `model` (a checkpoint folder, a Hub id, or "demo"), `tokenizer` [the model], `dtype` [auto],
     `seed` [0], `max_model_len` [max_position_embeddings], `skip_tokenizer_init`, `trust_remote_code`,
@@ -183,6 +185,29 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in request_ids]
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (`keel.engine.beam_search`): the best `params.beam_width` sequences
+        of each prompt, by cumulative logprob over length ** length_penalty; prompts are checked first."""
+        from keel.engine.beam_search import beam_search
+
+        return beam_search(self, prompts, params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's); False, with nothing done, while a request holds blocks."""
+        return self.llm_engine.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory between batches, as vLLM's `LLM.sleep`: level 1 frees the KV cache (unlike
+        vLLM, the weights stay in device memory), level 2 frees the weights too. Cached prefixes are
+        forgotten; `generate` raises until `wake_up()`. Needs no request in flight."""
+        self.llm_engine.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed: `tags` among "weights" (reloaded from the checkpoint) and
+        "kv_cache" (allocated again); None restores both."""
+        self.llm_engine.core.wake_up(tags)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.llm_engine.get_metrics()

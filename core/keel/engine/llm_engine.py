@@ -116,6 +116,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.is_pooling_model:
             raise ValueError(POOLING_ONLY)
+        self.core.check_awake()
         arrival = time.time()
         processed = self.processor.process_prompt(prompt)
         max_tokens = self.processor.max_tokens(params, len(processed.prompt_token_ids))

@@ -107,6 +107,16 @@ class ModelRunner:
         """Allocate one cache tensor per attention layer; num_blocks includes the null block 0."""
         self.kv_caches = self._allocate_kv_caches(num_blocks)
 
+    def free_kv_cache(self) -> None:
+        """Drop the cache tensors and the decode graphs captured over them (sleep mode); the worker's
+        `initialize_kv_cache` allocates and captures them again."""
+        self.cuda_graphs = None
+        self.kv_caches = []
+
+    @property
+    def has_kv_cache(self) -> bool:
+        return bool(self.kv_caches)
+
     def capture_cuda_graphs(self, spec, max_num_seqs: int, max_model_len: int) -> bool:
         """Called by the worker after `initialize_kv_cache` unless enforce_eager; `spec` is the platform's
         GraphCaptureSpec. Returns whether graphs were captured (every layer's backend must allow it)."""

@@ -78,6 +78,10 @@ class Worker:
         if self.dist is None:
             self.init_device()
         self.plugins.hooks.hook.keel_worker_init(config=self.config, rank=self.rank)
+        self._build_model()
+
+    def _build_model(self) -> None:
+        """The model (checkpoint weights, custom ops bound) and its runner; again on a level-2 wake-up."""
         mc = self.config.model
         hf_config = mc.hf_config
         model_cls, arch = ModelRegistry(self.plugins).resolve_hf_config(hf_config, mc.model)
@@ -232,6 +236,29 @@ class Worker:
         if not self.config.device.enforce_eager:
             self.runner.capture_cuda_graphs(self.platform.graph_capture(), self.config.scheduler.max_num_seqs,
                                             self.config.model.derived_max_model_len)
+
+    # -- sleep mode: called by the engine core (LLM.sleep / wake_up) with no request in flight ----------
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache (the weights stay where they are); level 2 frees the weights too."""
+        import gc
+
+        self.runner.free_kv_cache()
+        if level == 2:
+            self.runner = None  # the model and everything built on it
+        gc.collect()
+        self.platform.empty_cache()
+        logger.info("asleep (level %d): KV cache%s freed", level, " and weights" if level == 2 else "")
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Restore what `sleep` freed, of `tags` ("weights": reloaded from the checkpoint; "kv_cache":
+        allocated again, zeroed, with its decode graphs); what is awake already is left alone."""
+        if "weights" in tags and self.runner is None:
+            self._build_model()
+        if "kv_cache" in tags and (self.runner is None or not self.runner.has_kv_cache):
+            if self.runner is None:
+                raise ValueError("the weights are asleep: wake them before the KV cache (tags=['weights'])")
+            self.initialize_kv_cache(self.num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
