@@ -96,12 +96,10 @@ UNIMPLEMENTED: dict[str, str] = {
     "--disable-frontend-multiprocessing": "the front end runs in the server process; see "
                                           "--engine-core-process",
     "--enable-request-id-headers": "no request id headers",
-    "--enable-auto-tool-choice": "no tool calling in this server",
-    "--tool-call-parser": "no tool calling in this server",
-    "--tool-parser-plugin": "no tool calling in this server",
-    "--reasoning-parser": "no reasoning parsers in this server",
-    "--guided-decoding-backend": "no structured outputs in this server",
-    "--structured-outputs-config": "no structured outputs in this server",
+    "--enable-auto-tool-choice": "tool_choice 'auto' is on whenever --tool-call-parser names a parser",
+    "--tool-parser-plugin": "tool parsers are tool_parser plugins",
+    "--guided-decoding-backend": "the structured_output backend is a plugin (xgrammar)",
+    "--structured-outputs-config": "the structured_output backend is a plugin (xgrammar)",
 }
 
 

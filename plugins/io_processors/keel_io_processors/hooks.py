@@ -14,10 +14,10 @@ class Hooks:
         group = parser.add_argument_group("chat output parsing (io-processors)")
         group.add_argument("--reasoning-parser", default=None,
                            help="a reasoning_parser registry key (e.g. deepseek_r1, qwen3): chat answers get "
-                                "reasoning_content split from content")
+                                "reasoning_content split from content (default: none)")
         group.add_argument("--tool-call-parser", default=None,
                            help="a tool_parser registry key (hermes, qwen3, llama3_json, mistral, deepseek_v3): "
-                                'enables tool_choice "auto"')
+                                'enables tool_choice "auto" (default: none)')
 
 
 hooks = Hooks()
