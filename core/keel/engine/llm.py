@@ -41,7 +41,7 @@ class LLM:
     Cache: `block_size` [16], `enable_prefix_caching` [True], `kv_cache_memory_bytes`, `num_kv_blocks`,
     `gpu_memory_utilization` [0.9], `kv_cache_dtype` ["auto"].
     Scheduler: `max_num_seqs` [256], `max_num_batched_tokens`, `enable_chunked_prefill` [True],
-    `async_scheduling` [on off the CPU].
+    `async_scheduling` [on off the CPU], `scheduling_policy` ["fcfs" | "priority"].
     Parallelism: `tensor_parallel_size` [1], `pipeline_parallel_size` [1], `enable_expert_parallel`,
     `distributed_executor_backend` ("uni" | "mp" | "ray").
     Device: `platform` ["auto"], `attention_backend` ["auto"], `enforce_eager` [False].
@@ -76,6 +76,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool | None = None,
         async_scheduling: bool | None = None,
+        scheduling_policy: str | None = None,
         tensor_parallel_size: int | None = None,
         pipeline_parallel_size: int | None = None,
         enable_expert_parallel: bool | None = None,

@@ -84,7 +84,7 @@ class Hooks:
         group.add_argument("--chat-template-timeout-s", type=float, default=None, metavar="SECONDS",
                            help="time budget of one chat-template rendering (default 2)")
         group.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=None,
-                           help="serve GET /tokenizer_info (the tokenizer's settings and chat template)")
+                           help="serve GET /tokenizer_info (the tokenizer's settings and chat template; default: off)")
         group.add_argument("--metrics-prefix", choices=("keel", "vllm"), default=None,
                            help="prefix of the /metrics names: keel (default) or vllm, for dashboards built for vLLM")
         group.add_argument("--chat-template-max-chars", type=int, default=None, metavar="N",
