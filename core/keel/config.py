@@ -227,8 +227,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # MoE experts are sharded over the expert-parallel group (= the tensor-parallel ranks) instead of
-    # each expert being split by tensor parallelism (vLLM's name and meaning).
+    # Engine replicas (vLLM's name): each data-parallel rank schedules its own requests into its own KV
+    # cache. A MoE model with expert parallelism runs its attention DP and its experts EP over the same
+    # ranks (DeepSeek's layout): tokens are gathered to the experts and back every MoE layer.
+    data_parallel_size: int = 1
+    # MoE experts are sharded over the expert-parallel group (the tensor-parallel ranks x the
+    # data-parallel ranks) instead of each expert being split by tensor parallelism (vLLM's name and meaning).
     enable_expert_parallel: bool = False
     # An `executor` registry key ("uni": the worker in the engine core's process; "mp": one process per
     # rank; "ray": Ray actors). None: "uni" for one rank, else "mp".
@@ -249,6 +253,7 @@ class ParallelConfig:
                 f"parallel.engine_iteration_timeout_s must be a number of seconds >= 0 (0: no watchdog), got {t!r}"
             )
         _positive("parallel", "pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive("parallel", "data_parallel_size", self.data_parallel_size)
         if not isinstance(self.enable_expert_parallel, bool):
             raise ConfigError(f"parallel.enable_expert_parallel must be a boolean, got {self.enable_expert_parallel!r}")
         backend = self.distributed_executor_backend
@@ -257,15 +262,15 @@ class ParallelConfig:
         if backend == "uni" and self.world_size > 1:
             raise ConfigError(
                 f"parallel.distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size x "
-                f"pipeline_parallel_size is {self.world_size}: use 'mp' (or 'ray')"
+                f"pipeline_parallel_size x data_parallel_size is {self.world_size}: use 'mp' (or 'ray')"
             )
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise ConfigError("parallel.enable_expert_parallel shards experts over the tensor-parallel ranks: "
-                              "set tensor_parallel_size > 1 (or turn it off)")
+        if self.enable_expert_parallel and self.tensor_parallel_size * self.data_parallel_size == 1:
+            raise ConfigError("parallel.enable_expert_parallel shards experts over the tensor- and data-parallel "
+                              "ranks: set tensor_parallel_size or data_parallel_size > 1 (or turn it off)")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
     def executor_backend(self) -> str:

@@ -40,7 +40,7 @@ _SECTION_OF = {
     **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling"),
                     "scheduler"),
     "scheduling_policy": "scheduler",
-    **dict.fromkeys(("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+    **dict.fromkeys(("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
                      "distributed_executor_backend", "engine_core_process", "engine_iteration_timeout_s"),
                     "parallel"),
     **dict.fromkeys(("platform", "attention_backend", "enforce_eager"), "device"),
@@ -154,7 +154,8 @@ class EngineArgs:
     profile: str | None = None  # profile name or path
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
-    enable_expert_parallel: bool | None = None  # shard MoE experts over the TP ranks
+    data_parallel_size: int | None = None  # engine replicas; with enable_expert_parallel, attention DP + MoE EP
+    enable_expert_parallel: bool | None = None  # shard MoE experts over the TP x DP ranks
     distributed_executor_backend: str | None = None  # "uni", "mp", "ray" (an `executor` key); None: auto
     engine_core_process: bool | None = None  # the server's engine core in its own process
     engine_iteration_timeout_s: float | None = None  # the server's step watchdog (seconds; 0: off)

@@ -18,6 +18,10 @@ class ForwardContext:
     attn_metadata: Sequence[Any]  # per attention layer index: the backend metadata for its cache group
     kv_caches: Sequence[torch.Tensor]  # per attention layer index
     num_actual_tokens: int = 0
+    # Every data-parallel rank's token count this step (`SchedulerOutput.dp_num_tokens`): a MoE layer
+    # gathering tokens across DP ranks pads to the largest. Empty: one DP rank, or a dummy forward in
+    # which every rank runs the same shapes (profiling).
+    dp_num_tokens: tuple[int, ...] = ()
 
     @classmethod
     def empty(cls) -> ForwardContext:

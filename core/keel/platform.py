@@ -70,8 +70,8 @@ class Platform:
 
     def device_count(self) -> int:
         """How many ranks this host can run (one per device); called by the `uni` and `mp` executors when
-        validating `tensor_parallel_size x pipeline_parallel_size` at startup. A larger world size is a
-        startup error, never a silent fallback."""
+        validating the world size (TP x PP x DP) at startup. A larger world size is a startup error, never
+        a silent fallback."""
         return 1
 
     def configure_worker_process(self, local_rank: int, local_world_size: int) -> None:

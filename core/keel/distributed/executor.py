@@ -62,9 +62,9 @@ class Executor:
         world = config.parallel.world_size
         if cls.uses_local_devices and world > platform.device_count():
             raise ConfigError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks, but platform "
+                f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {world} ranks, but platform "
                 f"{platform.name!r} offers {platform.device_count()} device(s) on this host; lower "
-                "tensor_parallel_size / pipeline_parallel_size (or use a multi-host executor such as 'ray')"
+                "the parallel sizes (or use a multi-host executor such as 'ray')"
             )
 
     @property
@@ -78,9 +78,31 @@ class Executor:
         raise NotImplementedError
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; the output rank's (last pipeline stage, TP rank 0) result."""
+        """One step on every rank; the output rank's (last pipeline stage, TP rank 0) result. Under data
+        parallelism the step is a `DataParallelSchedulerOutput` and the result a `DataParallelRunnerOutput`
+        (executors with more than one DP rank override this and `execute_model_async`; see `step_input`)."""
+        if self.grid.dp_size > 1:
+            raise NotImplementedError(f"the {type(self).__name__} executor does not run data-parallel replicas")
         rank = self.grid.output_rank
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=rank)[rank]
+
+    def step_input(self, scheduler_output: Any, rank: int) -> SchedulerOutput:
+        """What `rank` executes this step: its DP group's part of a `DataParallelSchedulerOutput`."""
+        from keel.engine.scheduler_output import DataParallelSchedulerOutput
+
+        if isinstance(scheduler_output, DataParallelSchedulerOutput):
+            return scheduler_output.parts[self.grid.coords(rank).dp_rank]
+        return scheduler_output
+
+    def step_output(self, results: dict[int, Any]) -> Any:
+        """The step's result from the output ranks' replies (rank -> `ModelRunnerOutput`): that one, or
+        every DP replica's in a `DataParallelRunnerOutput`."""
+        from keel.engine.scheduler_output import DataParallelRunnerOutput
+
+        ranks = self.grid.output_ranks
+        if len(ranks) == 1:
+            return results[ranks[0]]
+        return DataParallelRunnerOutput(tuple(results[r] for r in ranks))
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
         """Launch one step; returns an object whose `get_output()` waits for it (async scheduling).

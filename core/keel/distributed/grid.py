@@ -33,7 +33,8 @@ class RankGrid:
     @classmethod
     def from_config(cls, parallel) -> RankGrid:
         """The grid of a `keel.config.ParallelConfig`."""
-        return cls(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size)
+        return cls(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
+                   dp_size=parallel.data_parallel_size)
 
     @property
     def world_size(self) -> int:
@@ -74,3 +75,8 @@ class RankGrid:
     def output_rank(self) -> int:
         """The rank whose step output the engine core reads: TP rank 0 of the last pipeline stage."""
         return self.rank_of(0, self.pp_size - 1, 0)
+
+    @property
+    def output_ranks(self) -> list[int]:
+        """The output rank of every data-parallel replica, in DP rank order."""
+        return [self.rank_of(0, self.pp_size - 1, d) for d in range(self.dp_size)]

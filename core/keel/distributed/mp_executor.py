@@ -173,26 +173,31 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
-        self._launch(method, args, kwargs, unique_reply_rank)
+        self._launch(method, args, kwargs, None if unique_reply_rank is None else (unique_reply_rank,))
         results = self._gather(range(self.world_size))
         return [results[r] for r in range(self.world_size)]
 
-    def _launch(self, method, args, kwargs, unique_reply_rank) -> None:
+    def _launch(self, method, args, kwargs, reply_ranks) -> None:
+        """Send the call to every rank; `args` may be a function of the rank; `reply_ranks` None: all reply."""
         for rank, conn in enumerate(self._conns):
             if self._dead is not None:
                 raise self._dead
-            reply = unique_reply_rank is None or unique_reply_rank == rank
+            reply = reply_ranks is None or rank in reply_ranks
+            rank_args = args(rank) if callable(args) else args
             try:
-                conn.send((method, tuple(args), dict(kwargs or {}), reply))
+                conn.send((method, tuple(rank_args), dict(kwargs or {}), reply))
             except (BrokenPipeError, OSError):
                 self._check_procs()
                 self._fail(WorkerDiedError(rank, f"worker rank {rank} is gone (its connection closed)"))
 
+    def execute_model(self, scheduler_output) -> Any:
+        return self.execute_model_async(scheduler_output).get_output()
+
     def execute_model_async(self, scheduler_output) -> Any:
         """Sends the step and returns; the workers compute it while the engine core schedules the next."""
-        rank = self.grid.output_rank
-        self._launch("execute_model", (scheduler_output,), None, rank)
-        return _PendingStep(self, rank)
+        self._launch("execute_model", lambda rank: (self.step_input(scheduler_output, rank),), None,
+                     self.grid.output_ranks)
+        return _PendingStep(self)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -228,9 +233,8 @@ class MultiprocExecutor(Executor):
 
 
 class _PendingStep:
-    def __init__(self, executor: MultiprocExecutor, rank: int) -> None:
+    def __init__(self, executor: MultiprocExecutor) -> None:
         self._executor = executor
-        self._rank = rank
 
     def get_output(self) -> Any:
-        return self._executor._gather(range(self._executor.world_size))[self._rank]
+        return self._executor.step_output(self._executor._gather(range(self._executor.world_size)))

@@ -11,6 +11,7 @@ from collections import deque
 
 from keel.config import EngineConfig
 from keel.engine.core_output import EngineCoreOutput, SchedulerStats
+from keel.engine.dp_scheduler import DataParallelScheduler
 from keel.engine.request import EngineCoreRequest
 from keel.engine.scheduler import Scheduler
 from keel.kv_cache.manager import KVCacheManager
@@ -45,25 +46,13 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_kv_blocks = num_blocks
-        managers = self.plugins.registry("kv_cache_spec")
-        kv_manager = KVCacheManager(
-            spec, num_blocks, enable_caching=config.cache.enable_prefix_caching,
-            manager_classes={spec.kind: managers.get(spec.kind)},
-        )
         self.async_scheduling = sched.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.platform.device_type != "cpu" and config.speculative is None
-        self.scheduler = Scheduler(
-            kv_manager,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
-            async_scheduling=self.async_scheduling,
-            structured_output=self._structured_output_manager(),
-            scheduling_policy=sched.scheduling_policy,
-        )
+        # One scheduler per data-parallel replica, each over its own KV cache of num_blocks blocks.
+        self._schedulers = [self._make_scheduler(spec, num_blocks) for _ in range(config.parallel.data_parallel_size)]
+        self.scheduler = (self._schedulers[0] if len(self._schedulers) == 1
+                          else DataParallelScheduler(self._schedulers))
         # Async scheduling: launched steps not yet applied, oldest first (at most two).
         self._in_flight: deque = deque()
         self._hooks = self.plugins.hooks.hook
@@ -74,6 +63,24 @@ class EngineCore:
             "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d, async scheduling %s",
             self.platform.name, num_blocks - 1, spec.block_size, self.max_model_len,
             "on" if self.async_scheduling else "off",
+        )
+
+    def _make_scheduler(self, spec, num_blocks: int) -> Scheduler:
+        config, sched = self.config, self.config.scheduler
+        kv_manager = KVCacheManager(
+            spec, num_blocks, enable_caching=config.cache.enable_prefix_caching,
+            manager_classes={spec.kind: self.plugins.registry("kv_cache_spec").get(spec.kind)},
+        )
+        return Scheduler(
+            kv_manager,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
+            async_scheduling=self.async_scheduling,
+            structured_output=self._structured_output_manager(),
+            scheduling_policy=sched.scheduling_policy,
         )
 
     def _structured_output_manager(self) -> StructuredOutputManager | None:
@@ -125,8 +132,9 @@ class EngineCore:
         if not self._shut_down:
             self._shut_down = True
             self.executor.shutdown()
-            if self.scheduler.structured_output is not None:
-                self.scheduler.structured_output.shutdown()
+            for scheduler in self._schedulers:
+                if scheduler.structured_output is not None:
+                    scheduler.structured_output.shutdown()
             self._hooks.keel_shutdown()
 
     def check_health(self) -> None:

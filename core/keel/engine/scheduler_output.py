@@ -47,10 +47,25 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Allowed tokens of the constrained requests that sample this step (structured outputs), or None.
     grammar_bitmask: GrammarBitmask | None = None
+    # Under data parallelism: every DP rank's total_num_scheduled_tokens this step, in DP rank order
+    # (ranks whose layers gather tokens across DP size their exchange from it; no host sync needed).
+    dp_num_tokens: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class DataParallelSchedulerOutput:
+    """One step of every data-parallel replica (`DataParallelScheduler.schedule`): the executor sends
+    part d to the ranks of DP group d."""
+
+    parts: tuple[SchedulerOutput, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return all(p.is_empty for p in self.parts)
 
 
 @dataclass
@@ -81,3 +96,10 @@ class ModelRunnerOutput:
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass(frozen=True)
+class DataParallelRunnerOutput:
+    """Every DP replica's `ModelRunnerOutput` for a `DataParallelSchedulerOutput`, in DP rank order."""
+
+    outputs: tuple[ModelRunnerOutput, ...]

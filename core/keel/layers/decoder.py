@@ -51,6 +51,9 @@ class PreNormDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        # An mlp that needs the step's metadata (a MoE gathering tokens across DP ranks) declares it.
+        if getattr(self.mlp, "takes_forward_context", False):
+            return self.mlp(hidden, ctx), residual
         return self.mlp(hidden), residual
 
 

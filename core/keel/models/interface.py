@@ -33,7 +33,10 @@ class ModelBuildContext:
     # go through `keel.distributed.get_tp_group()`, created by the worker before the model is built.
     tp_size: int = 1
     tp_rank: int = 0
-    enable_expert_parallel: bool = False  # MoE experts sharded over the TP ranks instead of split
+    enable_expert_parallel: bool = False  # MoE experts sharded over the TP x DP ranks instead of split
+    # This rank's data-parallel replica; with expert parallelism a MoE layer gathers the DP ranks' tokens.
+    dp_size: int = 1
+    dp_rank: int = 0
     # This rank's pipeline stage; a model declaring `supports_pipeline_parallel` builds only its layers.
     pp_size: int = 1
     pp_rank: int = 0

@@ -38,10 +38,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
                  proposer: DraftProposer | None = None, num_speculative_tokens: int = 0,
                  max_model_len: int | None = None, pipeline=None,
-                 logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+                 logits_processors: Sequence[LogitsProcessor] = (), dp_lockstep: bool = False) -> None:
         self.model = model
         # Plugin logits processors (keel.logits_processor) and the layout of their rows, or None.
         self.logits_processors = LogitsProcessorBatch(logits_processors) if logits_processors else None
+        # Data-parallel replicas whose MoE layers exchange tokens: a step with nothing scheduled here
+        # still runs a dummy forward when another DP rank has work, so the collectives pair up.
+        self.dp_lockstep = dp_lockstep
         # keel.distributed.pipeline.PipelineStage under pipeline parallelism: only its last stage samples.
         self.pipeline = pipeline
         self.proposer = proposer
@@ -127,6 +130,9 @@ class ModelRunner:
         if self.pipeline is not None:
             logger.info("decode CUDA graphs off: pipeline stages exchange tensors every step")
             return False
+        if self.dp_lockstep:
+            logger.info("decode CUDA graphs off: the MoE layers' token exchange across DP ranks changes size every step")
+            return False
         refusing = sorted({layer.backend.name for layer in self.attn_layers
                            if not getattr(layer.backend, "supports_cuda_graph", False)})
         if refusing:
@@ -147,14 +153,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int,
-                    decode_seq_lens: Sequence[int] = ()) -> int:
+                    decode_seq_lens: Sequence[int] = (), dp_num_tokens: tuple[int, ...] = ()) -> int:
         """A dummy prefill of `num_tokens` tokens (requests of at most `max_model_len`) plus logits for
         up to `max_num_seqs` rows, on a temporary KV cache: the activation peak of the largest step.
         `decode_seq_lens` adds one decode request (one new token) per entry with that sequence length,
         after the prefills -- a mixed step, or a pure decode step when `num_tokens` is 0.
 
         Called by the worker before sizing the KV cache; returns the temporary cache's bytes (part of
-        the measured peak that the real cache will replace).
+        the measured peak that the real cache will replace). `dp_num_tokens`: the step's DP token counts
+        when this is an idle DP rank's stand-in forward (`execute_model_async`).
         """
         lens = []
         left = num_tokens
@@ -185,7 +192,7 @@ class ModelRunner:
         )
         metas = [builder.build(common) for builder in self._builders]
         ctx = ForwardContext(attn_metadata=[metas[b] for b in self._layer_builder], kv_caches=caches,
-                             num_actual_tokens=common.num_actual_tokens)
+                             num_actual_tokens=common.num_actual_tokens, dp_num_tokens=dp_num_tokens)
         input_ids = torch.zeros(common.num_actual_tokens, dtype=torch.int64, device=dev)
         if self.pipeline is None:
             hidden = self.model(input_ids, pos.to(dev), ctx)
@@ -265,6 +272,8 @@ class ModelRunner:
         """
         self._update_states(so)
         if so.is_empty:
+            if self.dp_lockstep and any(so.dp_num_tokens):  # another DP rank has work: join its exchange
+                self.profile_run(1, 1, 1, dp_num_tokens=so.dp_num_tokens)
             return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), None)
         if so.scheduled_spec_decode_tokens or self.proposer is not None or self.logits_processors is not None:
             self.in_flight.wait()  # logits processors see every committed output token, too
@@ -343,6 +352,7 @@ class ModelRunner:
                 attn_metadata=[metas[b] for b in self._layer_builder],
                 kv_caches=self.kv_caches,
                 num_actual_tokens=num_tokens,
+                dp_num_tokens=so.dp_num_tokens,
             )
             if self.pipeline is None:
                 hidden = self.model(input_ids, t["positions"], ctx)

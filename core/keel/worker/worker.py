@@ -99,6 +99,9 @@ class Worker:
             )
         if pp.world_size > 1 and self.config.speculative is not None:
             raise NotImplementedError("speculative decoding with pipeline_parallel_size > 1 is not supported yet")
+        dp = self.dist.dp
+        if dp.world_size > 1 and self.config.speculative is not None:
+            raise NotImplementedError("speculative decoding with data_parallel_size > 1 is not supported yet")
         if self.config.parallel.enable_expert_parallel and not supports(model_cls, "moe"):
             raise NotImplementedError(f"enable_expert_parallel is set, but {arch} has no MoE layers to shard")
         dtype = mc.torch_dtype
@@ -109,6 +112,7 @@ class Worker:
             attention_backend=None, attention_selector=self._select_backend, quant_method=quant,
             tp_size=tp.world_size, tp_rank=tp.rank_in_group,
             enable_expert_parallel=self.config.parallel.enable_expert_parallel,
+            dp_size=dp.world_size, dp_rank=dp.rank_in_group,
             pp_size=pp.world_size, pp_rank=pp.rank_in_group,
             kv_cache_dtype=self.config.cache.torch_kv_cache_dtype(),
         )
@@ -128,8 +132,11 @@ class Worker:
             stage = PipelineStage(pp, hf_config.hidden_size, dtype, self.device)
         procs = [cls(self.config, self.device, self.device.type == "cuda")
                  for cls in resolve_logits_processors(mc.logits_processors, self.plugins)]
+        # Experts sharded over the DP ranks need every rank in every step's collectives (idle ones too).
+        dp_lockstep = dp.world_size > 1 and build.enable_expert_parallel and supports(model_cls, "moe")
         self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
-                                  max_model_len=mc.derived_max_model_len, pipeline=stage, logits_processors=procs)
+                                  max_model_len=mc.derived_max_model_len, pipeline=stage, logits_processors=procs,
+                                  dp_lockstep=dp_lockstep)
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s%s) with attention backend(s) %s", mc.model, arch, dtype,
                     f", quantization {quant.name}" if quant is not None else "", names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from keel.config import ConfigError
@@ -48,7 +48,8 @@ class RayExecutor(Executor):
         total = int(ray.cluster_resources().get(resource, 0))
         if total < n:
             raise ConfigError(
-                f"tensor_parallel_size x pipeline_parallel_size = {n} ranks, but the Ray cluster has {total} "
+                f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {n} ranks, but the Ray "
+                f"cluster has {total} "
                 f"{resource}(s); add nodes or lower the parallel sizes"
             )
         self._pg = placement_group([{resource: 1}] * n, strategy="PACK")
@@ -124,22 +125,27 @@ class RayExecutor(Executor):
         self.shutdown()
         raise error
 
-    def _launch(self, method: str, args: Sequence[Any], kwargs: dict[str, Any] | None,
-                unique_reply_rank: int | None) -> list[Any]:
+    def _launch(self, method: str, args: Sequence[Any] | Callable[[int], Sequence[Any]],
+                kwargs: dict[str, Any] | None, reply_ranks: Collection[int] | None) -> list[Any]:
+        """One call per actor; `args` may be a function of the rank; `reply_ranks` None: all reply."""
         if self._dead is not None:
             raise self._dead
-        return [a.call.remote(method, tuple(args), dict(kwargs or {}),
-                              unique_reply_rank is None or unique_reply_rank == rank)
+        return [a.call.remote(method, tuple(args(rank) if callable(args) else args), dict(kwargs or {}),
+                              reply_ranks is None or rank in reply_ranks)
                 for rank, a in enumerate(self._actors)]
 
     def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
-        return self._gather(self._launch(method, args, kwargs, unique_reply_rank))
+        replies = None if unique_reply_rank is None else (unique_reply_rank,)
+        return self._gather(self._launch(method, args, kwargs, replies))
+
+    def execute_model(self, scheduler_output) -> Any:
+        return self.execute_model_async(scheduler_output).get_output()
 
     def execute_model_async(self, scheduler_output) -> Any:
-        rank = self.grid.output_rank
-        refs = self._launch("execute_model", (scheduler_output,), None, rank)
-        return _PendingStep(self, refs, rank)
+        refs = self._launch("execute_model", lambda rank: (self.step_input(scheduler_output, rank),), None,
+                            self.grid.output_ranks)
+        return _PendingStep(self, refs)
 
     @property
     def actors(self) -> list[Any]:
@@ -167,8 +173,8 @@ class RayExecutor(Executor):
 
 
 class _PendingStep:
-    def __init__(self, executor: RayExecutor, refs: list[Any], rank: int) -> None:
-        self._executor, self._refs, self._rank = executor, refs, rank
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
+        self._executor, self._refs = executor, refs
 
     def get_output(self) -> Any:
-        return self._executor._gather(self._refs)[self._rank]
+        return self._executor.step_output(dict(enumerate(self._executor._gather(self._refs))))

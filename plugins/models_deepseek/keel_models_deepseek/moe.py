@@ -8,13 +8,18 @@ the top-k weights and `routed_scaling_factor` multiplies them, for both (transfo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.distributed.communication_op import tensor_model_parallel_all_reduce
+from keel.distributed.communication_op import (
+    data_parallel_all_gather,
+    expert_parallel_all_reduce,
+    tensor_model_parallel_all_reduce,
+)
+from keel.forward_context import ForwardContext
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.fused_moe import FusedMoE, FusedMoEParallelConfig, RoutingConfig
 from keel.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -95,7 +100,10 @@ def routing_config(config: Any, version: int) -> RoutingConfig:
 
 class DeepseekV2MoE(nn.Module):
     """Routed experts plus always-on shared experts; checkpoint names `mlp.gate.*`, `mlp.experts.{e}.*`,
-    `mlp.shared_experts.*`."""
+    `mlp.shared_experts.*`. Called with the step's `ForwardContext` (attention data parallelism sizes
+    its token exchange from it)."""
+
+    takes_forward_context: ClassVar[bool] = True
 
     def __init__(self, config: Any, build: ModelBuildContext, version: int, prefix: str) -> None:
         super().__init__()
@@ -110,7 +118,8 @@ class DeepseekV2MoE(nn.Module):
             routing,
             activation=act,
             prefix=f"{prefix}.experts",
-            parallel=FusedMoEParallelConfig.make(build.tp_size, build.tp_rank, build.enable_expert_parallel),
+            parallel=FusedMoEParallelConfig.make(build.tp_size, build.tp_rank, build.enable_expert_parallel,
+                                                 build.dp_size, build.dp_rank),
             quant_config=build.quant_method,
         )
         n_shared = getattr(config, "n_shared_experts", None) or 0
@@ -123,10 +132,31 @@ class DeepseekV2MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden] -> [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        if self.experts.parallel.dp_size > 1:
+            return self._forward_dp(x, ctx)
         # The shared experts' output rides into the routed experts' combine (one kernel on the Triton path).
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, residual=shared)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out, self.tp_size)
         return out
+
+    def _forward_dp(self, x: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
+        """Attention DP, experts EP over the TP x DP ranks: every DP rank's tokens (padded to the step's
+        largest count) are gathered, each rank runs its experts on all of them, one all-reduce over the EP
+        group sums the experts (and each DP rank's shared experts, added at its own rows), and each rank
+        keeps its rows. An idle DP rank joins with a dummy token (`ModelRunner`)."""
+        n = x.shape[0]
+        parallel = self.experts.parallel
+        # ctx without counts: a profiling forward, where every rank runs the same shapes.
+        pad = max(ctx.dp_num_tokens) if ctx is not None and ctx.dp_num_tokens else n
+        start = parallel.dp_rank * pad  # this DP rank's rows
+        tokens = data_parallel_all_gather(F.pad(x, (0, 0, 0, pad - n)), 0, parallel.dp_size)  # [dp * pad, hidden]
+        shared = None
+        if self.shared_experts is not None:  # this DP rank's tokens only (a partial sum over its TP ranks)
+            shared = torch.zeros_like(tokens)
+            shared[start:start + n] = self.shared_experts(x)
+        out = self.experts(tokens, self.gate(tokens), self.gate.e_score_correction_bias, residual=shared)
+        return expert_parallel_all_reduce(out, parallel.ep_size)[start:start + n]

@@ -1,7 +1,7 @@
-"""DeepSeek under tensor and expert parallelism on the CPU ("mp" executor, gloo): MLA heads split over
-TP=2 and TP=4 with the routed experts split (V2) or sharded over EP=2 / EP=4 (V3); greedy tokens equal
-transformers' and the one-rank run's, float32 logprobs within 1e-4 of both, through chunked prefill,
-preemption and prefix hits."""
+"""DeepSeek under tensor, expert and data parallelism on the CPU ("mp" executor, gloo): MLA heads split
+over TP=2 and TP=4 with the routed experts split (V2) or sharded over EP=2 / EP=4 (V3), and attention DP=2
+with the experts EP over the same ranks; greedy tokens equal transformers' and the one-rank run's,
+float32 logprobs within 1e-4 of both, through chunked prefill, preemption and prefix hits."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ CASES = {
     "v2-tp4": ("v2", {"tensor_parallel_size": 4}),
     "v3-tp2-ep2": ("v3", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     "v3-tp4-ep4": ("v3", {"tensor_parallel_size": 4, "enable_expert_parallel": True}),
+    # Attention DP, experts EP over the same 2 ranks: each replica its own scheduler and 14-block cache
+    # (it still preempts; the prefix-hit prompts go to replica 0, idle then, which holds their prefix).
+    "v3-dp2-ep2": ("v3", {"data_parallel_size": 2, "enable_expert_parallel": True, "max_model_len": 48,
+                          "num_kv_blocks": 14}),
 }
 
 
