@@ -1,6 +1,7 @@
 """Pipeline parallelism on the CPU ("mp" executor, gloo): a 3-layer Llama with tied embeddings split over
-2 stages (1 + 2 layers; the LM head shares the last stage's copy of the embedding) gives transformers'
-greedy tokens and logprobs within 1e-4 through chunked prefill, preemption and prefix hits; so does
+2 stages (1 + 2 layers; the LM head shares the last stage's copy of the embedding), fed two micro-batches
+at a time, gives transformers' greedy tokens and logprobs within 1e-4 through chunked prefill,
+preemption and prefix hits; so does
 TP=2 x PP=2 on 4 ranks (and equals the one-rank run)."""
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import pytest
 
 from keel.config import ConfigError, EngineArgs
 from keel.distributed.pipeline import get_pp_indices
+from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
-from keel.testing.distributed import check_stress, run_stress_engine
+from keel.testing.distributed import STRESS_ARGS, check_stress, run_stress, run_stress_engine, stress_prompts
 
 
 def test_stage_layer_split():
@@ -26,10 +28,27 @@ def llama(tmp_path_factory):
                            tie_word_embeddings=True)
 
 
-def test_pipeline_parallel_matches_transformers(llama):
-    run = run_stress_engine(llama, 300, pipeline_parallel_size=2)
-    assert run.executor_backend == "mp"
-    check_stress(llama, run.prompts, run.results, run.metrics)
+def test_pipeline_parallel_micro_batches_match_transformers(llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama), pipeline_parallel_size=2, **STRESS_ARGS))
+    core = engine.core
+    assert core.max_in_flight == 2 and core.scheduler.pipelined  # on by default, the CPU too
+    overlapped, launch = [], core.executor.execute_model_async
+
+    def spy(so):  # the requests of this step and of the non-empty steps still in flight
+        busy = [set(s.num_scheduled_tokens) for s, _ in core._in_flight if not s.is_empty]
+        if not so.is_empty and busy:
+            overlapped.append((set(so.num_scheduled_tokens), busy))
+        return launch(so)
+
+    core.executor.execute_model_async = spy
+    try:
+        prompts = stress_prompts(300)
+        results, metrics = run_stress(engine, prompts)
+    finally:
+        engine.shutdown()
+    check_stress(llama, prompts, results, metrics)
+    # Both stages had work: a micro-batch went in while another was in flight (decodes never in two).
+    assert len(overlapped) >= 10, overlapped
 
 
 def test_tensor_and_pipeline_parallel_match_transformers_and_one_rank(llama):

@@ -3,10 +3,11 @@ side of a step.
 
 A model declaring `supports_pipeline_parallel` builds only its stage's layers (`get_pp_indices`, vLLM's
 split: equal shares, the remainder to the last stages) and returns `IntermediateTensors` from every stage
-but the last. The runner's `PipelineStage` receives the previous stage's tensors, runs the model, sends
-its own on, and -- after the last stage sampled -- gives every stage the step's sampled tokens, so each
-keeps its own input batch (the scheduler sends no token ids). Stages run one step at a time, in order
-(no micro-batches yet).
+but the last. The runner's `PipelineStage` receives the previous stage's tensors, runs the model and sends
+its own on; only the last stage samples. The stages before it learn the sampled tokens from the scheduler
+(`CachedRequestData.new_token_ids`) the next time the request is scheduled, so no stage ever waits for a
+later one: with micro-batches (the engine core keeps `pipeline_parallel_size` steps of disjoint requests
+in flight) stage 0 computes step N + 1 while stage 1 computes step N.
 """
 
 from __future__ import annotations
@@ -74,9 +75,3 @@ class PipelineStage:
             intermediate = IntermediateTensors(zeros, zeros.clone())
         out = model(input_ids, positions, ctx, intermediate_tensors=intermediate)
         return out if self.is_last else None
-
-    def share_sampled(self, sampled: torch.Tensor | None, num: int) -> torch.Tensor:
-        """The last stage's sampled tokens ([num] int64) on every stage."""
-        if sampled is None:
-            sampled = torch.empty(num, dtype=torch.int64, device=self.device)
-        return self.group.broadcast(sampled.contiguous(), src=self.group.world_size - 1)

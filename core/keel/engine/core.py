@@ -47,13 +47,17 @@ class EngineCore:
             raise
         self.num_kv_blocks = num_blocks
         self.async_scheduling = sched.async_scheduling
-        if self.async_scheduling is None:
-            self.async_scheduling = self.platform.device_type != "cpu" and config.speculative is None
+        pp = config.parallel.pipeline_parallel_size
+        if self.async_scheduling is None:  # on for pipeline stages: it is what feeds them micro-batches
+            self.async_scheduling = (self.platform.device_type != "cpu" or pp > 1) and config.speculative is None
+        # Steps in flight: two overlap the host with the device; under pipeline parallelism one
+        # micro-batch per stage keeps every stage busy.
+        self.max_in_flight = max(2, pp) if self.async_scheduling else 1
         # One scheduler per data-parallel replica, each over its own KV cache of num_blocks blocks.
         self._schedulers = [self._make_scheduler(spec, num_blocks) for _ in range(config.parallel.data_parallel_size)]
         self.scheduler = (self._schedulers[0] if len(self._schedulers) == 1
                           else DataParallelScheduler(self._schedulers))
-        # Async scheduling: launched steps not yet applied, oldest first (at most two).
+        # Async scheduling: launched steps not yet applied, oldest first (at most max_in_flight).
         self._in_flight: deque = deque()
         self._hooks = self.plugins.hooks.hook
         self._shut_down = False
@@ -81,6 +85,7 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
             structured_output=self._structured_output_manager(),
             scheduling_policy=sched.scheduling_policy,
+            pipeline_depth=self.max_in_flight if config.parallel.pipeline_parallel_size > 1 else 1,
         )
 
     def _structured_output_manager(self) -> StructuredOutputManager | None:
@@ -158,12 +163,13 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             return self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
         launched = False
-        if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
+        depth = self.max_in_flight
+        if len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             self._in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
             launched = not scheduler_output.is_empty
-        if not self._in_flight or (launched and len(self._in_flight) < 2):
-            return []  # the first step of a burst: launch the next one before waiting for it
+        if not self._in_flight or (launched and len(self._in_flight) < depth):
+            return []  # early in a burst: launch more steps before waiting for the oldest
         scheduler_output, pending = self._in_flight.popleft()
         return self._apply(scheduler_output, pending.get_output())
 

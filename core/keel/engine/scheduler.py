@@ -55,11 +55,14 @@ class Scheduler:
         async_scheduling: bool = False,
         structured_output: StructuredOutputManager | None = None,
         scheduling_policy: str = "fcfs",
+        pipeline_depth: int = 1,
     ) -> None:
         if async_scheduling and num_spec_tokens:
             raise ValueError("async scheduling does not support speculative decoding yet")
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}: fcfs or priority")
+        if pipeline_depth > 1 and not async_scheduling:
+            raise ValueError("pipelined scheduling (micro-batches) runs with async scheduling")
         self.by_priority = scheduling_policy == "priority"
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -69,6 +72,13 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
         self.structured_output = structured_output
+        # Pipeline parallelism: `pipeline_depth` steps in flight are micro-batches of disjoint requests (a
+        # request whose sampled token has not arrived waits: the first stage needs it), each taking about
+        # 1 / depth of the running requests, and cached requests carry the tokens the runner has not seen
+        # (`CachedRequestData.new_token_ids`).
+        self.pipeline_depth = pipeline_depth
+        self.pipelined = pipeline_depth > 1
+        self._runner_num_tokens: dict[str, int] = {}  # pipelined: tokens each request's runner mirror holds
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -127,10 +137,11 @@ class Scheduler:
 
         # Running requests first, in arrival order; the last one is preempted when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
+        share = -(-len(self.running) // self.pipeline_depth)  # running requests one micro-batch takes
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < share:
             request = self.running[i]
             if request.num_output_placeholders and (
-                    request.structured_output is not None or self._placeholders_finish(request)):
+                    self.pipelined or request.structured_output is not None or self._placeholders_finish(request)):
                 i += 1
                 continue
             num_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
@@ -264,12 +275,17 @@ class Scheduler:
         new_reqs: list[NewRequestData],
         cached_reqs: list[CachedRequestData],
     ) -> None:
-        if request.request_id in self._known_to_runner:
-            cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
+        rid = request.request_id
+        if rid in self._known_to_runner:
+            new_tokens = []
+            if self.pipelined:
+                new_tokens = request.all_token_ids[self._runner_num_tokens[rid]:]
+                self._runner_num_tokens[rid] = len(request.all_token_ids)
+            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens, new_tokens))
             return
-        self._known_to_runner.add(request.request_id)
+        self._known_to_runner.add(rid)
+        if self.pipelined:
+            self._runner_num_tokens[rid] = len(request.all_token_ids)
         params = request.sampling_params
         stop_ids = set(params.stop_token_ids or ())
         if request.eos_token_id is not None and not params.ignore_eos:
@@ -304,6 +320,7 @@ class Scheduler:
     def _drop_from_runner(self, request_id: str) -> None:
         if request_id in self._known_to_runner:
             self._known_to_runner.discard(request_id)
+            self._runner_num_tokens.pop(request_id, None)
             self._forget.add(request_id)
 
     # ---------------------------------------------------------------- apply

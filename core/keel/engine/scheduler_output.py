@@ -34,6 +34,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallelism: the tokens sampled since the runner last saw this request (only the last
+    # stage samples; the stages before it learn the tokens here). Empty otherwise.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -252,6 +252,10 @@ class ModelRunner:
         computed = batch.num_computed_tokens
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            if cached.new_token_ids and self.pipeline is not None and not self.pipeline.is_last:
+                # Tokens the last stage sampled: the scheduler relays them (this stage samples nothing).
+                state.token_ids.extend(cached.new_token_ids)
+                batch.append_tokens(state.row, cached.new_token_ids)
             if cached.new_block_ids:
                 state.block_ids.extend(cached.new_block_ids)
                 batch.append_block_ids(state.row, cached.new_block_ids)
@@ -361,7 +365,7 @@ class ModelRunner:
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         launch = None
-        if sampling_reqs:
+        if sampling_reqs and hidden is not None:  # pipeline stages before the last sample nothing
             constraint = (t["grammar_bitmask"], t["grammar_rows"]) if grammar is not None else None
             if so.scheduled_spec_decode_tokens:
                 self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out, constraint)
@@ -419,14 +423,11 @@ class ModelRunner:
         """
         batch = self.input_batch
         rows_states = [states[i] for i in sampling_idx.tolist()] if self.logits_processors is not None else ()
-        result = None if hidden is None else self._sample(hidden, sample_rows, sample_batch_rows, staged,
-                                                                constraint, rows_states)
-        sampled = None if result is None else result.sampled_token_ids  # [S] int64, device
-        if self.pipeline is not None:  # every stage appends the last stage's tokens
-            sampled = self.pipeline.share_sampled(sampled, int(sample_batch_rows.shape[0]))
+        result = self._sample(hidden, sample_rows, sample_batch_rows, staged, constraint, rows_states)
+        sampled = result.sampled_token_ids  # [S] int64, device
         positions = batch.advance(sample_batch_rows)
         self.sampling_state.record_sampled(batch, sample_batch_rows, sampled)
-        lps = None if result is None or result.logprobs is None else (
+        lps = None if result.logprobs is None else (
             result.logprob_token_ids, result.logprobs, result.ranks)
         event = None
         if self.device.type == "cpu":
