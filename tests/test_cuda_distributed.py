@@ -36,6 +36,6 @@ def test_mp_executor_on_one_gpu_goes_through_nccl(tmp_path):
     # The worker process first: the in-process run afterwards cannot leave memory in its way.
     info, results = _run(path, distributed_executor_backend="mp")
     assert info == [{"backend": "nccl", "tp_group": "GroupCoordinator(tp, ranks=[0], rank_in_group=0)",
-                     "device_communicator": "NcclCommunicator"}]
+                     "device_communicator": "NcclCommunicator", "tp_all_reduce": 1.0}]
     _, reference = _run(path, distributed_executor_backend="uni")
     assert_same_as_reference(results, reference)

@@ -43,6 +43,7 @@ def test_killed_worker_fails_the_engine_naming_its_rank(llama):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama), tensor_parallel_size=2, **STRESS_ARGS))
     executor = engine.core.executor
     try:
+        assert [i["tp_all_reduce"] for i in executor.collective_rpc("distributed_info")] == [2.0, 2.0]
         engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=50, ignore_eos=True))
         engine.step()
         os.kill(executor.worker_pids[1], signal.SIGKILL)
@@ -68,7 +69,7 @@ def test_mp_executor_with_one_rank_joins_through_the_communicator(llama, one_ran
                                                    **STRESS_ARGS))
     try:
         info = engine.core.executor.collective_rpc("distributed_info")
-        assert [i["backend"] for i in info] == ["gloo"]
+        assert [(i["backend"], i["tp_all_reduce"]) for i in info] == [("gloo", 1.0)]
         results, _ = run_stress(engine, one_rank.prompts)
     finally:
         engine.shutdown()

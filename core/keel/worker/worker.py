@@ -64,15 +64,21 @@ class Worker:
         self.dist = init_distributed_environment(grid, self.rank, self.platform.communicator(),
                                                  self.distributed_init_method)
 
-    def distributed_info(self) -> dict[str, str | None]:
-        """Called through `collective_rpc` by diagnostics and tests: how this rank talks to the others
-        (torch.distributed backend, None when not joined; the TP group's device communicator class)."""
+    def distributed_info(self) -> dict[str, str | float | None]:
+        """Called through `collective_rpc` (on every rank at once: it runs a collective) by diagnostics
+        and tests: how this rank talks to the others -- torch.distributed backend (None when not joined),
+        the TP group's device communicator class, and the sum of a one-element all-reduce over the TP
+        group on this rank's device (its size when the path works)."""
+        import torch
         import torch.distributed as dist
 
-        comm = self.dist.tp.device_communicator
+        tp = self.dist.tp
+        comm = tp.device_communicator
+        ones = tp.all_reduce(torch.ones(1, device=self.device))
         return {"backend": dist.get_backend() if dist.is_initialized() else None,
-                "tp_group": repr(self.dist.tp),
-                "device_communicator": None if comm is None else type(comm).__qualname__}
+                "tp_group": repr(tp),
+                "device_communicator": None if comm is None else type(comm).__qualname__,
+                "tp_all_reduce": float(ones.item())}
 
     def load_model(self) -> None:
         if self.dist is None:
