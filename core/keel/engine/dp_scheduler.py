@@ -15,6 +15,7 @@ A request goes to the rank with the fewest unfinished requests (ties: the lowest
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 
 from keel.engine.core_output import EngineCoreOutput, SchedulerStats
@@ -71,19 +72,22 @@ class DataParallelScheduler:
                 self._rank_of.pop(out.request_id, None)
 
     def make_stats(self) -> SchedulerStats:
-        """Counters summed over the replicas; KV cache usage is their mean (every pool has the same size)."""
+        """Counters summed over the replicas (per-key for dicts, per-position for lists); KV cache usage
+        is their mean (every pool has the same size)."""
         stats = [s.make_stats() for s in self.schedulers]
         total = SchedulerStats()
         for field in dataclasses.fields(SchedulerStats):
             values = [getattr(s, field.name) for s in stats]
-            if field.name == "num_finished_total":
-                merged: dict[str, int] = {}
+            if field.name == "kv_cache_usage":
+                merged = sum(values) / len(values)
+            elif isinstance(values[0], dict):
+                merged = {}
                 for v in values:
-                    for reason, n in v.items():
-                        merged[reason] = merged.get(reason, 0) + n
-                setattr(total, field.name, merged)
-            elif field.name == "kv_cache_usage":
-                total.kv_cache_usage = sum(values) / len(values)
+                    for key, n in v.items():
+                        merged[key] = merged.get(key, 0) + n
+            elif isinstance(values[0], list):
+                merged = [sum(col) for col in itertools.zip_longest(*values, fillvalue=0)]
             else:
-                setattr(total, field.name, sum(values))
+                merged = sum(values)
+            setattr(total, field.name, merged)
         return total
