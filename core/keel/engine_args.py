@@ -95,6 +95,7 @@ class _OneNameAction(argparse.Action):
 _ALIASES = {
     "tensor_parallel_size": ("-tp",),
     "pipeline_parallel_size": ("-pp",),
+    "data_parallel_size": ("-dp",),
     "quantization": ("-q",),
     "num_kv_blocks": ("--num-gpu-blocks-override",),
 }

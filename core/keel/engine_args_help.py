@@ -30,6 +30,8 @@ HELP: dict[str, str] = {
     "profile": "profile name (profiles/NAME.yaml) or path to a YAML profile",
     "tensor_parallel_size": "tensor-parallel ranks",
     "pipeline_parallel_size": "pipeline-parallel stages",
+    "data_parallel_size": "data-parallel replicas (a scheduler and KV cache each; with --enable-expert-parallel, "
+                          "attention DP and the MoE experts EP over the same ranks)",
     "enable_expert_parallel": "shard MoE experts over the tensor-parallel ranks",
     "distributed_executor_backend": "executor driving the workers: uni, mp, ray (auto: uni for one rank, "
                                     "else mp)",

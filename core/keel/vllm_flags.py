@@ -44,7 +44,6 @@ UNIMPLEMENTED: dict[str, str] = {
     "--task": "generation models only",
     "--pooler-config": "no pooling models yet",
     "--override-pooler-config": "no pooling models yet",
-    "-dp": "spelled --data-parallel-size here",
     "--data-parallel-rank": "the data-parallel replicas live in one engine core (--data-parallel-size)",
     "--data-parallel-address": "the data-parallel replicas live in one engine core (--data-parallel-size)",
     "--data-parallel-rpc-port": "the data-parallel replicas live in one engine core (--data-parallel-size)",

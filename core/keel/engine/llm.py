@@ -43,7 +43,8 @@ class LLM:
     `gpu_memory_utilization` [0.9], `kv_cache_dtype` ["auto"].
     Scheduler: `max_num_seqs` [256], `max_num_batched_tokens`, `enable_chunked_prefill` [True],
     `async_scheduling` [on off the CPU], `scheduling_policy` ["fcfs" | "priority"].
-    Parallelism: `tensor_parallel_size` [1], `pipeline_parallel_size` [1], `enable_expert_parallel`,
+    Parallelism: `tensor_parallel_size` [1], `pipeline_parallel_size` [1], `data_parallel_size` [1],
+    `enable_expert_parallel`,
     `distributed_executor_backend` ("uni" | "mp" | "ray").
     Device: `platform` ["auto"], `attention_backend` ["auto"], `enforce_eager` [False].
     Speculative decoding: `speculative_config` ({"method": ..., "num_speculative_tokens": ...}).
@@ -81,6 +82,7 @@ class LLM:
         scheduling_policy: str | None = None,
         tensor_parallel_size: int | None = None,
         pipeline_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
         enable_expert_parallel: bool | None = None,
         distributed_executor_backend: str | None = None,
         platform: str | None = None,
