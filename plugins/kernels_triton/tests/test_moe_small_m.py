@@ -159,4 +159,7 @@ def test_small_m_benchmark_compares_main_with_the_engine_path():
         (main13, main2), bounded = found["main"]
         assert (main13.split_k, main2.split_k, bounded) == (1, 1, False)
         (c13, c2), bounded = found["small_m"]
-        assert (c13.split_k, c2.split_k, bounded) == (4, 4, True)  # the rule at M <= 16 (no tuned file here)
+        # The engine's tiles: the rule at M <= 16 (4 slices) where no tuned file applies; on an H200 the
+        # shipped files pin one slice (the measurement found the split path slower).
+        want = 1 if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name() else 4
+        assert (c13.split_k, c2.split_k, bounded) == (want, want, True)
