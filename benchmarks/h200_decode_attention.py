@@ -14,35 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from h200_llama8b import _events_ms  # noqa: E402  (graph-replay timing: CUDA events, median)
+from h200_moe_tiles import copy_bandwidth_GBps  # noqa: E402
+
 CAPTURE_MAX_SEQ = 4096
 BLOCK = 16
-
-
-def events_ms(fn, iters: int = 50, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def copy_bandwidth_GBps() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = events_ms(lambda: y.copy_(x), iters=20)
-    return 2 * x.numel() / ms / 1e6
 
 
 def common_md(batch: int, ctx: int):
@@ -70,7 +52,7 @@ def graph_ms(fn) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return events_ms(g.replay)
+    return _events_ms(g.replay, iters=50, warmup=5)
 
 
 def flash_case(batch: int, ctx: int, splits, launch) -> float:
