@@ -5,6 +5,8 @@ writes), idle experts, and an output buffer poisoned with NaN that every live ro
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
@@ -58,12 +60,19 @@ def fp8_case(seed: int, tokens: int, hidden: int, inter: int, experts: int, top_
     return x, q13, q2, w, ids, quant, ref
 
 
-@pytest.mark.parametrize("tokens,top_k,used", [(1, 2, None), (9, 3, [0, 2, 5])])
-def test_block_fp8_experts_match_the_reference(tokens, top_k, used):
+@pytest.mark.parametrize("tokens,top_k,used,fused_quant", [(1, 2, None, False), (9, 3, [0, 2, 5], False),
+                                                           (9, 3, None, True)])
+def test_block_fp8_experts_match_the_reference(tokens, top_k, used, fused_quant):
     x, q13, q2, w, ids, quant, ref = fp8_case(tokens, tokens, 40, 32, 6, top_k, used)
+    if fused_quant:  # the quantization plugin's one-launch quantizer, as its method hands it over on a GPU
+        quant_fp8 = pytest.importorskip("keel_quantization.fp8_quant_triton").quant_fp8
+        calls = []
+        quant = dataclasses.replace(quant, quantize_input=lambda t, g: calls.append(t.shape) or quant_fp8(t, g))
     residual = torch.randn_like(x)
     out = fused_experts_quant_triton(x, q13, q2, w, ids, "silu", residual, quant, tile_configs=(TILES, TILES))
     torch.testing.assert_close(out, ref + residual, atol=1e-4, rtol=1e-4)
+    if fused_quant:
+        assert calls == [(tokens, 40), (tokens * top_k, 32)]  # both GEMM inputs
 
 
 def test_int4_experts_match_the_reference():

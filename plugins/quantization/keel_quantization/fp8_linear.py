@@ -12,11 +12,13 @@ quantization); an `Fp8Scheme` says what the checkpoint holds:
 - activations: static per-tensor (`input_scale` per shard; a fused layer uses the largest, as vLLM),
   dynamic per token, dynamic per token and `bk`-input group (block FP8), or none (weight-only).
 
-Forward on a GPU (sm89+): an fp8 GEMM on the stored weight (`fp8_native`: torch._scaled_mm or the
-Triton block GEMM), chosen once after loading. Elsewhere, the reference path: activations go through
-their fp8 quantization and back, the weight is dequantized, then one matmul -- the same numbers an fp8
-GEMM computes, up to summation order. Dynamic scales are per token, never per batch, so a request's result does not depend on the
-other requests in the batch.
+Forward on a GPU (sm89+): fp8 GEMMs on the stored weight (`fp8_native`: weight-only Triton for small M,
+torch._scaled_mm or the Triton W8A8 GEMM above), chosen once after loading. Elsewhere, the reference
+path: activations go through their fp8 quantization and back, the weight is dequantized, then one
+matmul -- the same numbers an fp8 GEMM computes, up to summation order. Dynamic scales are per token,
+never per batch, so a request's result does not depend on the other requests in the batch (the GPU's
+small-M path, which skips activation quantization, is the exception: it computes closer to the
+dequantized model, and a step of a captured batch size always takes the same path).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import fp8_math
-from keel_quantization.fp8_native import choose_native, native_linear
+from keel_quantization.fp8_native import choose_native, choose_weight_only_max_m, native_linear
 from keel_quantization.loading import add_param, load_per_shard, load_row_scale, load_sharded
 
 ACTIVATIONS = ("static", "dynamic_token", "dynamic_group", "none")
@@ -57,6 +59,7 @@ class Fp8LinearMethod:
         self.method_name = method_name
         self.params_dtype = torch.float32
         self.native: str | None = None  # the GPU path chosen after loading (fp8_native), None: reference
+        self.weight_only_max_m = 0  # steps of at most this many tokens take fp8_native's "weight_only"
 
     def _check_blocks(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
         bn, bk = self.scheme.block
@@ -103,6 +106,7 @@ class Fp8LinearMethod:
             scale = module.input_scale.data.amax().reshape(1)
             module.input_scale = torch.nn.Parameter(scale, requires_grad=False)
         self.native = choose_native(module.weight, s.activation, s.block, self.params_dtype)
+        self.weight_only_max_m = choose_weight_only_max_m(self.native, s.block)
 
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
         return fp8_math.dequantize(module.weight, getattr(module, self.scheme.scale_name), self.scheme.block,
@@ -125,9 +129,10 @@ class Fp8LinearMethod:
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.native is not None and x2.is_cuda:
+        if self.native is not None:  # chosen for CUDA weights only (tests set it to run kernels interpreted)
             s = self.scheme
-            out = native_linear(self.native, x2, module.weight, getattr(module, s.scale_name), s.activation, s.block,
+            path = "weight_only" if x2.shape[0] <= self.weight_only_max_m else self.native
+            out = native_linear(path, x2, module.weight, getattr(module, s.scale_name), s.activation, s.block,
                                 getattr(module, "input_scale", None), bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         out = F.linear(self.quantize_input(module, x2), self.dequantize_weight(module).to(x.dtype), bias)

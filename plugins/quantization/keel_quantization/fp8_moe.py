@@ -6,11 +6,13 @@ Stacked as `w13_weight` [E, 2I, H] + `w13_<scale>` [E, 2I / bn, ceil(H / bk)] (g
 blocks: I must be a multiple of bn) and `w2_weight` [E, H, I] + `w2_<scale>`. Activations: dynamic per
 token and bk-input group, as the checkpoint's linear layers. Forward: the bound `fused_experts` kernel
 (dequantizing inside the grouped GEMM) or the reference here: only experts with work are dequantized,
-each GEMM input goes through its fp8 rounding and back.
+each GEMM input goes through its fp8 rounding and back. On a GPU the kernels quantize the GEMM inputs
+with this plugin's fused kernel (`fp8_quant_triton`), handed over in the `FusedMoEQuantConfig`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -19,6 +21,16 @@ from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel.quantization import MoELayerSpec, QuantizationError
 from keel_quantization import fp8_math
 from keel_quantization.moe_loading import add_expert_param, apply_experts
+
+
+def input_quantizer(weight: torch.Tensor):
+    """The fused Triton activation quantizer for experts on a GPU (bit-equal to the torch function the
+    kernels otherwise call); None elsewhere."""
+    if not weight.is_cuda or importlib.util.find_spec("triton") is None:
+        return None
+    from keel_quantization.fp8_quant_triton import quant_fp8
+
+    return quant_fp8
 
 
 class Fp8MoEMethod:
@@ -53,7 +65,8 @@ class Fp8MoEMethod:
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig:
         if self._quant is None:
             self._quant = FusedMoEQuantConfig("fp8_block", getattr(layer, f"w13_{self.scale_name}"),
-                                              getattr(layer, f"w2_{self.scale_name}"), block_shape=self.block)
+                                              getattr(layer, f"w2_{self.scale_name}"), block_shape=self.block,
+                                              quantize_input=input_quantizer(layer.w13_weight))
         return self._quant
 
     def apply(

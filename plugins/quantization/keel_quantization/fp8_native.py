@@ -1,13 +1,19 @@
 """FP8 linear layers computed in fp8 on the GPU: the weight stays e4m3 and is never dequantized per step.
 
-Chosen once per layer after loading (`choose_native`), from where the weight lives and what the scheme is:
+Chosen once per layer after loading, from where the weight lives and what the scheme is, as a path for
+large M (`choose_native`) and the largest M served weight-only (`choose_weight_only_max_m`); a step's M
+(tokens) is static per captured CUDA graph, so the choice is fixed per graph bucket:
+- "weight_only" (M <= WEIGHT_ONLY_MAX_M, and every M of a weight-only fp8 checkpoint): the fp8 weight
+  widened in registers and multiplied with the model-dtype activations (`fp8_triton.fp8_weight_only_gemm`),
+  the weight scale in the epilogue. Decode is memory-bound: this reads the 1-byte weight once and spends
+  no launch on activation quantization.
 - "scaled_mm": per-channel (or per-tensor, kept per row) weights with per-token or static activations,
   bf16 activations, sizes multiples of 16 -> torch._scaled_mm with row-wise scales (cuBLASLt fp8, sm89+).
 - "triton": block weights with per-token-group activations (DeepSeek-V3), and the per-channel cases
   _scaled_mm does not take (fp16/fp32 activations, odd sizes) as one group per row -> `fp8_triton.fp8_gemm`.
-- None: weight-only fp8 (no activation scheme), CPU weights, GPUs before sm89: the reference path.
-Activations are quantized in torch (`per_token_group_quant_fp8`, per row, or the static scale), the same
-functions the reference rounds with.
+- None: CPU weights, GPUs before sm89: the reference path.
+The W8A8 paths quantize activations in one Triton launch (`fp8_quant_triton.quant_fp8`), bit-equal to
+the torch functions the reference rounds with.
 """
 
 from __future__ import annotations
@@ -19,25 +25,46 @@ import torch
 from keel.layers.fp8_utils import per_token_group_quant_fp8
 from keel_quantization import fp8_math
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Largest M (tokens in a step) served weight-only when activations are quantized on the W8A8 paths: below
+# it a GEMM is memory-bound on the weight, so fp8 x bf16 costs what fp8 x fp8 does, minus the quantization.
+WEIGHT_ONLY_MAX_M = 32
+
+
+def _block_k_fits(block: tuple[int, int] | None) -> bool:
+    return block is None or block[1] <= 128 or block[1] % 128 == 0  # a Triton K tile lies in one group
+
 
 def choose_native(weight: torch.Tensor, activation: str, block: tuple[int, int] | None,
                   dtype: torch.dtype) -> str | None:
-    """The GPU path for a loaded fp8 `weight` [N, K] (see the module docstring)."""
-    if not weight.is_cuda or activation == "none" or torch.cuda.get_device_capability(weight.device) < (8, 9):
+    """The GPU path for a loaded fp8 `weight` [N, K] at large M (see the module docstring)."""
+    if not weight.is_cuda or torch.cuda.get_device_capability(weight.device) < (8, 9):
         return None
-    has_triton = importlib.util.find_spec("triton") is not None
     n, k = weight.shape
-    if block is not None:
-        bk = block[1]
-        return "triton" if has_triton and (bk <= 128 or bk % 128 == 0) else None
+    if activation == "none" or block is not None:  # Triton kernels only
+        if not (_HAS_TRITON and _block_k_fits(block)):
+            return None
+        return "weight_only" if activation == "none" else "triton"
     if dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
-    return "triton" if has_triton else None
+    return "triton" if _HAS_TRITON else None
+
+
+def choose_weight_only_max_m(native: str | None, block: tuple[int, int] | None) -> int:
+    """M at or below which `native_linear` runs "weight_only" (0: never)."""
+    if native is None or not _HAS_TRITON or not _block_k_fits(block):  # _scaled_mm without Triton
+        return 0
+    return 1 << 62 if native == "weight_only" else WEIGHT_ONLY_MAX_M
 
 
 def quantize_activations(x: torch.Tensor, activation: str, block: tuple[int, int] | None,
                          input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, groups]): per token and group, per token, or static."""
+    if _HAS_TRITON:  # one launch; the same numbers as the torch functions below
+        from keel_quantization.fp8_quant_triton import quant_fp8
+
+        group = block[1] if activation == "dynamic_group" else x.shape[1]
+        return quant_fp8(x, group, input_scale.float().reshape(1) if activation == "static" else None)
     if activation == "dynamic_group":
         return per_token_group_quant_fp8(x, block[1])
     if activation == "dynamic_token":
@@ -57,6 +84,14 @@ def native_linear(
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
+    # per-row weight scales are one scale group over all of K
+    group_n, group_k = block if block is not None else (1, x.shape[1])
+    groups = weight_scale if block is not None else weight_scale.reshape(-1, 1)
+    if path == "weight_only":
+        from keel_quantization.fp8_triton import fp8_weight_only_gemm
+
+        out = fp8_weight_only_gemm(x, weight, groups, group_n, group_k)
+        return out if bias is None else out + bias
     a_q, a_s = quantize_activations(x, activation, block, input_scale)
     if path == "scaled_mm":
         out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale.reshape(1, -1),
@@ -64,8 +99,5 @@ def native_linear(
     else:
         from keel_quantization.fp8_triton import fp8_gemm
 
-        if block is not None:
-            out = fp8_gemm(a_q, a_s, weight, weight_scale, block[0], block[1], x.dtype)
-        else:  # one scale group over all of K: per-row weight scales, per-token activation scales
-            out = fp8_gemm(a_q, a_s, weight, weight_scale.reshape(-1, 1), 1, x.shape[1], x.dtype)
+        out = fp8_gemm(a_q, a_s, weight, groups, group_n, group_k, x.dtype)
     return out if bias is None else out + bias

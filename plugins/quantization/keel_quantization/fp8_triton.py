@@ -1,12 +1,19 @@
-"""Triton W8A8 FP8 GEMM with per-group scales: y = sum over K groups of (a_q @ b_q^T) * a_s * b_s.
+"""Triton FP8 GEMMs with per-group scales: y = sum over K groups of (a @ b_q^T) * [a_s] * b_s.
 
-`fp8_gemm(a_q, a_s, b_q, b_s, group_n, group_k)`: a_q e4m3 [M, K] with float32 scales a_s [M, ceil(K / gk)]
-(activations quantized per token and gk-input group), b_q e4m3 [N, K] with b_s [ceil(N / gn), ceil(K / gk)].
-One shape serves every FP8 layout: block FP8 (DeepSeek-V3 / vLLM's w8a8_block_fp8_matmul: gn = gk = 128)
-and per-channel weights with per-token activations (gn = 1, gk = K: one group). Each K tile lies in one
-scale group (BLOCK_K divides gk, or gk = K), so the fp8 MMA runs on raw tiles and the scales multiply
-the tile's float32 partial product. Only loads touch fp8 (Triton's CPU interpreter rounds fp8 casts
-wrongly, loads exactly), so the interpreted kernel is checked against the reference on the CPU.
+`fp8_gemm(a_q, a_s, b_q, b_s, group_n, group_k)` (W8A8): a_q e4m3 [M, K] with float32 scales a_s
+[M, ceil(K / gk)] (activations quantized per token and gk-input group), b_q e4m3 [N, K] with b_s
+[ceil(N / gn), ceil(K / gk)]. One shape serves every FP8 layout: block FP8 (DeepSeek-V3 / vLLM's
+w8a8_block_fp8_matmul: gn = gk = 128) and per-channel weights with per-token activations (gn = 1, gk = K:
+one group). Each K tile lies in one scale group (BLOCK_K divides gk, or gk = K), so the fp8 MMA runs on
+raw tiles and the scales multiply the tile's float32 partial product.
+
+`fp8_weight_only_gemm(x, b_q, b_s, group_n, group_k)` (small M): the same kernel with activations in
+the model dtype and no activation scale; each fp8 weight tile is widened to x's dtype in registers, so a
+decode step reads the 1-byte weight once and quantizes nothing. Its tiles are narrow in N so that even
+M = 1 spreads every layer over all the SMs.
+
+Only loads touch fp8 (Triton's CPU interpreter rounds fp8 casts wrongly, loads exactly), so the
+interpreted kernel is checked against the reference on the CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ def _fp8_gemm_kernel(
     M, N, K,
     stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
     stride_cm, stride_cn,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_A_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -37,17 +44,21 @@ def _fp8_gemm_kernel(
         k = k0 + offs_k
         mask_k = k < K
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8 (or the model dtype)
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None] * stride_bk,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN] fp8
         g = k0 // GROUP_K
-        a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_ask, mask=mask_m, other=0.0)  # [BM]
         b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + g * stride_bsk, mask=mask_n, other=0.0)  # [BN]
-        if UPCAST_DOT:  # the interpreter has no fp8 dot: the same products in float32
+        if UPCAST_DOT:  # the interpreter has no fp8 dot, float32 none in bf16: the same products in float32
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
+        elif HAS_A_SCALE:
             part = tl.dot(a, b)
-        acc += part * a_s[:, None] * b_s[None, :]
+        else:  # weight-only: widen the fp8 tile to the activations' dtype
+            part = tl.dot(a, b.to(a.dtype))
+        if HAS_A_SCALE:
+            a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_ask, mask=mask_m, other=0.0)  # [BM]
+            part = part * a_s[:, None]
+        acc += part * b_s[None, :]
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -57,6 +68,47 @@ def _tiles(m: int, group_k: int, k: int) -> tuple[int, int, int]:
     if m <= 16:
         return 16, 64, block_k
     return (32, 64, block_k) if m <= 64 else (64, 128, block_k)
+
+
+def _weight_only_tiles(m: int, group_k: int, k: int) -> tuple[int, int, int]:
+    # memory-bound: 32 weight rows a program (Llama-8B's 4096-row layers: 128 programs for 132 SMs)
+    block_k = 256 if group_k >= k else min(256, group_k)
+    return (16 if m <= 16 else 32 if m <= 32 else 64), 32, block_k
+
+
+def _check(a: torch.Tensor, a_groups: int | None, b_q: torch.Tensor, b_s: torch.Tensor, group_n: int,
+           group_k: int, name: str) -> None:
+    k = a.shape[1]
+    n = b_q.shape[0]
+    groups = -(-k // group_k)
+    if (b_q.shape[1] != k or b_s.shape[0] != -(-n // group_n) or b_s.shape[1] != groups
+            or a_groups not in (None, groups)):
+        raise ValueError(f"{name}: shapes do not fit: a {tuple(a.shape)}, a groups {a_groups}, b "
+                         f"{tuple(b_q.shape)}, b_s {tuple(b_s.shape)}, groups ({group_n}, {group_k})")
+
+
+def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, tiles, out, num_stages=None) -> torch.Tensor:
+    m, k = a.shape
+    n = b_q.shape[0]
+    bm, bn, bk = tiles
+    if group_k < k and group_k % bk:
+        raise ValueError(f"fp8_gemm: BLOCK_K {bk} must divide the scale group {group_k}")
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
+    if m == 0:
+        return y
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    has_a_scale = a_s is not None
+    a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE
+    # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
+    upcast = a.device.type == "cpu" or bk < 32 or a.dtype == torch.float32
+    _fp8_gemm_kernel[grid](
+        a, a_s, b_q, b_s, y, m, n, k,
+        a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), b_q.stride(0), b_q.stride(1),
+        b_s.stride(0), b_s.stride(1), y.stride(0), y.stride(1),
+        GROUP_N=group_n, GROUP_K=group_k, UPCAST_DOT=upcast, HAS_A_SCALE=has_a_scale,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **({} if num_stages is None else {"num_stages": num_stages}),
+    )
+    return y
 
 
 def fp8_gemm(
@@ -70,22 +122,23 @@ def fp8_gemm(
     tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); tests pick small ones
     out: torch.Tensor | None = None,  # [M, N] in out_dtype, written in full
 ) -> torch.Tensor:  # [M, N]
+    if a_s.shape[0] != a_q.shape[0]:
+        raise ValueError(f"fp8_gemm: a {tuple(a_q.shape)} has scales {tuple(a_s.shape)}")
+    _check(a_q, a_s.shape[1], b_q, b_s, group_n, group_k, "fp8_gemm")
     m, k = a_q.shape
-    n = b_q.shape[0]
-    if b_q.shape[1] != k or a_s.shape[0] != m or b_s.shape[0] != -(-n // group_n) or b_s.shape[1] != a_s.shape[1]:
-        raise ValueError(f"fp8_gemm: shapes do not fit: a {tuple(a_q.shape)}, a_s {tuple(a_s.shape)}, b "
-                         f"{tuple(b_q.shape)}, b_s {tuple(b_s.shape)}, groups ({group_n}, {group_k})")
-    bm, bn, bk = tiles or _tiles(m, group_k, k)
-    if group_k < k and group_k % bk:
-        raise ValueError(f"fp8_gemm: BLOCK_K {bk} must divide the scale group {group_k}")
-    y = torch.empty(m, n, dtype=out_dtype, device=a_q.device) if out is None else out
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _fp8_gemm_kernel[grid](
-        a_q, a_s, b_q, b_s, y, m, n, k,
-        a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1), b_q.stride(0), b_q.stride(1),
-        b_s.stride(0), b_s.stride(1), y.stride(0), y.stride(1),
-        GROUP_N=group_n, GROUP_K=group_k,
-        # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
-        UPCAST_DOT=a_q.device.type == "cpu" or bk < 32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-    )
-    return y
+    return _launch(a_q, a_s, b_q, b_s, group_n, group_k, out_dtype, tiles or _tiles(m, group_k, k), out)
+
+
+def fp8_weight_only_gemm(
+    x: torch.Tensor,  # [M, K] in the model dtype
+    b_q: torch.Tensor,  # e4m3 [N, K]
+    b_s: torch.Tensor,  # float32 [ceil(N / group_n), ceil(K / group_k)]
+    group_n: int,
+    group_k: int,
+    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); tests pick small ones
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
+) -> torch.Tensor:  # [M, N] in x's dtype
+    _check(x, None, b_q, b_s, group_n, group_k, "fp8_weight_only_gemm")
+    m, k = x.shape
+    return _launch(x, None, b_q, b_s, group_n, group_k, x.dtype, tiles or _weight_only_tiles(m, group_k, k), out,
+                   num_stages=4)

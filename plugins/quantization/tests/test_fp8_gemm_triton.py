@@ -1,6 +1,7 @@
-"""The Triton W8A8 FP8 GEMM (interpreted on the CPU; compiled on a GPU) against a float64 reference on the
-dequantized operands: block scales with partial edge blocks (N = 24, K = 40 in 16 x 16 blocks), one group
-per row (per-channel weights, per-token activations), fresh inputs and a NaN-poisoned output buffer."""
+"""The Triton FP8 GEMMs (interpreted on the CPU; compiled on a GPU) against a float64 reference on the
+dequantized operands: W8A8 with block scales with partial edge blocks (N = 24, K = 40 in 16 x 16 blocks)
+and one group per row (per-channel weights, per-token activations); weight-only (model-dtype activations,
+small M) with block and per-row scales; fresh inputs and a NaN-poisoned output buffer."""
 
 from __future__ import annotations
 
@@ -48,3 +49,26 @@ def test_a_block_k_that_does_not_divide_the_group_is_refused():
     b_q, b_s = fp8_math.quantize_blocks(w, (16, 32))
     with pytest.raises(ValueError, match="BLOCK_K 64 must divide the scale group 32"):
         fp8_triton.fp8_gemm(a_q, a_s, b_q, b_s, 16, 32, torch.float32, tiles=(16, 16, 64))
+
+
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (3, torch.bfloat16), (17, torch.float32)])
+def test_weight_only_block_gemm_matches_the_reference(m, dtype):
+    x, w = operands(m, 40, 48, 10 + m)
+    x = x.to(dtype)
+    b_q, b_s = fp8_math.quantize_blocks(w, (16, 16))  # 40 rows: a partial last row block
+    out = torch.full((m, 40), float("nan"), dtype=dtype)
+    fp8_triton.fp8_weight_only_gemm(x, b_q, b_s, 16, 16, tiles=(16, 16, 16), out=out)
+    ref = x.double() @ fp8_math.dequantize(b_q, b_s, (16, 16), torch.float64).T
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_weight_only_per_row_gemm_with_default_tiles():
+    x, w = operands(2, 50, 300, 3)  # K 300: a partial K tile; N 50: a partial N tile
+    b_q, b_s = fp8_math.quantize_per_row(w)
+    out = torch.full((2, 50), float("nan"))
+    fp8_triton.fp8_weight_only_gemm(x, b_q, b_s.reshape(-1, 1), 1, 300, out=out)
+    ref = x.double() @ (b_q.double() * b_s.double()[:, None]).T
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        fp8_triton.fp8_weight_only_gemm(x, b_q, b_s.reshape(-1, 1), 1, 100)

@@ -8,7 +8,10 @@ Kinds:
 - "fp8_block": w13 / w2 in e4m3, `w13_scale` [E, ceil(2I / bn), ceil(H / bk)] and `w2_scale`
   [E, ceil(H / bn), ceil(I / bk)] (real weight = fp8 value * its block's scale; DeepSeek-V3's
   `weight_scale_inv`); each GEMM's input quantized per token and `bk`-input group
-  (`keel.layers.fp8_utils.per_token_group_quant_fp8`), as the checkpoint's dynamic activation scheme says.
+  (`keel.layers.fp8_utils.per_token_group_quant_fp8`), as the checkpoint's dynamic activation scheme says;
+  `quantize_input`, when the method gives one, computes those same numbers faster (a fused kernel of the
+  method's plugin: `(x [M, K], group) -> (e4m3 [M, K], float32 scales [M, ceil(K / group)])`) and kernel
+  providers call it instead.
 - "int4": weight-only 4-bit (GPTQ / AWQ after repacking): `w13` int32 [E, H / 8, 2I] and `w2` int32
   [E, I / 8, H] packed along the input (input k in bits 4 * (k % 8) of word k // 8), `w*_scale` and
   `w*_zeros` [E, groups, N] in the model dtype (real weight = (q - zero) * scale), `w*_g_idx` int32
@@ -17,6 +20,7 @@ Kinds:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,7 @@ class FusedMoEQuantConfig:
     w2_zeros: torch.Tensor | None = None
     w13_g_idx: torch.Tensor | None = None
     w2_g_idx: torch.Tensor | None = None
+    quantize_input: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # fp8_block
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -5,7 +5,8 @@ quantization method hands it a `FusedMoEQuantConfig` (`keel.layers.fused_moe.qua
 alignment, tile configs and combine are the unquantized path's (grouped_gemm.py).
 
 - "fp8_block" (W8A8, DeepSeek-V3): each GEMM's input is quantized per token and bk-input group
-  (`per_token_group_quant_fp8`, the one function the torch reference uses too); the kernel multiplies fp8
+  (`per_token_group_quant_fp8`, the one function the torch reference uses too, or the config's
+  `quantize_input`, the same numbers in one launch); the kernel multiplies fp8
   tiles (native fp8 MMA on sm89+) and scales each K tile's partial product by its rows' activation
   scales and its block's weight scales: acc += (a_q @ b_q) * a_s[:, None] * b_s[None, :]. BLOCK_K is
   capped at bk so one tile lies in one scale group.
@@ -198,10 +199,11 @@ def fused_experts_quant_triton(
     rows = num_tokens * top_k
     hidden = hidden.contiguous()
     group = quant.block_shape[1] if fp8 else 0
+    quantize = quant.quantize_input or per_token_group_quant_fp8
 
     def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: Any, g_idx: Any, n: int,
              weights: torch.Tensor | None, row_div: int, config: MoETileConfig) -> torch.Tensor:
-        x_q, x_s = per_token_group_quant_fp8(x, group) if fp8 else (x, None)
+        x_q, x_s = quantize(x, group) if fp8 else (x, None)
         out = torch.empty(rows, n, dtype=hidden.dtype, device=hidden.device)
         invoke_fused_moe_quant_kernel(x_q, x_s, w, scale, zeros, g_idx, out, weights, sorted_ids, expert_ids, total,
                                       row_div, config, quant)

@@ -1,0 +1,101 @@
+"""Fused FP8 (e4m3) activation quantization in Triton: one launch per linear input.
+
+`quant_fp8(x, group, static_scale)`: x [M, K] in the model dtype -> (e4m3 [M, K], float32 scales
+[M, ceil(K / group)]). Each program reads one token's group(s) once, takes the amax, writes the scale and
+the fp8 values:
+- dynamic per token and `group` inputs (block FP8, DeepSeek-V3): `group` = the weight's block columns;
+- dynamic per token (per-channel / per-tensor weights, torch._scaled_mm row-wise): `group` = K;
+- static (`input_scale` checkpoints): the given scale, written per token so _scaled_mm's row-wise
+  operands have the shape they need.
+
+The numbers equal `keel.layers.fp8_utils.per_token_group_quant_fp8` (the torch reference) bit for bit:
+the same float32 amax, IEEE divisions (`div_rn`: Triton's default float32 division is approximate), and
+rounding to nearest-even on the e4m3 grid done in float32 before the cast. The explicit rounding makes
+the cast exact, which also keeps the CPU interpreter right (it drops the carry of a mantissa that
+rounds up into the next binade: 124.4 -> 64, not 128).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from keel.layers.fp8_utils import FP8, FP8_MAX, MIN_SCALE
+
+_SUBNORMAL = tl.constexpr(2.0**-6)  # e4m3's smallest normal; below it the grid is multiples of 2^-9
+_MAGIC = tl.constexpr(1.5 * 2.0**14)  # float32 ulp here is 2^-9: (a + M) - M rounds a to that grid, ties to even
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v float32 within [-448, 448] -> the nearest e4m3 value (ties to even), still float32."""
+    bits = v.to(tl.int32, bitcast=True)
+    # keep 3 of float32's 23 mantissa bits: add half an ulp (minus one when the kept LSB is even), truncate
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
+    a = tl.abs(v)
+    subnormal = (a + _MAGIC) - _MAGIC
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit, so -0.0 and -tiny stay negative
+    return tl.where(a < _SUBNORMAL, subnormal, normal)
+
+
+@triton.jit
+def _quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr,
+    K, GROUP, NUM_GROUPS,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
+    STATIC: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)  # [G]
+    cols = tl.arange(0, BLOCK_G)  # [BG]
+    k = groups[:, None] * GROUP + cols[None, :]  # [G, BG]
+    mask = (groups[:, None] < NUM_GROUPS) & (cols[None, :] < GROUP) & (k < K)
+    x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_ptr + groups * 0).to(tl.float32)  # [G], the one static scale
+    else:
+        amax = tl.max(tl.abs(x), axis=1)  # [G]
+        scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32)), _MIN_SCALE)
+    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+    q = _round_to_e4m3(v)
+    tl.store(q_ptr + row * stride_qm + k * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < NUM_GROUPS)
+
+
+def quant_fp8(
+    x: torch.Tensor,  # [M, K] in the model dtype
+    group: int,  # inputs per scale group; K (or more) for one scale per token
+    static_scale: torch.Tensor | None = None,  # float32 [1]: a static input_scale instead of dynamic scales
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q, scales) to write in full; tests poison them
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M, K], float32 scales [M, ceil(K / group)])
+    m, k = x.shape
+    group = min(group, k)
+    num_groups = triton.cdiv(k, group)
+    if static_scale is not None and num_groups != 1:
+        raise ValueError(f"quant_fp8: a static scale is one per tensor; got group {group} of K {k}")
+    if out is None:
+        out = (torch.empty(m, k, dtype=FP8, device=x.device),
+               torch.empty(m, num_groups, dtype=torch.float32, device=x.device))
+    q, s = out
+    if q.shape != (m, k) or q.dtype != FP8 or s.shape != (m, num_groups) or s.dtype != torch.float32:
+        raise ValueError(f"quant_fp8: out ({tuple(q.shape)} {q.dtype}, {tuple(s.shape)} {s.dtype}) does not fit "
+                         f"x {tuple(x.shape)} in groups of {group}")
+    if m == 0:
+        return q, s
+    block_g = triton.next_power_of_2(group)
+    per_program = max(1, min(triton.next_power_of_2(num_groups), 4096 // block_g))  # ~4096 inputs a program
+    elements = per_program * block_g
+    grid = (m, triton.cdiv(num_groups, per_program))
+    _quant_fp8_kernel[grid](
+        x, q, s, s if static_scale is None else static_scale,
+        k, group, num_groups,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        STATIC=static_scale is not None, GROUPS_PER_PROGRAM=per_program, BLOCK_G=block_g,
+        num_warps=4 if elements <= 4096 else 8,
+    )
+    return q, s
+

@@ -1,0 +1,77 @@
+"""The fused FP8 activation quantization kernel (interpreted on the CPU; compiled on a GPU by
+tests/test_cuda_quant.py) against the torch functions the reference path rounds with: bit-equal fp8
+values and scales, per token and group (a partial last group; more groups than one program takes), per
+token (K not a power of two), static (saturating), on inputs spanning e4m3's subnormals, zero rows and
+negative zeros, into NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from keel_quantization import fp8_math
+
+from keel.layers.fp8_utils import FP8, MIN_SCALE, per_token_group_quant_fp8
+
+pytest.importorskip("triton")
+fp8_quant_triton = pytest.importorskip("keel_quantization.fp8_quant_triton")
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_quant.py runs it compiled")
+
+
+def activations(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # magnitudes over 8 decades: a token's small inputs land on e4m3's subnormals or round to zero
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-4, 4, k)[torch.randperm(k, generator=gen)]
+    x = x.to(dtype)
+    x[0] = 0.0  # an all-zero token: the minimum scale, zeros out
+    if m > 1:
+        x[1, :3] = -0.0
+    return x
+
+
+def poisoned(m: int, k: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.full((m, k), 0x7F, dtype=torch.uint8).view(FP8)  # e4m3fn NaN
+    return q, torch.full((m, groups), float("nan"))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+
+
+@pytest.mark.parametrize("m,k,group", [(3, 40, 16), (5, 300, 128), (2, 4100, 128), (4, 77, 32)])
+def test_per_token_group_is_bit_equal_to_the_torch_reference(m, k, group):
+    x = activations(m, k, m * k)
+    groups = -(-k // group)
+    q, s = fp8_quant_triton.quant_fp8(x, group, out=poisoned(m, k, groups))
+    want_q, want_s = per_token_group_quant_fp8(x, group)
+    same_bits(q, want_q)
+    assert torch.equal(s, want_s)
+    assert torch.equal(s[0], torch.full_like(s[0], MIN_SCALE))
+
+
+@pytest.mark.parametrize("m,k,dtype", [(1, 48, torch.bfloat16), (6, 1000, torch.float16), (3, 5000, torch.float32)])
+def test_per_token_is_one_group_per_row(m, k, dtype):
+    x = activations(m, k, k, dtype)
+    q, s = fp8_quant_triton.quant_fp8(x, k, out=poisoned(m, k, 1))
+    want_q, want_s = fp8_math.quantize_per_row(x)
+    same_bits(q, want_q)
+    assert torch.equal(s, want_s[:, None])
+
+
+def test_static_scale_saturates_and_is_written_per_token():
+    x = activations(5, 96, 3)
+    x[2, 7] = 1e4  # far above 448 * scale: saturates to the largest e4m3
+    scale = torch.tensor([0.05])
+    q, s = fp8_quant_triton.quant_fp8(x, 96, scale, out=poisoned(5, 96, 1))
+    same_bits(q, fp8_math.to_fp8(x, scale))
+    assert float(q[2, 7].float()) == 448.0
+    assert torch.equal(s, scale.expand(5, 1))
+
+
+def test_no_tokens_and_misfit_outputs():
+    q, s = fp8_quant_triton.quant_fp8(torch.empty(0, 64), 32)
+    assert q.shape == (0, 64) and s.shape == (0, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8_quant_triton.quant_fp8(torch.randn(2, 64), 32, out=poisoned(2, 64, 1))
+    with pytest.raises(ValueError, match="static scale is one per tensor"):
+        fp8_quant_triton.quant_fp8(torch.randn(2, 64), 32, torch.tensor([1.0]))
