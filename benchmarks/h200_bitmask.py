@@ -3,29 +3,34 @@
     python benchmarks/h200_bitmask.py --out benchmarks/results/h200-bitmask.json [--batch 256] [--layers 32]
     python benchmarks/h200_bitmask.py --smoke [--out x.json]   # CPU, tiny shapes: checks the script runs
 
-Needs the core, plugins models-llama / attention-flash / platform-cuda (the cuda profile's plugins) and,
-for the host fill, xgrammar (with its apache-tvm-ffi); without xgrammar the host fill is reported as not
-measured and the device numbers still come.
+Needs the core, plugins models-llama / attention-flash / kernels-triton / platform-cuda (the cuda
+profile's plugins), structured-output-xgrammar and xgrammar (with its apache-tvm-ffi).
 
-Three numbers, on one device (Llama-3-8B shape, vocab 128256, bf16, random weights):
-  1. decode_step_ms: one engine step at `batch` decoding requests (keel.bench.run_latency's time per
-     output token: every step emits one token per request), no constraint;
+On one device (Llama-3-8B shape, vocab 128256, bf16, random weights):
+  1. engine: one engine (load_format="dummy", async scheduling), `batch` requests with distinct random
+     prompts decoding together; ms per step over `--steps` decode steps with no request constrained
+     (`plain_step_ms`, also `decode_step_ms`), with every request constrained by a JSON schema
+     (`constrained_step_ms`: each step is launched before the previous one's tokens are on the host; the
+     bitmask is filled while the forward runs), and the former path for comparison (a constrained
+     request skips the step after each of its tokens: `every_other_step`). `overhead_fraction` =
+     constrained / plain - 1 per step in which every request advances one token (target < 5%). Also the
+     engine's own host fill time per step and how long the runner waited for it before sampling. The
+     grammar library sees a synthetic vocabulary of the model's size (the engine's tokenizer is a small
+     local one; xgrammar's fill cost depends on the vocabulary size and the grammar state);
   2. device_ms: what a constrained step adds on the device -- the bitmask's host-to-device copy from
-     pinned memory plus `keel.layers.token_bitmask.apply_token_bitmask` on [batch, vocab] float32 logits
-     (CUDA events, median);
-  3. host_fill_ms: the engine core's `StructuredOutputManager.grammar_bitmask` for `batch` xgrammar
-     matchers of a JSON schema through the xgrammar backend (xgrammar's threaded batch fill; wall clock,
-     median over steps; each matcher then accepts an allowed token, so the states move as in decoding),
-     and host_fill_sequential_ms, the same rows filled one matcher at a time. The vocabulary is synthetic (256 byte tokens plus
-     generated words): xgrammar's fill cost depends on the vocabulary size and the grammar state.
-The report states device_ms and (device_ms + host_fill_ms) as fractions of decode_step_ms (target:
-< 5%). With async scheduling the host fill of step N+1 overlaps the device's step N for unconstrained
-work, but a constrained request's fill sits between its steps, so the sum is the honest bound.
+     pinned memory plus the mask on [batch, vocab] float32 logits: `device_ms` with the bound kernel
+     (kernels-triton's apply_token_bitmask, one fused kernel over the packed words) and
+     `device_ms_torch_reference` with the torch reference (unpack, masked_fill, index_copy);
+  3. host_fill_ms: `StructuredOutputManager.grammar_bitmask` for `batch` xgrammar matchers of the same
+     schema alone (xgrammar's threaded batch fill; wall clock, median over steps; each matcher then
+     accepts an allowed token, so the states move as in decoding), and host_fill_sequential_ms, the
+     same rows filled one matcher at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import random
@@ -41,6 +46,7 @@ LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers
              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
              "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
              "eos_token_id": 2}
+SMOKE_VOCAB = 2048  # --smoke: still more than the local test tokenizer's 512 tokens
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
@@ -48,32 +54,130 @@ SCHEMA = {"type": "object", "properties": {
                 "required": ["city"]}}, "required": ["name", "age", "tags", "address"]}
 
 
-def decode_step_ms(ns, device: str) -> float:
+def _model_dir(ns) -> tuple[Path, int]:
+    """A Llama-3-8B-shape config (tiny with --smoke) and the small local test tokenizer; (dir, vocab)."""
     from transformers import LlamaConfig
 
-    from keel.bench import run_latency
-    from keel.config import EngineArgs
-    from keel.engine.llm_engine import LLMEngine
+    from keel.testing.tokenizer import build_tokenizer
 
     shape = {**LLAMA3_8B, "num_hidden_layers": ns.layers}
     if ns.smoke:
-        shape.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+        shape.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=SMOKE_VOCAB)
     cfg = LlamaConfig(**shape)
     cfg.architectures = ["LlamaForCausalLM"]
     model_dir = Path(tempfile.mkdtemp()) / "llama8b-shape"
     cfg.save_pretrained(model_dir)
+    build_tokenizer(model_dir)  # the front end needs one; the grammars see the synthetic vocabulary
+    return model_dir, cfg.vocab_size
+
+
+def _use_synthetic_vocabulary(vocab: int) -> None:
+    """The engine's xgrammar backend builds its matchers over the synthetic vocabulary of `vocab` tokens."""
+    import xgrammar as xgr
+    from keel_structured_output_xgrammar import backend
+
+    info = synthetic_tokenizer_info(vocab)
+
+    def init(self, ctx) -> None:
+        self.info = info
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.batch = backend.batch_matcher()
+
+    backend.XGrammarBackend.__init__ = init
+
+
+def _timed(store: list[float], fn):
+    def wrapped(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            store.append((time.perf_counter() - t) * 1e3)
+    return wrapped
+
+
+def engine_steps(ns, device: str) -> dict:
+    """ms per decode step of one engine at `batch` requests, none vs every one JSON-schema constrained."""
+    from keel.bench import random_prompts
+    from keel.config import EngineArgs
+    from keel.engine.llm_engine import LLMEngine
+    from keel.engine.output_processor import RequestOutputKind
+    from keel.engine.sampling_params import SamplingParams
+    from keel.structured_output.manager import GrammarBitmask
+
+    model_dir, vocab = _model_dir(ns)
+    _use_synthetic_vocabulary(vocab)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), profile="cpu" if device == "cpu" else "cuda", load_format="dummy",
-        # The plain step needs no structured-output backend: the profile's kernels and Llama only.
-        plugins=["platform-cpu", "attention-torch", "models-llama"] if device == "cpu" else
-        ["platform-cuda", "attention-flash", "attention-torch", "kernels-triton", "models-llama"],
-        dtype="float32" if device == "cpu" else "bfloat16", skip_tokenizer_init=True, max_model_len=512,
-        max_num_seqs=ns.batch, max_num_batched_tokens=8192,
+        plugins=(["platform-cpu", "attention-torch", "models-llama"] if device == "cpu" else
+                 ["platform-cuda", "attention-flash", "attention-torch", "kernels-triton", "models-llama"])
+        + ["structured-output-xgrammar"],
+        dtype="float32" if device == "cpu" else "bfloat16", max_model_len=512, async_scheduling=True,
+        max_num_seqs=ns.batch, max_num_batched_tokens=8192, seed=0,
         **({} if device == "cpu" else {"gpu_memory_utilization": 0.6})))
-    lat = run_latency(engine, ns.batch, 128, ns.output_len, ns.iters, cfg.vocab_size)
+    core = engine.core
+    manager = core.scheduler.structured_output
+    fills: list[float] = []
+    waits: list[float] = []
+    manager._fill_rows = _timed(fills, manager._fill_rows)  # the engine's fills, on its fill thread
+    result_fn = GrammarBitmask.result
+    GrammarBitmask.result = _timed(waits, result_fn)  # the runner's wait for a bitmask before sampling
+    counter = iter(range(1 << 30))
+
+    def run(constrained: bool, seed: int) -> dict:
+        params = SamplingParams(temperature=1.0, max_tokens=ns.warm_steps + ns.steps + 16, ignore_eos=True,
+                                detokenize=False, structured_outputs={"json": SCHEMA} if constrained else None)
+        ids = []
+        for prompt in random_prompts(ns.batch, ns.input_len, vocab, seed=seed):
+            ids.append(f"r{next(counter)}")
+            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, params, RequestOutputKind.DELTA)
+        tokens = dict.fromkeys(ids, 0)
+
+        def step() -> int:
+            new = 0
+            for out in engine.step():
+                n = len(out.outputs[0].token_ids)
+                tokens[out.request_id] += n
+                new += n
+            return new
+
+        while min(tokens.values()) == 0:  # prefill (and the grammar's compile)
+            step()
+        for _ in range(ns.warm_steps):
+            step()
+        running = sum(1 for r in ids if r in core.scheduler.requests)
+        fills.clear()
+        waits.clear()
+        t = time.perf_counter()
+        new = sum(step() for _ in range(ns.steps))
+        elapsed_ms = (time.perf_counter() - t) * 1e3
+        finished = sum(1 for r in ids if r not in core.scheduler.requests)
+        for r in ids:
+            engine.abort_request(r)
+        while engine.has_unfinished_requests():
+            engine.step()
+        tokens_per_step = new / ns.steps
+        return {"ms_per_step": elapsed_ms / ns.steps, "tokens_per_step": tokens_per_step,
+                # the time in which every running request advances by one token
+                "ms_per_token_step": elapsed_ms / ns.steps * running / max(tokens_per_step, 1e-9),
+                "running_at_start": running, "finished_during": finished,
+                "host_fill_ms": statistics.median(fills) if fills else None,
+                "runner_wait_ms": statistics.median(waits) if waits else None}
+
+    out = {"plain": run(False, 1)}
+    out["constrained"] = run(True, 2)
+    core.scheduler.constrained_in_flight = False  # the former path: skip the step after each token
+    out["every_other_step"] = run(True, 3)
+    core.scheduler.constrained_in_flight = True
+    GrammarBitmask.result = result_fn
     engine.shutdown()
-    del engine
-    return lat["time_per_output_token_ms"]
+    plain = out["plain"]["ms_per_token_step"]
+    out["plain_step_ms"] = plain
+    out["constrained_step_ms"] = out["constrained"]["ms_per_token_step"]
+    out["overhead_fraction"] = out["constrained_step_ms"] / plain - 1
+    out["every_other_step_overhead_fraction"] = out["every_other_step"]["ms_per_token_step"] / plain - 1
+    return out
 
 
 def _median_ms(fn, device: str, iters: int = 50) -> float:
@@ -91,10 +195,12 @@ def _median_ms(fn, device: str, iters: int = 50) -> float:
     return statistics.median(times)
 
 
-def device_ms(batch: int, vocab: int, device: str) -> float:
+def device_ms(batch: int, vocab: int, device: str, apply=None) -> float:
+    """Copy + mask on the device with `apply(logits, bitmask, rows)` (default: the torch reference)."""
     from keel.layers.token_bitmask import apply_token_bitmask
     from keel.structured_output.backend import bitmask_width
 
+    apply = apply or apply_token_bitmask
     logits = torch.randn(batch, vocab, dtype=torch.float32, device=device)
     host = torch.randint(-(2**31), 2**31 - 1, (batch, bitmask_width(vocab)), dtype=torch.int32,
                          pin_memory=device != "cpu")
@@ -102,11 +208,22 @@ def device_ms(batch: int, vocab: int, device: str) -> float:
 
     def step():
         bitmask = host.to(device, non_blocking=True)
-        apply_token_bitmask(logits, bitmask, rows)
+        apply(logits, bitmask, rows)
 
     return _median_ms(step, device)
 
 
+def fused_kernel():
+    """kernels-triton's apply_token_bitmask op, or None where it cannot run (the CPU without the interpreter)."""
+    try:
+        from keel_kernels_triton.token_bitmask import TritonApplyTokenBitmask
+    except ImportError:
+        return None
+    op = TritonApplyTokenBitmask()
+    return op if op.supports("cuda" if torch.cuda.is_available() else "cpu", torch.float32) else None
+
+
+@functools.cache  # ~1 s of Python per build; the host fill and the engine share it
 def synthetic_tokenizer_info(vocab: int):
     import xgrammar as xgr
 
@@ -123,11 +240,8 @@ def synthetic_tokenizer_info(vocab: int):
 
 
 def host_fill_ms(batch: int, vocab: int, steps: int) -> dict:
-    try:
-        import xgrammar as xgr
-        from keel_structured_output_xgrammar.backend import FILL_THREADS, XGrammarBackend, batch_matcher
-    except ImportError as exc:
-        return {"host_fill_ms": None, "host_fill_error": f"xgrammar is not importable: {exc}"}
+    import xgrammar as xgr
+    from keel_structured_output_xgrammar.backend import FILL_THREADS, XGrammarBackend, batch_matcher
 
     from keel.structured_output.backend import BackendContext
     from keel.structured_output.manager import StructuredOutputManager
@@ -184,38 +298,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=48, help="timed decode steps per engine run")
+    parser.add_argument("--warm-steps", type=int, default=8, help="decode steps before timing")
     parser.add_argument("--fill-steps", type=int, default=30)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch: the script runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here (also printed)")
     ns = parser.parse_args()
     device = "cpu" if ns.smoke else "cuda"
     if ns.smoke:
-        ns.batch, ns.layers, ns.output_len, ns.iters, ns.fill_steps = 8, 1, 8, 1, 5
-    vocab = LLAMA3_8B["vocab_size"]
+        ns.batch, ns.layers, ns.input_len, ns.steps, ns.warm_steps, ns.fill_steps = 4, 1, 8, 3, 1, 3
+    vocab = SMOKE_VOCAB if ns.smoke else LLAMA3_8B["vocab_size"]
     result = {"batch": ns.batch, "vocab": vocab, "layers": ns.layers, "device":
               "cpu" if ns.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        check=False).stdout.strip()}
-    result["device_ms"] = device_ms(ns.batch, vocab, device)
-    print(f"bitmask copy + apply on the device: {result['device_ms']:.3f} ms", flush=True)
+    kernel = fused_kernel()
+    result["device_ms_torch_reference"] = device_ms(ns.batch, vocab, device)
+    result["device_ms"] = None if kernel is None else device_ms(ns.batch, vocab, device, kernel)
+    print(f"bitmask copy + mask on the device: fused kernel {result['device_ms']} ms, torch reference "
+          f"{result['device_ms_torch_reference']:.3f} ms", flush=True)
     result.update(host_fill_ms(ns.batch, vocab, ns.fill_steps))
-    if result["host_fill_ms"] is None:
-        print(f"host fill not measured: {result['host_fill_error']}", flush=True)
-    else:
-        print(f"host fill of {ns.batch} xgrammar matchers: {result['host_fill_ms']:.3f} ms batched, "
-              f"{result['host_fill_sequential_ms']:.3f} ms one by one (schema compile {result['compile_s']:.2f} s)",
-              flush=True)
-    result["decode_step_ms"] = decode_step_ms(ns, device)
-    step = result["decode_step_ms"]
-    result["device_fraction"] = result["device_ms"] / step
-    fill = result["host_fill_ms"]
-    result["total_fraction"] = None if fill is None else (result["device_ms"] + fill) / step
-    total = "not measured" if fill is None else f"{100 * result['total_fraction']:.2f}%"
-    print(f"plain decode step at batch {ns.batch}: {step:.3f} ms; bitmask device cost {100 * result['device_fraction']:.2f}%"
-          f", device + host fill {total} (target < 5%)", flush=True)
+    print(f"host fill of {ns.batch} xgrammar matchers: {result['host_fill_ms']:.3f} ms batched, "
+          f"{result['host_fill_sequential_ms']:.3f} ms one by one (schema compile {result['compile_s']:.2f} s)",
+          flush=True)
+    result["engine"] = engine_steps(ns, device)
+    eng = result["engine"]
+    step = result["decode_step_ms"] = eng["plain_step_ms"]
+    result["device_fraction"] = (result["device_ms"] or result["device_ms_torch_reference"]) / step
+    print(f"engine at batch {ns.batch}: plain {step:.3f} ms per step, all constrained "
+          f"{eng['constrained_step_ms']:.3f} ms ({100 * eng['overhead_fraction']:+.2f}%, target < 5%); the "
+          f"every-other-step path {100 * eng['every_other_step_overhead_fraction']:+.2f}%; device cost alone "
+          f"{100 * result['device_fraction']:.2f}% of the plain step", flush=True)
     print(json.dumps(result, indent=2))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

@@ -175,6 +175,54 @@ def test_async_scheduling_skips_a_constrained_request_with_a_token_in_flight():
     assert set(first.num_scheduled_tokens) == {"c", "free"} and list(second.num_scheduled_tokens) == ["free"]
 
 
+def allowed(so, rid: str) -> set[int]:
+    bits = so.grammar_bitmask.bitmask
+    i = so.grammar_bitmask.req_ids.index(rid)
+    return {t for t in range(VOCAB) if (int(bits[i, t // 32]) >> (t % 32)) & 1}
+
+
+def test_constrained_in_flight_schedules_every_step_and_fills_after_the_apply():
+    """Async scheduling with the runner in-process: step N+1 is scheduled before step N's token arrived;
+    its bitmask is filled only once update_from_output applied step N (the grammar saw that token)."""
+    s = make_scheduler(async_scheduling=True, constrained_in_flight=True)
+    add(s, "c", "4 5")
+    add(s, "free", None)
+    wait_ready(s, "c")
+    steps = [s.schedule()]  # the prompt: no token in flight, so its fill starts at once
+    assert allowed(steps[0], "c") == {4}
+    tokens = iter([4, 5, EOS])
+    outs: dict = {}
+    while "c" not in outs or not outs["c"].finished:
+        steps.append(s.schedule())  # launched before the previous step is applied
+        assert set(steps[-1].num_scheduled_tokens) == {"c", "free"}
+        plan = steps[-1].grammar_bitmask
+        assert not plan.done()
+        with pytest.raises(RuntimeError, match="before its fill started"):
+            plan.result()
+        done = steps[-2]
+        token = next(tokens)
+        outs = {o.request_id: o for o in s.update_from_output(done, ModelRunnerOutput(
+            req_ids=list(done.num_scheduled_tokens), sampled_token_ids=[[token], [9]]))}
+        if not outs["c"].finished:  # the fill started with the apply: it sees the token just committed
+            assert allowed(steps[-1], "c") == {4: {5}, 5: {EOS}}[token]
+    assert outs["c"].finish_reason == "stop" and len(steps) == 4  # one step per token, none skipped
+    # The last step computed one extra position of "c" (discarded): a terminated grammar's row allows all.
+    assert len(allowed(steps[-1], "c")) == VOCAB
+    s.update_from_output(steps[-1], ModelRunnerOutput(req_ids=list(steps[-1].num_scheduled_tokens),
+                                                      sampled_token_ids=[[11], [9]]))
+    assert "c" not in s.requests
+
+
+def test_bitmask_travels_to_another_process_filled():
+    import pickle
+
+    s = make_scheduler()
+    add(s, "c", "7")
+    wait_ready(s, "c")
+    so = pickle.loads(pickle.dumps(s.schedule()))
+    assert so.grammar_bitmask.done() and allowed(so, "c") == {7}
+
+
 def test_front_end_refusals():
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="invalid"))
     base = {"tokenizer": object(), "max_model_len": 64, "vocab_size": VOCAB, "eos_token_id": EOS}

@@ -46,6 +46,9 @@ class Executor:
     # Whether every rank runs on this host's devices (then the world size is checked against
     # `Platform.device_count()` at startup); executors spanning hosts check their cluster themselves.
     uses_local_devices: ClassVar[bool] = True
+    # Whether the (one) worker runs in the engine core's process and so shares the scheduler output's
+    # objects: then a step may carry a grammar bitmask that is still being filled when it is launched.
+    in_process: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, plugins: Any, platform: Platform) -> None:
         self.config = config

@@ -9,6 +9,8 @@ from keel.distributed.executor import Executor
 
 
 class UniProcExecutor(Executor):
+    in_process = True
+
     def __init__(self, config, plugins, platform) -> None:
         super().__init__(config, plugins, platform)
         from keel.worker.worker import Worker

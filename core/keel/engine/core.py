@@ -53,6 +53,10 @@ class EngineCore:
         # Steps in flight: two overlap the host with the device; under pipeline parallelism one
         # micro-batch per stage keeps every stage busy.
         self.max_in_flight = max(2, pp) if self.async_scheduling else 1
+        # A constrained request is scheduled while its token is in flight when the runner shares this
+        # process: it receives the step's bitmask as a handle still being filled and waits for it only
+        # right before sampling. Workers in other processes get the bitmask with the step, filled.
+        self.constrained_in_flight = self.max_in_flight == 2 and pp == 1 and self.executor.in_process
         # One scheduler per data-parallel replica, each over its own KV cache of num_blocks blocks.
         self._schedulers = [self._make_scheduler(spec, num_blocks) for _ in range(config.parallel.data_parallel_size)]
         self.scheduler = (self._schedulers[0] if len(self._schedulers) == 1
@@ -86,6 +90,7 @@ class EngineCore:
             structured_output=self._structured_output_manager(),
             scheduling_policy=sched.scheduling_policy,
             pipeline_depth=self.max_in_flight if config.parallel.pipeline_parallel_size > 1 else 1,
+            constrained_in_flight=self.constrained_in_flight,
         )
 
     def _structured_output_manager(self) -> StructuredOutputManager | None:
@@ -104,7 +109,9 @@ class EngineCore:
             return BackendContext(tokenizer=tokenizer, vocab_size=mc.hf_config.vocab_size,
                                   eos_token_id=_eos_token_id(tokenizer, mc.hf_config))
 
-        return StructuredOutputManager(backend, context, mc.hf_config.vocab_size)
+        # Pinned bitmasks: the runner in this process copies them to the device without blocking.
+        pin = self.executor.in_process and self.platform.device_type != "cpu"
+        return StructuredOutputManager(backend, context, mc.hf_config.vocab_size, pin_memory=pin)
 
     @property
     def worker(self):

@@ -12,9 +12,12 @@ on the device). A request whose placeholders will finish it (max_tokens, max_mod
 scheduled again; one that stops on a token wastes at most one step's slot, never a wrong token.
 
 Structured outputs: a constrained request waits in the queue until its grammar has compiled (other
-requests pass it), and each step that samples for it carries its allowed tokens (`grammar_bitmask`).
-Its grammar must have seen every earlier token, so with async scheduling it is not scheduled while a
-token of it is in flight (it samples every other step; unconstrained requests are unaffected).
+requests pass it), and each step that samples for it carries its allowed tokens (`grammar_bitmask`, a
+`GrammarBitmask` filled off the loop). Its grammar must have seen every earlier token before the fill:
+with `constrained_in_flight` (async scheduling, the runner in this process) a constrained request is
+scheduled while its token is in flight, and its step's fill starts when `update_from_output` has
+applied the step before; otherwise it is not scheduled while a token is in flight (it samples every
+other step) and the fill starts at once.
 
 Policies (vLLM's): "fcfs" serves and preempts in arrival order. "priority" keeps both the waiting queue
 and the running list ordered by (priority, arrival), so the waiting request admitted next is the most
@@ -56,6 +59,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         scheduling_policy: str = "fcfs",
         pipeline_depth: int = 1,
+        constrained_in_flight: bool = False,
     ) -> None:
         if async_scheduling and num_spec_tokens:
             raise ValueError("async scheduling does not support speculative decoding yet")
@@ -63,6 +67,8 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}: fcfs or priority")
         if pipeline_depth > 1 and not async_scheduling:
             raise ValueError("pipelined scheduling (micro-batches) runs with async scheduling")
+        if constrained_in_flight and (not async_scheduling or pipeline_depth > 1):
+            raise ValueError("constrained_in_flight needs async scheduling with one step in flight")
         self.by_priority = scheduling_policy == "priority"
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -72,6 +78,10 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
         self.structured_output = structured_output
+        # Async scheduling: a constrained request's next step is scheduled before its token arrived; that
+        # step's bitmask is filled once update_from_output applied it (the fills waiting for that here).
+        self.constrained_in_flight = constrained_in_flight
+        self._fills_after_apply: list = []
         # Pipeline parallelism: `pipeline_depth` steps in flight are micro-batches of disjoint requests (a
         # request whose sampled token has not arrived waits: the first stage needs it), each taking about
         # 1 / depth of the running requests, and cached requests carry the tokens the runner has not seen
@@ -141,7 +151,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(num_scheduled) < share:
             request = self.running[i]
             if request.num_output_placeholders and (
-                    self.pipelined or request.structured_output is not None or self._placeholders_finish(request)):
+                    self.pipelined or self._placeholders_finish(request)
+                    or (request.structured_output is not None and not self.constrained_in_flight)):
                 i += 1
                 continue
             num_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
@@ -223,6 +234,7 @@ class Scheduler:
         # The scheduler assumes scheduled tokens will be computed; rejected drafts are rolled back in
         # update_from_output.
         constrained: list[Request] = []
+        token_in_flight = False  # a constrained request's grammar has not seen its previous token yet
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
@@ -231,12 +243,18 @@ class Scheduler:
                        and request.pooling_params is None)
             if samples and request.structured_output is not None:
                 constrained.append(request)
+                token_in_flight = token_in_flight or request.num_output_placeholders > 0
             if self.async_scheduling and samples:
                 request.num_output_placeholders += 1  # this step samples the next token
         if constrained:
-            output.grammar_bitmask = self.structured_output.grammar_bitmask(
+            plan = self.structured_output.plan_bitmask(
                 [r.request_id for r in constrained], [r.structured_output.grammar for r in constrained],
                 [spec_tokens.get(r.request_id, ()) for r in constrained] if spec_tokens else None)
+            if token_in_flight:
+                self._fills_after_apply.append(plan)
+            else:
+                plan.start()
+            output.grammar_bitmask = plan
         return output
 
     def _constraint_ready(self, request: Request) -> bool:
@@ -399,6 +417,11 @@ class Scheduler:
             else:
                 self._set_drafts(request, spec_ids.get(rid) if spec_ids else None)
             outputs.append(out)
+        # The step scheduled after this one (one in flight) may fill its bitmask now: its grammars have
+        # seen every token before it (a finished request's row is filled too; nothing reads its sample).
+        for plan in self._fills_after_apply:
+            plan.start()
+        self._fills_after_apply = []
         return outputs
 
     def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:

@@ -15,7 +15,8 @@ MoE experts path reads which experts have work back to the host in every layer, 
 in a CUDA graph). A layer declaring such an op that ends up without a provider stops startup with a
 `MissingCustomOpError` that names the op, the layers and why nothing was bound -- never a silent fallback.
 
-Op contracts (every op returns new tensors and leaves its inputs unchanged, like the native layers):
+Op contracts (every op but apply_token_bitmask returns new tensors and leaves its inputs unchanged, like
+the native layers):
 
     rms_norm(x, weight, eps) -> out
         x: [..., hidden]; weight: [hidden]; out like `weight * norm(x).to(x.dtype)`.
@@ -38,6 +39,11 @@ Op contracts (every op returns new tensors and leaves its inputs unchanged, like
         Quantized experts add an eighth argument, `quant` (a `FusedMoEQuantConfig`: w13 / w2 are then
         the quantized tensors it describes); a provider that does not implement its kind declines such
         layers in `supports_layer`, so they are never called with it.
+    apply_token_bitmask(logits, bitmask, rows) -> logits
+        `keel.layers.token_bitmask.apply_token_bitmask`, in place: logits [S, vocab] float; bitmask [R, W]
+        int32 (bit t % 32 of word t // 32: token t allowed; W * 32 >= vocab); rows [R] int64, distinct:
+        bitmask row i constrains logits row rows[i], whose disallowed tokens become -inf. Other entries
+        are left as they are. No host sync (it runs in every constrained step, before sampling).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ logger = logging.getLogger("keel.custom_op")
 
 CUSTOM_OP_NAMES: tuple[str, ...] = (
     "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "select_experts", "fused_experts",
+    "apply_token_bitmask",
 )
 
 

@@ -1,9 +1,10 @@
 """Applying a packed token bitmask to logits on the device: structured outputs' per-step constraint.
 
 The bitmask arrives int32 `[R, ceil(vocab / 32)]` (bit `t % 32` of word `t // 32` = token t allowed,
-`keel.structured_output.backend`) for R of the step's S sampling rows. Unpacking and masking are plain
-tensor ops of static shape per (R, vocab): no host sync, nothing the sampler's graph-free path cannot
-run on any device. A platform may later bind a fused kernel here; this is the reference.
+`keel.structured_output.backend`) for R of the step's S sampling rows. `TokenBitmask` is the layer the
+model runner applies it with: a bound `apply_token_bitmask` custom op (kernels-triton: one fused kernel
+over the packed words) or, unbound (the CPU), the torch reference below, whose unpacking and masking
+are plain tensor ops of static shape per (R, vocab). Both mask the logits in place and sync nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +29,30 @@ def unpack_token_bitmask(
 
 
 def apply_token_bitmask(
-    logits: torch.Tensor,  # [S, vocab] float
+    logits: torch.Tensor,  # [S, vocab] float, masked in place
     bitmask: torch.Tensor,  # [R, W] int32, on the logits' device
-    rows: torch.Tensor,  # [R] int64: the logits row each bitmask row constrains
-) -> torch.Tensor:  # [S, vocab]: disallowed tokens of those rows at -inf; the input is not modified
+    rows: torch.Tensor,  # [R] int64: the logits row each bitmask row constrains (distinct)
+) -> torch.Tensor:  # `logits`, disallowed tokens of those rows at -inf; other rows untouched
     allowed = unpack_token_bitmask(bitmask, logits.shape[-1])  # [R, vocab]
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [R, vocab]
-    return logits.index_copy(0, rows, masked)
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))  # [R, vocab]
+    return logits.index_copy_(0, rows, masked)
+
+
+class TokenBitmask(torch.nn.Module):
+    """The model runner's grammar-mask step, a layer so that a kernel plugin can bind its op into it
+    (`keel.layers.custom_op`; the worker binds it with the model's layers). Called by the runner right
+    before sampling, once per step with constrained rows."""
+
+    custom_ops = ("apply_token_bitmask",)
+
+    def forward(
+        self,
+        logits: torch.Tensor,  # [S, vocab] float, masked in place
+        bitmask: torch.Tensor,  # [R, W] int32, on the logits' device
+        rows: torch.Tensor,  # [R] int64
+    ) -> torch.Tensor:  # [S, vocab]: `logits`
+        op = getattr(self, "bound_ops", {}).get("apply_token_bitmask")
+        return apply_token_bitmask(logits, bitmask, rows) if op is None else op(logits, bitmask, rows)
 
 
 def grammar_logits_rows(

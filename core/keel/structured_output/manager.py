@@ -3,8 +3,9 @@
 `StructuredOutputManager` is owned by the scheduler. `add_request` starts (or reuses) the compile of the
 request's constraint on a worker thread -- compiles are cached by `StructuredOutputsParams.cache_key()`,
 so n > 1 children and repeated schemas compile once. The scheduler leaves a waiting request in the queue
-until `StructuredOutputRequest.is_ready()`, fills the bitmask of the constrained requests that sample in
-a step (`grammar_bitmask`) and advances their grammars with the tokens it commits.
+until `StructuredOutputRequest.is_ready()`, plans the bitmask of the constrained requests that sample in
+a step (`plan_bitmask`; filled on a second thread while the step's forward runs, see `GrammarBitmask`)
+and advances their grammars with the tokens it commits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,14 +60,51 @@ def loaded(load: Callable[[], type] | None) -> Callable[[], type] | None:
     return load
 
 
-@dataclass
 class GrammarBitmask:
-    """One step's constraint for the runner (a field of SchedulerOutput): row i of `bitmask` holds the
+    """One step's constraint for the runner (a field of SchedulerOutput): row i of the bitmask holds the
     tokens `req_ids[i]` may sample at one of its sampling rows this step. A request with k drafts has
-    k + 1 consecutive rows, one per verify position, in order (the position after each draft)."""
+    k + 1 consecutive rows, one per verify position, in order (the position after each draft).
 
-    req_ids: list[str]
-    bitmask: torch.Tensor  # [len(req_ids), ceil(vocab / 32)] int32, CPU
+    The scheduler decides the rows (`StructuredOutputManager.plan_bitmask`); the tensor is filled later,
+    on the manager's fill thread, once every grammar has seen the tokens before this step (`start`: by
+    the scheduler itself, or after it applied the step before). The model runner launches the step's
+    forward first and waits (`result`) only right before sampling, so the fill overlaps the device.
+    Pickling (a worker in another process) waits for the fill.
+    """
+
+    def __init__(self, req_ids: list[str], bitmask: torch.Tensor,
+                 fill: Callable[[torch.Tensor], None] | None = None, pool: ThreadPoolExecutor | None = None) -> None:
+        self.req_ids = req_ids
+        self._bitmask = bitmask  # [len(req_ids), ceil(vocab / 32)] int32, CPU (pinned for a device runner)
+        self._fill = fill  # writes the rows into the bitmask; None once filled
+        self._pool = pool
+        self._future: Future | None = None
+
+    def start(self) -> None:
+        """Begin the fill on the manager's thread (idempotent). Called by the scheduler."""
+        if self._fill is not None and self._future is None:
+            self._future = self._pool.submit(self._fill, self._bitmask)
+
+    def done(self) -> bool:
+        """The bitmask is filled (`result` will not wait)."""
+        return self._fill is None or (self._future is not None and self._future.done())
+
+    def result(self) -> torch.Tensor:  # [rows, ceil(vocab / 32)] int32, CPU
+        """The filled bitmask, waiting for the fill if needed. Called by the model runner before sampling."""
+        if self._fill is not None:
+            if self._future is None:
+                raise RuntimeError("a grammar bitmask was read before its fill started (its step's grammars "
+                                   "had not seen the previous step's tokens)")
+            self._future.result()
+            self._fill = self._future = None
+        return self._bitmask
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        return self.result()
+
+    def __getstate__(self) -> dict:
+        return {"req_ids": self.req_ids, "_bitmask": self.result(), "_fill": None, "_pool": None, "_future": None}
 
 
 class StructuredOutputRequest:
@@ -94,9 +131,13 @@ class StructuredOutputRequest:
 
 class StructuredOutputManager:
     def __init__(self, load_backend: Callable[[], type[StructuredOutputBackend]],
-                 load_context: Callable[[], BackendContext], vocab_size: int) -> None:
+                 load_context: Callable[[], BackendContext], vocab_size: int, pin_memory: bool = False) -> None:
         self._load_backend = load_backend  # called once, on the compile thread
         self.vocab_size = vocab_size
+        # Bitmasks in pinned memory: the model runner in this process copies them without blocking.
+        self.pin_memory = pin_memory
+        # Fills run here, off the engine loop (the backend's batch fill releases the GIL), in step order.
+        self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-grammar-fill")
         self._load_context = load_context  # loads the tokenizer: called once, on the compile thread
         self._backend: StructuredOutputBackend | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-grammar")
@@ -125,33 +166,50 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
         return StructuredOutputRequest(future, lambda compiled: self._get_backend().grammar(compiled))
 
+    def plan_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
+                     drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
+        """A step's bitmask, not filled yet: the allowed tokens of each request's next token, for a step in
+        which they all sample; with `drafts` (already `validate_tokens`-checked) also those after each
+        draft. Called by the scheduler; the fill runs on this manager's fill thread once started."""
+        drafts = list(drafts) if drafts is not None else [()] * len(grammars)
+        rows = [rid for rid, tokens in zip(req_ids, drafts, strict=True) for _ in range(len(tokens) + 1)]
+        bitmask = torch.full((len(rows), bitmask_width(self.vocab_size)), -1, dtype=torch.int32,
+                             pin_memory=self.pin_memory)
+        grammars = list(grammars)
+        return GrammarBitmask(rows, bitmask, lambda out: self._fill_rows(out, grammars, drafts), self._fill_pool)
+
     def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
                         drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
-        """The allowed tokens of each request's next token, for a step in which they all sample; with
-        `drafts` (already `validate_tokens`-checked) also those after each draft, the grammar advanced
-        through the drafts tentatively and rolled back. A row past the grammar's end allows everything:
-        verification stops at the end token, so nothing sampled there is kept."""
-        drafts = drafts if drafts is not None else [()] * len(grammars)
-        num_rows = sum(1 + len(d) for d in drafts)
-        bitmask = torch.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        """`plan_bitmask`, filled on the caller's thread (tests, benchmarks)."""
+        drafts = list(drafts) if drafts is not None else [()] * len(grammars)
+        planned = self.plan_bitmask(req_ids, grammars, drafts)
+        self._fill_rows(planned._bitmask, list(grammars), drafts)
+        return GrammarBitmask(planned.req_ids, planned._bitmask)
+
+    def _fill_rows(self, bitmask: torch.Tensor, grammars: list[StructuredOutputGrammar],
+                   drafts: list[Sequence[int]]) -> None:
+        """With drafts, the grammar is advanced through them tentatively and rolled back. A row past the
+        grammar's end allows everything: verification stops at the end token, so nothing sampled there is
+        kept. Runs while no other thread touches these grammars (the scheduler advances them only once
+        the step's tokens arrived, which needs this bitmask)."""
         batch_fill = getattr(self._backend, "fill_bitmasks", None)
-        if batch_fill is not None and num_rows == len(grammars):  # no drafts: every row at the current state
+        if batch_fill is not None and bitmask.shape[0] == len(grammars):  # no drafts: rows at the current state
             live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
             batch_fill([grammars[i] for i in live], bitmask, live)
-            return GrammarBitmask(req_ids=list(req_ids), bitmask=bitmask)
-        rows: list[str] = []
-        for rid, grammar, tokens in zip(req_ids, grammars, drafts, strict=True):
+            return
+        row = 0
+        for grammar, tokens in zip(grammars, drafts, strict=True):
             advanced, valid = 0, True
             for i in range(len(tokens) + 1):
                 if valid and not grammar.is_terminated():
-                    grammar.fill_bitmask(bitmask, len(rows))
-                rows.append(rid)
+                    grammar.fill_bitmask(bitmask, row)
+                row += 1
                 # A refused draft (not validated) ends what is known: verification stops at it anyway.
                 valid = valid and i < len(tokens) and not grammar.is_terminated() and grammar.accept_tokens([tokens[i]])
                 advanced += valid
             if advanced:
                 grammar.rollback(advanced)
-        return GrammarBitmask(req_ids=rows, bitmask=bitmask)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)

@@ -21,18 +21,28 @@ from keel.worker.input_batch import InputBatch
 
 @dataclass
 class SampledLaunch:
-    """One step's sampled tokens in flight: where they land on the host and in the input batch."""
+    """One step's sampled tokens in flight: where they land on the host and in the input batch.
+
+    The tensors are set once sampling is enqueued. A step whose grammar bitmask was still being filled
+    at launch has its sampling `pending` until `finish` (the next step's start, or `get_output`)."""
 
     req_ids: list[str]  # the step's scheduled requests, batch order
     sampling_idx: list[int]  # [S] batch indices that sampled, in logits row order
     rows: np.ndarray  # [S] InputBatch rows of those requests
     generations: np.ndarray  # [S] the rows' generation at launch (a reused row must not be written)
     positions: np.ndarray  # [S] token index each sampled token takes in its row
-    sampled: torch.Tensor  # [S] int64 on the device: the next step's inputs are gathered from here
-    sampled_host: torch.Tensor  # [S] int64, pinned when the device is not the host
-    logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # [S, k + 1] ids, logprobs, ranks
     num_logprobs: list[int | None]  # per sampled row, the request's `logprobs` setting
-    event: torch.Event | None  # recorded after the copies; None on the host
+    sampled: torch.Tensor | None = None  # [S] int64 on the device: the next step's inputs are gathered from here
+    sampled_host: torch.Tensor | None = None  # [S] int64, pinned when the device is not the host
+    logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [S, k + 1] ids, logprobs, ranks
+    event: torch.Event | None = None  # recorded after the copies; None on the host
+    pending: Callable[[], None] | None = None  # enqueues sampling (and sets the tensors above)
+
+    def finish(self) -> None:
+        """Enqueue the pending sampling, if any (waits for the grammar bitmask's fill on the host)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
 
 
 class AsyncModelRunnerOutput:
@@ -58,6 +68,7 @@ class AsyncModelRunnerOutput:
         if self._done:
             return self._output
         launch = self._launch
+        launch.finish()
         if launch.event is not None:
             launch.event.synchronize()
         tokens = launch.sampled_host.tolist()
@@ -93,6 +104,12 @@ class InFlightTokens:
     @property
     def sampled(self) -> torch.Tensor:  # [S] int64 on the device: the pending step's tokens
         return self.last.launch.sampled
+
+    def finish_sampling(self) -> None:
+        """Enqueue the pending step's sampling if it still waits for its grammar bitmask. Called by the
+        runner first thing in a step: the step's inputs may be that sampling's tokens (`fixups`)."""
+        if self.last is not None:
+            self.last.launch.finish()
 
     def track(self, output: ModelRunnerOutput, launch: SampledLaunch | None) -> AsyncModelRunnerOutput:
         """Wrap a step's output; a step that launched sampling becomes the pending one."""

@@ -8,9 +8,8 @@ touches scheduler state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,10 +20,11 @@ from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
 from keel.layers.sampling_metadata import SamplingMetadata
-from keel.layers.token_bitmask import apply_token_bitmask, grammar_logits_rows
+from keel.layers.token_bitmask import TokenBitmask, grammar_logits_rows
 from keel.logits_processor import LogitsProcessor
 from keel.spec_decode.proposer import DraftInput, DraftProposer
 from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
+from keel.worker.grammar_constraint import GrammarConstraint
 from keel.worker.input_batch import InputBatch, table_width
 from keel.worker.logits_batch import LogitsProcessorBatch
 from keel.worker.request_state import CachedRequestState
@@ -53,6 +53,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sampler = Sampler()
+        self.token_bitmask = TokenBitmask()  # the worker binds a kernel plugin's op into it
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(block_size, max_model_len=max_model_len or 256)
         self.sampling_state = BatchSamplingState(device)
@@ -272,8 +273,10 @@ class ModelRunner:
 
         Tokens sampled by the previous step that the host has not seen yet (async scheduling) are fed
         to this step on the device. Steps with drafts or a draft proposer read host token ids, so they
-        first wait for the previous step's tokens.
+        first wait for the previous step's tokens. A step whose grammar bitmask is still being filled
+        enqueues its sampling once the bitmask is there: at the latest when the next step starts here.
         """
+        self.in_flight.finish_sampling()  # the previous step's sampling comes before anything of this one
         self._update_states(so)
         if so.is_empty:
             if self.dp_lockstep and any(so.dp_num_tokens):  # another DP rank has work: join its exchange
@@ -330,7 +333,8 @@ class ModelRunner:
         if grammar is not None:
             arrays["grammar_rows"] = grammar_logits_rows(grammar.req_ids, [req_ids[b] for b in sampling_idx.tolist()],
                                                          sample_counts)
-            arrays["grammar_bitmask"] = grammar.bitmask.numpy()
+            if grammar.done():  # already filled: it travels with the inputs
+                arrays["grammar_bitmask"] = grammar.result().numpy()
         t = self.staging.stage(arrays)
         input_ids = t["input_ids"]
         if fixups is not None:
@@ -366,7 +370,7 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         launch = None
         if sampling_reqs and hidden is not None:  # pipeline stages before the last sample nothing
-            constraint = (t["grammar_bitmask"], t["grammar_rows"]) if grammar is not None else None
+            constraint = None if grammar is None else GrammarConstraint(grammar, t["grammar_rows"], t.get("grammar_bitmask"))
             if so.scheduled_spec_decode_tokens:
                 self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out, constraint)
             else:
@@ -413,51 +417,55 @@ class ModelRunner:
     def _sample_one_each(self, states, sample_batch_rows: np.ndarray, sampling_idx: np.ndarray,
                          sample_rows: torch.Tensor, hidden, out: ModelRunnerOutput,
                          staged: dict[str, torch.Tensor] | None = None,
-                         constraint: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledLaunch | None:
+                         constraint: GrammarConstraint | None = None) -> SampledLaunch | None:
         """A step without drafts: one sampled token per sampling request, metadata from the input batch.
 
         sample_batch_rows: [S] InputBatch rows; sampling_idx: [S] batch indices; sample_rows: [S] rows
-        of `hidden` (device); constraint: the step's grammar bitmask [R, W] and its logits rows [R]
-        (device), applied before sampling. Enqueues sampling and the copy of the tokens to the host; the tokens'
-        values reach the input batch and `out` when the returned launch is committed.
+        of `hidden` (device); constraint: the step's grammar bitmask, applied before sampling. Enqueues
+        the logits, then sampling and the copy of the tokens to the host -- at once, or, while the bitmask
+        is still being filled, when the launch is finished (`SampledLaunch.finish`); the tokens' values
+        reach the input batch and `out` when the returned launch is committed.
         """
         batch = self.input_batch
         rows_states = [states[i] for i in sampling_idx.tolist()] if self.logits_processors is not None else ()
-        result = self._sample(hidden, sample_rows, sample_batch_rows, staged, constraint, rows_states)
-        sampled = result.sampled_token_ids  # [S] int64, device
-        positions = batch.advance(sample_batch_rows)
-        self.sampling_state.record_sampled(batch, sample_batch_rows, sampled)
-        lps = None if result.logprobs is None else (
-            result.logprob_token_ids, result.logprobs, result.ranks)
-        event = None
-        if self.device.type == "cpu":
-            sampled_host = sampled
-        else:
-            sampled_host = pinned_empty(sampled.shape, sampled.dtype, self.device).copy_(sampled, non_blocking=True)
-            if lps is not None:
-                lps = tuple(pinned_empty(x.shape, x.dtype, self.device).copy_(x, non_blocking=True) for x in lps)
-            event = record_event(self.device)
-        return SampledLaunch(
+        logits, meta = self._logits_and_metadata(hidden, sample_rows, sample_batch_rows, staged, rows_states)
+        launch = SampledLaunch(
             req_ids=out.req_ids,
             sampling_idx=sampling_idx.tolist(),
             rows=sample_batch_rows,
             generations=batch.generation[sample_batch_rows],
-            positions=positions,
-            sampled=sampled,
-            sampled_host=sampled_host,
-            logprobs_host=lps,
+            positions=batch.advance(sample_batch_rows),
             num_logprobs=[states[i].sampling_params.logprobs for i in sampling_idx.tolist()],
-            event=event,
         )
 
-    def _sample(self, hidden, sample_rows: torch.Tensor, sample_batch_rows: np.ndarray,
-                staged: dict[str, torch.Tensor] | None,
-                constraint: tuple[torch.Tensor, torch.Tensor] | None = None,
-                rows_states: Sequence[CachedRequestState] = ()):
-        """Logits at `sample_rows` of `hidden` and the sampler's result for those batch rows; a
-        constraint (grammar bitmask [R, W], its logits rows [R]) masks the logits first, so every path
-        that samples (eager, CUDA graphs, the last pipeline stage) applies it. `rows_states`: the requests
-        of the rows, in order, for the logits processors (given when there are some)."""
+        @torch.inference_mode()  # also when run from get_output
+        def sample() -> None:
+            masked = logits if constraint is None else self.token_bitmask(logits, *constraint.on_device(self.device))
+            result = self.sampler(masked, meta)
+            sampled = result.sampled_token_ids  # [S] int64, device
+            self.sampling_state.record_sampled(batch, sample_batch_rows, sampled)
+            lps = None if result.logprobs is None else (result.logprob_token_ids, result.logprobs, result.ranks)
+            launch.sampled, launch.sampled_host, launch.logprobs_host = sampled, sampled, lps
+            if self.device.type != "cpu":
+                launch.sampled_host = pinned_empty(sampled.shape, sampled.dtype, self.device).copy_(
+                    sampled, non_blocking=True)
+                if lps is not None:
+                    launch.logprobs_host = tuple(pinned_empty(x.shape, x.dtype, self.device).copy_(x, non_blocking=True)
+                                                 for x in lps)
+                launch.event = record_event(self.device)
+
+        if constraint is None or constraint.ready:
+            sample()
+        else:
+            launch.pending = sample
+        return launch
+
+    def _logits_and_metadata(self, hidden, sample_rows: torch.Tensor, sample_batch_rows: np.ndarray,
+                             staged: dict[str, torch.Tensor] | None, rows_states: Sequence[CachedRequestState] = ()):
+        """Logits at `sample_rows` of `hidden` ([S, vocab]) and the sampler's metadata for those batch
+        rows; every path that samples (eager, CUDA graphs, the last pipeline stage) masks the logits with
+        the step's constraint after this, before the sampler. `rows_states`: the requests of the rows, in
+        order, for the logits processors (given when there are some)."""
         logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
         vocab = logits.shape[-1]
         if self.vocab_size is None:
@@ -465,11 +473,9 @@ class ModelRunner:
         elif vocab != self.vocab_size:
             raise RuntimeError(f"the model's logits have {vocab} columns, expected {self.vocab_size}")
         meta = self.sampling_state.build(self.input_batch, sample_batch_rows, vocab, staged=staged)
-        if constraint is not None:
-            logits = apply_token_bitmask(logits, *constraint)
         if self.logits_processors is not None:
             meta.logitsprocs = self.logits_processors.step(rows_states)
-        return self.sampler(logits, meta)
+        return logits, meta
 
     def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out, constraint=None) -> None:
         """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.
@@ -501,8 +507,8 @@ class ModelRunner:
             device=dev,
             stop_token_ids_for_min_tokens=stops,
         )
-        if constraint is not None:
-            logits = apply_token_bitmask(logits, *constraint)
+        if constraint is not None:  # the step waits for its tokens anyway: the bitmask is wanted now
+            logits = self.token_bitmask(logits, *constraint.on_device(self.device))
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()  # the one host sync of the step
         # Penalty counts of these rows are rebuilt from their tokens when they next sample.

@@ -18,9 +18,9 @@ from keel.config import EngineConfig
 from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.layers.custom_op import bind_custom_ops
 from keel.logits_processor import resolve_logits_processors
+from keel.models.capabilities import supports
 from keel.models.interface import ModelBuildContext
 from keel.models.loader import load_model, resolve_model_path
-from keel.models.capabilities import supports
 from keel.models.registry import ModelRegistry
 from keel.quantization import quantization_for_model
 from keel.spec_decode.proposer import ProposerContext
@@ -125,12 +125,6 @@ class Worker:
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=mc.load_format)
         proposer, num_spec = self._make_proposer(model, build, path)
-        if self.platform.use_custom_ops():
-            # Bound before the runner exists, so warm-up and graph capture already run the fused kernels;
-            # a draft model's own layers (an MTP module) get the same kernels.
-            registry, required = self.plugins.registry("custom_op"), self.platform.required_custom_ops()
-            for module in (model, *getattr(proposer, "draft_modules", tuple)()):
-                bind_custom_ops(module, registry, self.device.type, dtype, required=required)
         stage = None
         if pp.world_size > 1:
             from keel.distributed.pipeline import PipelineStage
@@ -143,6 +137,12 @@ class Worker:
         self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
                                   max_model_len=mc.derived_max_model_len, pipeline=stage, logits_processors=procs,
                                   dp_lockstep=dp_lockstep)
+        if self.platform.use_custom_ops():
+            # Bound before warm-up and graph capture, so they already run the fused kernels; a draft model's
+            # own layers (an MTP module) get the same kernels, and the runner's grammar-mask step its own.
+            registry, required = self.plugins.registry("custom_op"), self.platform.required_custom_ops()
+            for module in (model, *getattr(proposer, "draft_modules", tuple)(), self.runner.token_bitmask):
+                bind_custom_ops(module, registry, self.device.type, dtype, required=required)
         names = sorted({b.name for b in self._backends.values()})
         logger.info("loaded %s (%s, %s%s) with attention backend(s) %s", mc.model, arch, dtype,
                     f", quantization {quant.name}" if quant is not None else "", names)

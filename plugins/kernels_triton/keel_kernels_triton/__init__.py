@@ -1,5 +1,6 @@
 """keel plugin `kernels-triton`: fused Triton kernels registered under the `custom_op` kind -- the
-elementwise ops of norms, rope and activations, and the fused MoE (routing, alignment, grouped GEMMs).
+elementwise ops of norms, rope and activations, the fused MoE (routing, alignment, grouped GEMMs) and the
+structured-output token bitmask.
 
 Only the manifest lives here; discovery imports this module, so it must not import torch or triton.
 """
@@ -26,8 +27,9 @@ def manifest() -> PluginManifest:
                 "silu_and_mul": f"{_OPS}:TritonSiluAndMul",
                 "select_experts": f"{_MOE_OPS}:TritonSelectExperts",
                 "fused_experts": f"{_MOE_OPS}:TritonFusedExperts",
+                "apply_token_bitmask": "keel_kernels_triton.token_bitmask:TritonApplyTokenBitmask",
             }
         },
         description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, SiluAndMul; MoE routing "
-                    "and fused experts (grouped GEMMs with tuned tiles).",
+                    "and fused experts (grouped GEMMs with tuned tiles); the structured-output token bitmask.",
     )

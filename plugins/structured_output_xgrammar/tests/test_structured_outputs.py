@@ -19,7 +19,7 @@ from keel.plugins.loader import load_plugins
 from keel.structured_output.manager import select_backend
 
 pytest.importorskip("keel_endpoints")
-from keel_endpoints.testing import make_tiny_model  # noqa: E402
+from keel_endpoints.testing import make_tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -142,6 +142,31 @@ def test_same_valid_outputs_across_scheduling_modes(model_dir, llm, engine_kw):
         assert check_outputs(other.generate(prompts, params, use_tqdm=False), kinds) == reference
         if "num_kv_blocks" in engine_kw:
             assert other.llm_engine.core.get_stats().num_preemptions_total > 0
+    finally:
+        other.llm_engine.shutdown()
+
+
+def test_async_scheduling_samples_constrained_requests_every_step(model_dir, llm):
+    """Each step is scheduled before the previous one's tokens arrived, constrained requests too: their
+    bitmask is filled once those tokens are applied, while the step's forward runs."""
+    prompts, params, kinds = mixed_batch()
+    reference = check_outputs(llm.generate(prompts, params, use_tqdm=False), kinds)
+    other = make_llm(model_dir, async_scheduling=True)
+    try:
+        core = other.llm_engine.core
+        assert core.constrained_in_flight
+        scheduled, schedule = [], core.scheduler.schedule
+
+        def spy():
+            so = schedule()
+            scheduled.append(set(so.num_scheduled_tokens))
+            return so
+
+        core.scheduler.schedule = spy
+        assert check_outputs(other.generate(prompts, params, use_tqdm=False), kinds) == reference
+        for rid in set().union(*scheduled):  # from its first step to its last, in every step
+            steps = [i for i, ids in enumerate(scheduled) if rid in ids]
+            assert steps == list(range(steps[0], steps[-1] + 1)), rid
     finally:
         other.llm_engine.shutdown()
 

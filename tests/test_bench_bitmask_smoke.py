@@ -1,0 +1,32 @@
+"""benchmarks/h200_bitmask.py --smoke runs on the CPU (tiny model, batch 4) and reports every figure the
+GPU run reports, so the lead's one-call H200 measurement does not fail on a script error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("keel_structured_output_xgrammar")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_bitmask.py"
+
+
+def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
+    out = tmp_path / "bitmask.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    engine = result["engine"]
+    for run in ("plain", "constrained", "every_other_step"):
+        assert engine[run]["ms_per_step"] > 0 and engine[run]["running_at_start"] == result["batch"]
+    # Constrained requests advance every step; the former path skips the step after each token.
+    assert engine["constrained"]["tokens_per_step"] == result["batch"]
+    assert engine["every_other_step"]["tokens_per_step"] < result["batch"]
+    assert engine["constrained"]["host_fill_ms"] is not None and engine["plain"]["host_fill_ms"] is None
+    for key in ("overhead_fraction", "device_ms_torch_reference", "host_fill_ms", "decode_step_ms"):
+        assert key in result or key in engine
