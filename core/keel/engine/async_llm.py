@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from keel.config import EngineArgs, EngineConfig
+from keel.gc_heap import freeze_startup_heap
 from keel.engine.engine_client import EngineCoreClient, EngineDeadError, ThreadedEngineCoreClient
 from keel.engine.llm_engine import POOLING_ONLY, _eos_token_id, load_tokenizer, resolve_model_shortcut
 from keel.engine.output_processor import OutputProcessor, RequestOutputKind
@@ -121,6 +122,7 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
+        freeze_startup_heap()  # the front end's heap too: tokenizer, server, plugins (see keel.gc_heap)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:

@@ -14,6 +14,7 @@ from keel.engine.core_output import EngineCoreOutput, SchedulerStats
 from keel.engine.dp_scheduler import DataParallelScheduler
 from keel.engine.request import EngineCoreRequest
 from keel.engine.scheduler import Scheduler
+from keel.gc_heap import freeze_startup_heap
 from keel.kv_cache.manager import KVCacheManager
 from keel.platform import select_platform
 from keel.structured_output.backend import BackendContext
@@ -67,6 +68,7 @@ class EngineCore:
         self._shut_down = False
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights too (see sleep)
         self._hooks.keel_engine_start(config=config)
+        freeze_startup_heap()
         logger.info(
             "engine ready: platform=%s, %d KV blocks of %d tokens, max_model_len=%d, async scheduling %s",
             self.platform.name, num_blocks - 1, spec.block_size, self.max_model_len,
@@ -180,6 +182,16 @@ class EngineCore:
         scheduler_output, pending = self._in_flight.popleft()
         return self._apply(scheduler_output, pending.get_output())
 
+    def drain(self) -> list[EngineCoreOutput]:
+        """Wait for every launched step and apply it. With async scheduling the last step of a burst is
+        often launched for requests whose final token the step before produced; once the front end has
+        seen them finish, that step still holds the device. `sleep` calls this first."""
+        outputs: list[EngineCoreOutput] = []
+        while self._in_flight:
+            scheduler_output, pending = self._in_flight.popleft()
+            outputs += self._apply(scheduler_output, pending.get_output())
+        return outputs
+
     def _apply(self, scheduler_output, runner_output) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._report_finished(outputs)
@@ -196,8 +208,9 @@ class EngineCore:
         forgotten. Only between requests."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (also the weights), got {level!r}")
-        if self.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             raise RuntimeError("cannot sleep while requests are unfinished: wait for them or abort them first")
+        self.drain()
         if not self.reset_prefix_cache():
             raise RuntimeError("cannot sleep: KV blocks are still held")
         self.executor.collective_rpc("sleep", (level,))

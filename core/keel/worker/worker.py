@@ -16,6 +16,7 @@ from keel.attention.backend import AttentionLayerConfig, BackendRequest
 from keel.attention.selector import select_attention_backend
 from keel.config import EngineConfig
 from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from keel.gc_heap import freeze_startup_heap, thaw_heap
 from keel.layers.custom_op import bind_custom_ops
 from keel.logits_processor import resolve_logits_processors
 from keel.models.capabilities import supports
@@ -249,6 +250,7 @@ class Worker:
         if not self.config.device.enforce_eager:
             self.runner.capture_cuda_graphs(self.platform.graph_capture(), self.config.scheduler.max_num_seqs,
                                             self.config.model.derived_max_model_len)
+        freeze_startup_heap()
 
     # -- sleep mode: called by the engine core (LLM.sleep / wake_up) with no request in flight ----------
 
@@ -256,6 +258,7 @@ class Worker:
         """Level 1 frees the KV cache (the weights stay where they are); level 2 frees the weights too."""
         import gc
 
+        thaw_heap()  # a frozen reference cycle through the model or the cache would never be freed
         self.runner.free_kv_cache()
         if level == 2:
             self.runner = None  # the model and everything built on it

@@ -197,7 +197,12 @@ def _scatter_kernel(
 @functools.cache
 def _jitted(interpret: bool, kernel: str = "align") -> Any:
     del interpret  # part of the cache key only: triton.jit reads TRITON_INTERPRET itself
-    return triton.jit({"align": _align_kernel, "count": _count_kernel, "scatter": _scatter_kernel}[kernel])
+    # The pair counts vary per step; specialized (divisible by 16 or not) they made a variant the
+    # startup warm-up never compiles -- its power-of-two prefills give pair counts divisible by 16 --
+    # and the first real big batch compiled it: ~1 s of DeepSeek-V2-Lite's first round on an H200.
+    fn = {"align": _align_kernel, "count": _count_kernel, "scatter": _scatter_kernel}[kernel]
+    varying = ["num_pairs"] if kernel == "count" else ["num_pairs", "max_padded"]
+    return triton.jit(fn, do_not_specialize=varying)
 
 
 def pairs_per_program(num_pairs: int) -> int:
