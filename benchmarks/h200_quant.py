@@ -10,9 +10,9 @@ quantized on the device by `load_format="dummy"` into the checkpoint config's qu
                        grouped GEMMs dequantize inside the kernel)
   llama8b-gptq         Llama-3-8B shape, GPTQ 4-bit, group 128 (batch-1 decode only)
   fp8-gemms            no engine: each FP8 linear path alone on Llama-8B's four layer shapes per M
-                       (weight-only Triton, activation quantization + _scaled_mm / Triton W8A8, bf16
-                       cuBLAS), CUDA-graph replays over weight copies larger than L2: the data behind
-                       fp8_native.WEIGHT_ONLY_MAX_M
+                       (weight-only Triton, activation quantization + _scaled_mm / Triton W8A8), the
+                       GPTQ int4 GEMM and bf16 cuBLAS, CUDA-graph replays over weight copies larger than
+                       L2: the data behind fp8_native.WEIGHT_ONLY_MAX_M and the GEMMs' tiles
 Per engine case: offline throughput on `num_prompts` distinct 128-token prompts x 128 output tokens
 (greedy, ignore_eos, max_num_seqs 256), round 1 (the first run after start) and round 2 (new prompts,
 a warm engine), and batch-1 decode (128-token prompt, 128 output tokens) per output token against the
@@ -135,10 +135,12 @@ def graph_us(fn, calls: int) -> float:
     return _llama8b._events_ms(graph.replay, iters=10) * 1000 / calls
 
 
-def _gemm_paths(x: torch.Tensor, per_row: list, block: list, dense: list) -> dict:
-    """path -> (weight copies, fn(copy index)) for one M: each FP8 linear path of fp8_native, and bf16."""
+def _gemm_paths(x: torch.Tensor, per_row: list, block: list, dense: list, int4: list) -> dict:
+    """path -> (weight copies, fn(copy index)) for one M: each FP8 linear path of fp8_native, GPTQ int4
+    (group 128, in order), and bf16."""
     from keel_quantization.fp8_native import native_linear
     from keel_quantization.fp8_triton import fp8_weight_only_gemm
+    from keel_quantization.int4_triton import int4_gemm
 
     k = x.shape[1]
     return {
@@ -149,6 +151,7 @@ def _gemm_paths(x: torch.Tensor, per_row: list, block: list, dense: list) -> dic
                                                                   "dynamic_token", None, None, None)),
         "quant_triton_block": (len(block), lambda i: native_linear("triton", x, block[i][0], block[i][1],
                                                                    "dynamic_group", (128, 128), None, None)),
+        "int4_g128": (len(int4), lambda i: int4_gemm(x, *int4[i], group_size=128)),
         "bf16_cublas": (len(dense), lambda i: x @ dense[i].T),
     }
 
@@ -163,13 +166,19 @@ def _gemm_rows(layer: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
     per_row = [(q_row.clone(), s_row.clone()) for _ in range(copies)]
     block = [(q_blk.clone(), s_blk.clone()) for _ in range(copies)]
     dense = [w.clone() for _ in range(max(2, copies // 2))]
+    words = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), device="cuda", generator=gen, dtype=torch.int64)
+    scales = torch.rand(k // 128, n, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
+    zeros = torch.full_like(scales, 8.0)
+    g_idx = torch.arange(k, device="cuda", dtype=torch.int32) // 128
+    int4 = [(words.to(torch.int32), scales.clone(), zeros.clone(), g_idx) for _ in range(2 * copies)]
     rows = []
     for m in GEMM_MS:
         x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
         row = {"layer": layer, "n": n, "k": k, "m": m}
-        for path, (calls, fn) in _gemm_paths(x, per_row, block, dense).items():
+        for path, (calls, fn) in _gemm_paths(x, per_row, block, dense, int4).items():
             row[f"{path}_us"] = graph_us(fn, calls)
         row["weight_only_row_fp8_GBps"] = n * k / row["weight_only_row_us"] / 1e3
+        row["int4_GBps"] = n * k / 2 / row["int4_g128_us"] / 1e3
         rows.append(row)
         print(GEMMS, json.dumps({kk: round(v, 1) if isinstance(v, float) else v for kk, v in row.items()}), flush=True)
     return rows

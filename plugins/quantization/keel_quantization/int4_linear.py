@@ -4,7 +4,8 @@ Loading keeps the checkpoint's tensors (see `int4_math` for the layouts); after 
 `qweight` int32 [in / 8, out] packed along the input (GPTQ's order), `zeros` and `scales` [groups, out]
 in the model dtype (zeros already decoded) and `g_idx` int32 [in]. Forward: on a CUDA device the Triton
 kernel dequantizes tiles inside the GEMM (`int4_triton`); elsewhere the reference path dequantizes the
-weight and multiplies (CPU, or `backend="torch"`).
+weight and multiplies (CPU, or `backend="torch"`). Where inputs are in group order the kernel reads one
+scale row per K tile (`group_in_order`, decided once after loading).
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ def _ints(module: torch.nn.Module, name: str, shape: tuple[int, ...], **kw) -> N
     add_param(module, name, torch.zeros(shape, dtype=torch.int32), load_sharded, dtype=torch.int32, **kw)
 
 
+def tileable_group(g_idx: torch.Tensor, group: int) -> int:
+    """`group` if input k is in group k // group (AWQ; GPTQ without desc_act) and the GEMM can tile by it (a
+    power of two from 8, or every input one group), else 0. Once, after loading (it reads g_idx back)."""
+    k = g_idx.shape[0]
+    group = min(group, k)
+    if group < k and (group < 8 or group & (group - 1)):
+        return 0
+    in_order = torch.arange(k, device=g_idx.device, dtype=torch.int32) // group
+    return group if bool((g_idx.to(torch.int32) == in_order).all()) else 0
+
+
 class Int4LinearMethod:
     """Created per layer by the GPTQ / AWQ configs' `get_quant_method`."""
 
@@ -43,6 +55,7 @@ class Int4LinearMethod:
         self.backend = backend
         self.params_dtype = torch.float32
         self.last_backend: str | None = None  # which path the latest forward took (tests)
+        self.group_in_order = 0  # > 0: g_idx is k // this (the GEMM reads one scale row per K tile); 0: gather
 
     def _group(self, k: int) -> int:
         return k if self.fmt.group_size == -1 else self.fmt.group_size
@@ -105,6 +118,7 @@ class Int4LinearMethod:
         del module.qzeros
         if hasattr(module, "g_idx"):
             del module.g_idx
+        self.group_in_order = tileable_group(g_idx, self._group(k))
         frozen = lambda t: torch.nn.Parameter(t.contiguous(), requires_grad=False)
         module.qweight = frozen(qweight)
         module.g_idx = frozen(g_idx.to(torch.int32))
@@ -127,7 +141,8 @@ class Int4LinearMethod:
             from keel_quantization.int4_triton import int4_gemm
 
             self.last_backend = "triton"
-            out = int4_gemm(x2, module.qweight, module.scales, module.zeros, module.g_idx)
+            out = int4_gemm(x2, module.qweight, module.scales, module.zeros, module.g_idx,
+                            group_size=self.group_in_order)
             if bias is not None:
                 out = out + bias
         else:

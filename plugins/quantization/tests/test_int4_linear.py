@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from keel_quantization import int4_math
-from keel_quantization.int4_linear import Int4Format, Int4LinearMethod
+from keel_quantization.int4_linear import Int4Format, Int4LinearMethod, tileable_group
 from keel_quantization.quantizer_int4 import int4_tensors
 from quant_test_utils import reference_linear
 
@@ -134,6 +134,19 @@ def test_triton_int4_gemm_matches_reference(m, k, n, group, desc_act):
     torch.testing.assert_close(got.double().cpu(), reference_linear(x, deq), rtol=1e-4, atol=1e-4)
     poisoned = torch.full((m, n), float("nan"), device=DEVICE)
     torch.testing.assert_close(int4_gemm(*args, out=poisoned), got)  # every element written
+    in_order = tileable_group(args[4], k if group == -1 else group)
+    assert bool(in_order) == (not desc_act or group == -1)  # desc_act's shuffled g_idx: gathered per input
+    if in_order:  # one scale row per K tile, with tiles smaller than a group too
+        for tiles in (None, (16, 16, 16)):
+            poisoned = torch.full((m, n), float("nan"), device=DEVICE)
+            grouped = int4_gemm(*args, out=poisoned, group_size=in_order, tiles=tiles)
+            torch.testing.assert_close(grouped.double().cpu(), reference_linear(x, deq), rtol=1e-4, atol=1e-4)
+
+
+def test_groups_the_gemm_cannot_tile_by_are_gathered():
+    assert tileable_group(torch.arange(96, dtype=torch.int32) // 48, 48) == 0  # not a power of two
+    assert tileable_group(torch.arange(96, dtype=torch.int32) // 32, 32) == 32
+    assert tileable_group(torch.zeros(40, dtype=torch.int32), 40) == 40  # one group: any K
 
 
 def test_int4_method_runs_the_kernel_when_asked():
@@ -147,5 +160,5 @@ def test_int4_method_runs_the_kernel_when_asked():
     layer.to(DEVICE)
     x = torch.randn(4, 64, generator=g)
     got = layer(x.to(DEVICE))
-    assert layer.quant_method.last_backend == "triton"
+    assert layer.quant_method.last_backend == "triton" and layer.quant_method.group_in_order == AWQ.group_size
     torch.testing.assert_close(got.double().cpu(), reference_linear(x, deq, layer.bias.cpu()), rtol=1e-4, atol=1e-4)
