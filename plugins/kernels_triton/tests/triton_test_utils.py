@@ -7,6 +7,9 @@ import torch
 
 from keel.layers.custom_op import bind_custom_ops
 from keel.plugins.loader import load_plugins
+from keel.testing.sm90_compile import run_sm90_compile_script
+
+__all__ = ["run_sm90_compile_script"]
 
 # The interpreter truncates float32 -> bf16 casts (compiled kernels round to nearest even, as torch does):
 # interpreted bf16 results agree with torch to a couple of ulps.
@@ -29,24 +32,6 @@ def bind_moe_ops(layer: torch.nn.Module, device_type: str = "cpu") -> dict[str, 
     """Bind kernels-triton's providers into `layer` (and its children) through the core's binding step."""
     registry = load_plugins(["kernels-triton"]).registry("custom_op")
     return bind_custom_ops(layer, registry, device_type, layer.w13_weight.dtype)
-
-
-def run_sm90_compile_script(script: str) -> None:
-    """Run `script` (which lowers Triton kernels to sm_90 cubins and prints "compiled") in a fresh
-    interpreter without TRITON_INTERPRET; skip where Triton ships no ptxas."""
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
-                         check=False)
-    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("triton has no ptxas here")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
 def capture_cuda_graph(step):

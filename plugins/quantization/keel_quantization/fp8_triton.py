@@ -71,6 +71,8 @@ def _tiles(m: int, group_k: int, k: int) -> tuple[int, int, int]:
 
 
 def _weight_only_tiles(m: int, group_k: int, k: int) -> tuple[int, int, int]:
+    if m > 64:  # weight-only checkpoints at prefill sizes: compute-bound, wide tiles
+        return 64, 128, 128 if group_k >= k else min(128, group_k)
     # memory-bound: 32 weight rows a program (Llama-8B's 4096-row layers: 128 programs for 132 SMs)
     block_k = 256 if group_k >= k else min(256, group_k)
     return (16 if m <= 16 else 32 if m <= 32 else 64), 32, block_k

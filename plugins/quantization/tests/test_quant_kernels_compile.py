@@ -1,0 +1,61 @@
+"""The quantization plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, every
+kind of variant the launchers use: fused activation quantization (dynamic and static; bf16 and fp32
+inputs), the FP8 GEMM (W8A8; weight-only in bf16 and fp16) and the int4 GEMM (one scale row per tile, and
+gathered through g_idx). The interpreter accepts code the compiler rejects."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from keel.testing.sm90_compile import run_sm90_compile_script
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_quant.py runs them compiled")
+
+SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from keel_quantization import fp8_quant_triton, fp8_triton, int4_triton
+
+    def compile_(fn, sig, consts, **options):
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
+        assert "cubin" in out.asm
+
+    i32 = "i32"
+    for dt, statics in (("*bf16", (False, True)), ("*fp32", (False,))):
+        sig = {"x_ptr": dt, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "K": i32, "GROUP": i32,
+               "NUM_GROUPS": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qm", "stride_qk",
+                                                       "stride_sm", "stride_sg")}}
+        for static in statics:
+            compile_(fp8_quant_triton._quant_fp8_kernel, sig,
+                     {"STATIC": static, "GROUPS_PER_PROGRAM": 1 if static else 32, "BLOCK_G": 4096 if static else 128},
+                     num_warps=4)
+    strides = ("stride_am", "stride_ak", "stride_asm", "stride_ask", "stride_bn", "stride_bk", "stride_bsn",
+               "stride_bsk", "stride_cm", "stride_cn")
+    for a_dt, has_a_scale, tiles, group_n, group_k in (("*fp8e4nv", True, (64, 128, 128), 128, 128),
+                                                        ("*bf16", False, (16, 32, 256), 1, 4096),
+                                                        ("*fp16", False, (32, 32, 128), 128, 128)):
+        sig = {"a_ptr": a_dt, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+               "c_ptr": "*bf16" if a_dt != "*fp16" else "*fp16", "M": i32, "N": i32, "K": i32,
+               **{s: i32 for s in strides}}
+        compile_(fp8_triton._fp8_gemm_kernel, sig,
+                 {"GROUP_N": group_n, "GROUP_K": group_k, "UPCAST_DOT": False, "HAS_A_SCALE": has_a_scale,
+                  "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2]}, num_stages=4)
+    sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
+           "y_ptr": "*bf16", "M": i32, "N": i32, "K": i32,
+           **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn",
+                               "stride_ym", "stride_yn")}}
+    for group, tiles in ((128, (16, 32, 128)), (0, (64, 64, 128))):
+        compile_(int4_triton._int4_gemm_kernel, sig, {"GROUP": group, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
+                                                      "BLOCK_K": tiles[2], "DOT_F32": False})
+    print("compiled")
+''')
+
+
+def test_quantization_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    run_sm90_compile_script(SCRIPT)
