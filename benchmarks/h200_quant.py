@@ -9,6 +9,8 @@ quantized on the device by `load_format="dummy"` into the checkpoint config's qu
   dsv2lite-fp8-block   DeepSeek-V2-Lite shape, block FP8 everywhere (routed experts too: the fused-MoE
                        grouped GEMMs dequantize inside the kernel)
   llama8b-gptq         Llama-3-8B shape, GPTQ 4-bit, group 128 (batch-1 decode only)
+  gemm-tiles           no engine: the weight-only fp8 and int4 GEMMs' (BLOCK_N, BLOCK_K) swept at M 1 / 16 / 32
+                       on the same shapes and the same way (data for their small-M tiles)
   fp8-gemms            no engine: each FP8 linear path alone on Llama-8B's four layer shapes per M
                        (weight-only Triton, activation quantization + _scaled_mm / Triton W8A8), the
                        GPTQ int4 GEMM and bf16 cuBLAS, CUDA-graph replays over weight copies larger than
@@ -26,6 +28,7 @@ together are meant to stay under 8 minutes on an H200 (one device call).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -64,6 +67,11 @@ GEMMS = "fp8-gemms"
 # Llama-3-8B's linear layers (N, K): qkv, o, gate_up, down
 GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GEMM_MS = (1, 8, 16, 32, 48, 64, 128, 512)
+# gemm-tiles: the small-M kernels' tiles swept (BLOCK_N, BLOCK_K) at decode sizes; BLOCK_M follows M
+GEMM_TILES = "gemm-tiles"
+TILE_MS = (1, 16, 32)
+WEIGHT_ONLY_TILES = [(bn, bk) for bn in (16, 32, 64) for bk in (128, 256, 512)]
+INT4_TILES = [(bn, bk) for bn in (16, 32, 64) for bk in (64, 128)]
 THROUGHPUT_TARGET = 30000
 
 
@@ -156,7 +164,22 @@ def _gemm_paths(x: torch.Tensor, per_row: list, block: list, dense: list, int4: 
     }
 
 
-def _gemm_rows(layer: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
+def _tile_paths(x: torch.Tensor, per_row: list, int4: list) -> dict:
+    """"<kernel> <BLOCK_N>x<BLOCK_K>" -> (weight copies, fn(copy index)) for the swept small-M tiles."""
+    from keel_quantization.fp8_triton import fp8_weight_only_gemm
+    from keel_quantization.int4_triton import int4_gemm
+
+    m, k = x.shape
+    bm = 16 if m <= 16 else 32
+    paths = {f"weight_only_row {bn}x{bk}": (len(per_row), functools.partial(
+        lambda i, t: fp8_weight_only_gemm(x, per_row[i][0], per_row[i][1][:, None], 1, k, tiles=t), t=(bm, bn, bk)))
+        for bn, bk in WEIGHT_ONLY_TILES}
+    paths.update({f"int4_g128 {bn}x{bk}": (len(int4), functools.partial(
+        lambda i, t: int4_gemm(x, *int4[i], group_size=128, tiles=t), t=(bm, bn, bk))) for bn, bk in INT4_TILES})
+    return paths
+
+
+def _gemm_rows(layer: str, n: int, k: int, gen: torch.Generator, tiles: bool = False) -> list[dict]:
     from keel_quantization import fp8_math
 
     copies = max(2, -(-(256 << 20) // (n * k)))  # > 256 MiB of fp8 weights per replay: never from L2
@@ -172,37 +195,42 @@ def _gemm_rows(layer: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
     g_idx = torch.arange(k, device="cuda", dtype=torch.int32) // 128
     int4 = [(words.to(torch.int32), scales.clone(), zeros.clone(), g_idx) for _ in range(2 * copies)]
     rows = []
-    for m in GEMM_MS:
+    for m in TILE_MS if tiles else GEMM_MS:
         x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
         row = {"layer": layer, "n": n, "k": k, "m": m}
-        for path, (calls, fn) in _gemm_paths(x, per_row, block, dense, int4).items():
+        paths = _tile_paths(x, per_row, int4) if tiles else _gemm_paths(x, per_row, block, dense, int4)
+        for path, (calls, fn) in paths.items():
             row[f"{path}_us"] = graph_us(fn, calls)
-        row["weight_only_row_fp8_GBps"] = n * k / row["weight_only_row_us"] / 1e3
-        row["int4_GBps"] = n * k / 2 / row["int4_g128_us"] / 1e3
+        if not tiles:
+            row["weight_only_row_fp8_GBps"] = n * k / row["weight_only_row_us"] / 1e3
+            row["int4_GBps"] = n * k / 2 / row["int4_g128_us"] / 1e3
         rows.append(row)
-        print(GEMMS, json.dumps({kk: round(v, 1) if isinstance(v, float) else v for kk, v in row.items()}), flush=True)
+        print(GEMM_TILES if tiles else GEMMS, json.dumps({kk: round(v, 1) if isinstance(v, float) else v for kk, v in row.items()}), flush=True)
     return rows
 
 
-def run_gemms(out: Path) -> None:
+def run_gemms(out: Path, tiles: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for layer, (n, k) in GEMM_SHAPES.items():
-        rows += _gemm_rows(layer, n, k, gen)
+        rows += _gemm_rows(layer, n, k, gen, tiles)
         torch.cuda.empty_cache()
-    out.write_text(json.dumps({"case": GEMMS, "rows": rows}))
+    out.write_text(json.dumps({"case": GEMM_TILES if tiles else GEMMS, "rows": rows}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200-quant.json")
-    ap.add_argument("--cases", nargs="*", default=[*CASES, GEMMS], choices=[*CASES, GEMMS])
+    ap.add_argument("--cases", nargs="*", default=[*CASES, GEMMS, GEMM_TILES], choices=[*CASES, GEMMS, GEMM_TILES])
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--case-out", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.case:
-        (run_gemms(Path(ns.case_out)) if ns.case == GEMMS else run_case(ns.case, ns.num_prompts, Path(ns.case_out)))
+        if ns.case in (GEMMS, GEMM_TILES):
+            run_gemms(Path(ns.case_out), ns.case == GEMM_TILES)
+        else:
+            run_case(ns.case, ns.num_prompts, Path(ns.case_out))
         return
     import triton
 
@@ -225,7 +253,7 @@ def main() -> None:
             continue
         r = json.loads(tmp.read_text())
         r["case_wall_s"] = case_wall_s
-        if name == GEMMS:
+        if name in (GEMMS, GEMM_TILES):
             result["cases"][name] = r
             continue
         floor_ms = r["decode_step_weight_bytes"] / result["copy_bw_GBps"] / 1e6
