@@ -95,6 +95,28 @@ def test_fused_silu_matches_torch_activation(dtype, cfg):
         torch.testing.assert_close(fused.float(), unfused.float(), atol=1e-2 * scale, rtol=BF16_INTERPRETED_TOL)
 
 
+def test_tile_config_can_unfuse_the_activation():
+    # fused_act False (prefill tiles): the activation runs before the w2 GEMM, which reads it plainly.
+    x, w13, w2, w, ids = random_moe(5, 11, 24, 16, 6, 2, used=[0, 1, 4])
+    cfg = MoETileConfig(16, 32, 32, 4, 1)
+    calls = []
+    real = grouped_gemm.invoke_fused_moe_kernel
+
+    def spy(*args, **kw):
+        calls.append(kw.get("act_silu", False))
+        return real(*args, **kw)
+
+    ref = fused_experts_torch(x, w13, w2, w, ids)
+    for fused in (True, False):
+        calls.clear()
+        c2 = MoETileConfig(16, 32, 32, 4, 1, fused_act=fused)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(grouped_gemm, "invoke_fused_moe_kernel", spy)
+            out = fused_experts_triton(x, w13, w2, w, ids, tile_configs=(cfg, c2))
+        assert calls == [False, fused]
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_unfused_activation_keeps_torch_path():
     x, w13, w2, w, ids = random_moe(3, 9, 24, 16, 6, 2, used=[1, 2, 5])
     for act in ("gelu", "gelu_pytorch_tanh", "silu", "swish"):

@@ -113,6 +113,16 @@ def test_write_read_round_trip(tmp_path):
         MoETileConfig(16, 64, 64, group_m=0)
 
 
+def test_fused_act_key_round_trips_and_is_checked(tmp_path):
+    cfgs = {8192: MoETileConfig(128, 128, 64, 4, 3, group_m=8, fused_act=False), 1: MoETileConfig(16, 32, 128)}
+    write_tile_config_file(tmp_path / "x.json", cfgs)
+    assert read_tile_config_file(tmp_path / "x.json") == cfgs
+    body = json.loads((tmp_path / "x.json").read_text())
+    assert body["8192"]["FUSED_ACT"] is False and "FUSED_ACT" not in body["1"]  # absent = fused
+    with pytest.raises(MoETileConfigError, match="fused_act"):
+        MoETileConfig(16, 64, 64, fused_act=0)
+
+
 def test_shipped_files_are_valid_and_packaged():
     for path in sorted(tc.CONFIG_DIR.glob("*.json")):
         assert path.name.startswith("E=") and ",device_name=" in path.name

@@ -11,7 +11,8 @@
    expert weight -> gate_up [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
 3. `_fused_moe_kernel` on w2, multiplying each row by its routing weight -> [num_tokens * top_k, hidden].
    For silu the gated activation happens in this GEMM's A load (silu(gate) * up, rounded as the torch
-   path rounds), so no intermediate tensor exists; other activations run in torch in between.
+   path rounds), so no intermediate tensor exists, unless the w2 tile config says `fused_act` False (prefill
+   sizes: kernels-triton's silu_and_mul runs first); other activations run in torch in between.
 4. `moe_sum` (moe_sum.py) adds the top_k slots of each token (and optionally a residual such as the
    shared experts' output) in one small kernel.
 
@@ -257,15 +258,25 @@ def fused_experts_triton(
     rows = num_tokens * top_k
     gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2 * I] or [split, rows, 2 * I] float32
     invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
-    fuse = activation.lower() in FUSED_ACTIVATIONS
+    fuse = activation.lower() in FUSED_ACTIVATIONS and c2.fused_act
     if not fuse:
         if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
             gate_up = gate_up.sum(0).to(hidden.dtype)
-        gate_up = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
+        if activation.lower() in FUSED_ACTIVATIONS and not interpreter_enabled():
+            gate_up = _silu_and_mul()(gate_up)  # [rows, intermediate]; the tile config unfused it
+        else:
+            gate_up = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
     down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
     return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
+
+
+@functools.cache
+def _silu_and_mul():
+    from keel_kernels_triton.ops import TritonSiluAndMul  # the dense MLP's kernel: same rounding as torch's
+
+    return TritonSiluAndMul()
 
 
 def _gemm_output(config: MoETileConfig, rows: int, n: int, like: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ _JSON_KEYS = {"block_m": "BLOCK_SIZE_M", "block_n": "BLOCK_SIZE_N", "block_k": "
               "num_warps": "num_warps", "num_stages": "num_stages"}
 _SPLIT_KEY = "SPLIT_K"  # optional: absent means the small-M rule decides
 _GROUP_KEY = "GROUP_SIZE_M"  # optional (vLLM's key): absent means 1, M-blocks fastest over a 2-D grid
+_FUSED_ACT_KEY = "FUSED_ACT"  # optional, w2 files: false runs silu_and_mul as its own kernel first
 # Steps of at most this many tokens take the small-M (split-K) path unless a tuned entry says otherwise:
 # at top-6 of 64 experts a 16-token step still leaves most experts with one or two rows.
 SMALL_M_MAX_TOKENS = 16
@@ -58,7 +59,10 @@ class MoETileConfig:
     that many K slices; None (read from a file entry without "SPLIT_K"): resolved by the lookup.
     `group_m` > 1: programs walk groups of that many M-blocks across every N-block before the next group
     (the activation rows and the expert's weight tiles of a group stay in L2 at prefill sizes, where a
-    grid with M-blocks fastest reads the activations once per N-block)."""
+    grid with M-blocks fastest reads the activations once per N-block). `fused_act` (w2 GEMMs): False runs
+    the gated activation as its own kernel first -- at prefill sizes the A-load activation recomputes
+    silu once per N-block and halves the main loop's rate (H200, DSV2-Lite, 8192 tokens: 1.80 ms fused vs
+    0.69 + 0.18 ms, `benchmarks/h200_moe_prefill.py`)."""
 
     block_m: int
     block_n: int
@@ -67,6 +71,7 @@ class MoETileConfig:
     num_stages: int = 3
     split_k: int | None = 1
     group_m: int = 1
+    fused_act: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -81,6 +86,8 @@ class MoETileConfig:
             raise MoETileConfigError(f"split_k must be an int in 1..64, got {self.split_k!r}")
         if not isinstance(self.group_m, int) or not 1 <= self.group_m <= 64:
             raise MoETileConfigError(f"group_m must be an int in 1..64, got {self.group_m!r}")
+        if not isinstance(self.fused_act, bool):
+            raise MoETileConfigError(f"fused_act ({_FUSED_ACT_KEY}) must be true or false, got {self.fused_act!r}")
 
     def to_json(self) -> dict[str, int]:
         body = {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
@@ -88,6 +95,8 @@ class MoETileConfig:
             body[_SPLIT_KEY] = self.split_k
         if self.group_m != 1:
             body[_GROUP_KEY] = self.group_m
+        if not self.fused_act:
+            body[_FUSED_ACT_KEY] = False
         return body
 
     @classmethod
@@ -95,11 +104,11 @@ class MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - {_SPLIT_KEY, _GROUP_KEY})
+        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY})
         if unknown:
             raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
         return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY),
-                   group_m=entry.get(_GROUP_KEY, 1))
+                   group_m=entry.get(_GROUP_KEY, 1), fused_act=entry.get(_FUSED_ACT_KEY, True))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
