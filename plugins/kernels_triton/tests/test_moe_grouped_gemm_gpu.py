@@ -35,7 +35,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
-             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K")
     for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         seen = set()
         for tokens in (1, 16, 64, 256, 4096):  # DeepSeek-V2-Lite: both GEMMs, every heuristic regime
@@ -59,7 +59,8 @@ COMPILE_SCRIPT = textwrap.dedent('''
                 consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=not w13,
                               MUL_ROUTED_WEIGHT=not w13, DOT_PRECISION="ieee" if ty == "fp32" else "tf32",
                               UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
-                              BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=1)
+                              BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=1,
+                              EVEN_K=c.split_k == 1 and k % c.block_k == 0)
                 compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
                 if tokens == 4096 and ty == "bf16":  # prefill sizes: the grouped program order too
                     compile_(M._jitted(False), sig, {**consts, "GROUP_M": 8}, c.num_warps, c.num_stages)
