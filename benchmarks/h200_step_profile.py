@@ -7,7 +7,9 @@ keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py), with the same engine limit
 
 Per batch: the wall time of `engine.step()` (median of 30 consecutive decode steps, every request past
 its prompt), the GPU time the profiler saw per step (kernels, graph replays included), their difference
-(host time not hidden behind the GPU), kernels per category and the top kernels. Dummy weights unless
+(host time not hidden behind the GPU), kernels per category and the top kernels. At the `--mixed`
+batches also a window of 3 steps in which prompts filling the rest of the token budget arrive beside
+the decodes (the mixed step runs eagerly): its wall and GPU time. Dummy weights unless
 `--model-dir` names a checkpoint (for an MoE model the router then reads the same experts as vLLM did).
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import h200_vs_vllm as vs  # noqa: E402  (shapes, limits, config writer)
-from h200_dsv2lite import profile_kernels  # noqa: E402
+from h200_dsv2lite import _guarded, profile_kernels  # noqa: E402
 
 
 def make_engine(model_dir: str, dummy: bool):
@@ -36,7 +38,7 @@ def make_engine(model_dir: str, dummy: bool):
         load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, seed=0, **vs.LIMITS))
 
 
-def decode_profile(engine, batch: int, vocab: int, seed: int) -> dict:
+def decode_profile(engine, batch: int, vocab: int, seed: int, mixed_window: bool = False) -> dict:
     from keel.engine.sampling_params import SamplingParams
 
     sched = engine.core.scheduler
@@ -56,6 +58,7 @@ def decode_profile(engine, batch: int, vocab: int, seed: int) -> dict:
         walls.append(time.perf_counter() - t)
     prof = profile_kernels(engine.step, steps=10)
     wall_ms = statistics.median(walls) * 1e3
+    mixed = _guarded(lambda: mixed_profile(engine, vocab, seed)) if mixed_window else None
     for r in list(sched.running):
         engine.abort_request(r.request_id)
     while engine.has_unfinished_requests():
@@ -63,7 +66,41 @@ def decode_profile(engine, batch: int, vocab: int, seed: int) -> dict:
     return {"batch": batch, "running": batch, "prefill_steps": steps, "step_wall_ms_median": round(wall_ms, 3),
             "step_wall_ms_min": round(min(walls) * 1e3, 3), "tok_s_at_this_batch": round(batch / wall_ms * 1e3),
             "gpu_ms_per_step": round(prof.get("total_gpu_ms", 0.0), 3),
-            "host_not_hidden_ms": round(wall_ms - prof.get("total_gpu_ms", 0.0), 3), **prof}
+            "host_not_hidden_ms": round(wall_ms - prof.get("total_gpu_ms", 0.0), 3), **prof,
+            **({"mixed": mixed} if mixed is not None else {})}
+
+
+def mixed_profile(engine, vocab: int, seed: int, window: int = 3) -> dict:
+    """Mixed steps beside the running decodes: prompts filling the rest of the token budget arrive
+    and `window` engine steps run (with async scheduling: the mixed step, the decode steps around it).
+    Wall and GPU time per window, so host time a mixed step does not hide shows as their difference."""
+    import random
+
+    from keel.engine.sampling_params import SamplingParams
+
+    sched = engine.core.scheduler
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    length = vs.LIMITS["max_num_batched_tokens"] - len(sched.running)
+    # as few prompts as max_model_len allows (each leaves room for its one output token)
+    parts = -(-length // (vs.LIMITS["max_model_len"] - 1))
+    sizes = [length // parts + (i < length % parts) for i in range(parts)]
+    rng = random.Random(seed)
+    windows = [[[rng.randrange(100, vocab - 100) for _ in range(n)] for n in sizes]
+               for _ in range(6)]  # 3 timed, 1 warm-up, 2 profiled
+    state = {"k": 0}
+
+    def one_window():
+        state["k"] += 1
+        for i, prompt in enumerate(windows[state["k"] - 1]):
+            engine.add_request(f"m{seed}-{state['k']}-{i}", {"prompt_token_ids": prompt}, params)
+        for _ in range(window):
+            engine.step()
+
+    wall_ms, prof = _timed_and_profiled(one_window)
+    return {"prompt_tokens": sizes, "decodes": len(sched.running), "window_steps": window,
+            "window_wall_ms_median": round(wall_ms, 3), "window_gpu_ms": round(prof.get("total_gpu_ms", 0.0), 3),
+            "host_not_hidden_ms": round(wall_ms - prof.get("total_gpu_ms", 0.0), 3),
+            "num_kernels": prof.get("num_kernels"), "categories": prof.get("categories")}
 
 
 def prefill_profile(engine, vocab: int) -> dict:
@@ -82,13 +119,18 @@ def prefill_profile(engine, vocab: int) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
 
+    wall_ms, prof = _timed_and_profiled(one_prefill_step)
+    return {"tokens": n * vs.PROMPT_LEN, "wall_ms_median": round(wall_ms, 2), **prof}
+
+
+def _timed_and_profiled(fn, repeats: int = 3, profiled: int = 2) -> tuple[float, dict]:
+    """(median wall ms of `repeats` calls of `fn`, the kernel profile of `profiled` more calls)."""
     walls = []
-    for _ in range(3):
+    for _ in range(repeats):
         t = time.perf_counter()
-        one_prefill_step()
+        fn()
         walls.append(time.perf_counter() - t)
-    prof = profile_kernels(one_prefill_step, steps=2)
-    return {"tokens": n * vs.PROMPT_LEN, "wall_ms_median": round(statistics.median(walls) * 1e3, 2), **prof}
+    return statistics.median(walls) * 1e3, profile_kernels(fn, steps=profiled)
 
 
 def main() -> None:
@@ -96,8 +138,11 @@ def main() -> None:
     ap.add_argument("--arch", choices=["llama8b", "dsv2lite"], default="dsv2lite")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--batch", default="256,64")
+    ap.add_argument("--mixed", default="256",
+                    help="decode batches beside which mixed steps (prompts filling the token budget) are timed")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    mixed = {int(x) for x in a.mixed.split(",") if x}
     model_dir = a.model_dir
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
@@ -110,7 +155,7 @@ def main() -> None:
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
     try:
         for i, b in enumerate(int(x) for x in a.batch.split(",")):
-            result["decode"].append(decode_profile(engine, b, vocab, seed=500 + i))
+            result["decode"].append(decode_profile(engine, b, vocab, seed=500 + i, mixed_window=b in mixed))
             print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "top_kernels"}), flush=True)
         result["prefill"] = prefill_profile(engine, vocab)
     finally:

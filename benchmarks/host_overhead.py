@@ -1,7 +1,8 @@
 """Per-step host (Python) overhead of the engine, measured on the CPU with a model too small to matter.
 
     python benchmarks/host_overhead.py [--num-requests 256] [--prompt-len 128] [--output-len 64]
-        [--variants greedy,penalties] [--repeats 3] [--threads 1] [--profile] [--out FILE.json]
+        [--variants greedy,penalties] [--steps decode,prefill,prefill_chunked,mixed] [--repeats 3]
+        [--threads 1] [--profile] [--out FILE.json]
 
 A 1-layer, hidden-64, vocab-1000 random Llama is built in a temporary directory; its forward pass costs
 a small fraction of a millisecond, so the time of one `LLMEngine.step()` at N concurrent decoding
@@ -14,7 +15,16 @@ rest -- scheduler, KV manager, input building, sampling metadata, output process
 
 Variants: `greedy` (temperature 0, ignore_eos, no logprobs), `penalties` (temperature 0.8, top-p/top-k,
 presence/frequency/repetition penalties, a seed per request, 5 logprobs).
-`--profile` prints a cProfile top list of the decode steps of the first variant.
+`--profile` prints a cProfile top list of the decode steps of the first variant (and of each step
+kind below).
+
+Step kinds (`--steps`, greedy, max_num_batched_tokens 8192, on a second engine whose tiny model allows
+8192 positions): `prefill` -- one step of 64 new prompts of 128 tokens (the H200 step profile's prefill);
+`prefill_chunked` -- the first step of 3 prompts of 3000 tokens (8192 tokens: two whole prompts and a
+chunk of the third); `mixed` -- 256 requests decoding plus a 7936-token prompt chunk; `decode` -- a
+batch-256 decode step of the same engine. Each is timed per phase (`add_request` of its new prompts,
+`schedule`, the runner's host part, `update_from_output`, the output processor), the model forward and
+the sampler apart, so `host_ms` is what the GPU would wait on around a forward it cannot overlap.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import platform
 import pstats
 import random
@@ -111,6 +122,161 @@ def run_once(engine: LLMEngine, variant: str, num_requests: int, prompt_len: int
     return {"decode_step_ms": decode_ms, "host_ms": host_ms}
 
 
+class PhaseTimer:
+    """Wall time spent inside chosen methods of live objects, per step (instance attributes shadow the
+    methods while it is active; `close` removes them). Nested phases are each counted in full."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
+        self.spent: dict[str, float] = dict.fromkeys(targets, 0.0)
+        self._wrapped = []
+        for phase, (obj, name) in targets.items():
+            setattr(obj, name, self._timed(phase, getattr(obj, name)))
+            self._wrapped.append((obj, name))
+
+    def _timed(self, phase: str, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spent[phase] += time.perf_counter() - t0
+        return call
+
+    def reset(self) -> None:
+        for phase in self.spent:
+            self.spent[phase] = 0.0
+
+    def close(self) -> None:
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+
+
+PROFILE_SORT = os.environ.get("HOST_PROFILE_SORT", "tottime")  # a pstats sort key ("cumtime", ...)
+STEP_KINDS = ("prefill", "prefill_chunked", "mixed", "decode")
+STEP_MAX_LEN = 8192  # the step engine's max_model_len and max_num_batched_tokens
+DECODERS = 256
+
+
+def build_step_engine(path: Path) -> LLMEngine:
+    args = EngineArgs(
+        model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=16,
+        max_model_len=STEP_MAX_LEN, max_num_seqs=DECODERS + 64, max_num_batched_tokens=STEP_MAX_LEN,
+        enable_prefix_caching=True, num_kv_blocks=8192,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+def step_phases(engine: LLMEngine) -> PhaseTimer:
+    core, runner = engine.core, engine.core.worker.runner
+    return PhaseTimer({
+        "add_request": (engine, "add_request"),
+        "schedule": (core.scheduler, "schedule"),
+        "runner": (runner, "execute_model_async"),
+        "update_states": (runner, "_update_states"),
+        "prepare_inputs": (runner.input_batch, "prepare_inputs"),
+        "stage": (runner.staging, "stage"),
+        "update_from_output": (core.scheduler, "update_from_output"),
+        "output_processor": (engine.output_processor, "process_outputs"),
+        "sampling_metadata": (runner.sampling_state, "build"),
+        "in_flight_track": (runner.in_flight, "track"),
+        **{f"attn_metadata_{i}": (b, "build") for i, b in enumerate(runner._builders)},
+        # device work (the forward, the LM head, the sampler's kernels): not host time
+        "model_forward": (runner.model, "forward"),
+        "compute_logits": (runner.model, "compute_logits"),
+        "sampler": (runner.sampler, "forward"),
+    })
+
+
+def _prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _decoding(engine: LLMEngine) -> bool:
+    sched = engine.core.scheduler
+    return not sched.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
+
+
+def run_step_kind(engine: LLMEngine, kind: str, repeats: int, timer: PhaseTimer, seed: int,
+                  profiler: cProfile.Profile | None = None) -> list[dict[str, float]]:
+    """Per repeat: the phases (ms) of the one step of `kind`, add_request of its prompts included."""
+    rng = random.Random(seed)
+    vocab = engine.config.model.hf_config.vocab_size
+    once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    records = []
+    if kind in ("mixed", "decode"):  # DECODERS requests past their prompts, decoding for the whole run
+        long = SamplingParams(temperature=0.0, max_tokens=repeats * 4 + 16, ignore_eos=True)
+        for i, p in enumerate(_prompts(rng, vocab, DECODERS, 128)):
+            engine.add_request(f"{kind}-{seed}-d{i}", {"prompt_token_ids": p}, long)
+        while not _decoding(engine):
+            engine.step()
+    for r in range(repeats):
+        new = {"prefill": (64, 128), "prefill_chunked": (3, 3000), "mixed": (1, STEP_MAX_LEN - DECODERS),
+               "decode": (0, 0)}[kind]
+        prompts = _prompts(rng, vocab, *new)
+        timer.reset()
+        if profiler is not None:
+            profiler.enable()
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{kind}-{seed}-{r}-{i}", {"prompt_token_ids": p}, once)
+        engine.step()
+        wall = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+        ms = {phase: t * 1e3 for phase, t in timer.spent.items()}
+        ms["wall"] = wall * 1e3
+        device = ms["model_forward"] + ms["compute_logits"] + ms["sampler"]
+        ms["host"] = ms["wall"] - device
+        ms["runner_host"] = ms["runner"] - device
+        ms["attn_metadata"] = sum(v for k, v in ms.items() if k.startswith("attn_metadata_"))
+        records.append(ms)
+        if kind != "decode":  # finish this step's prompts (and chunks) before the next repeat
+            sched = engine.core.scheduler
+            decoder = f"{kind}-{seed}-d"
+            while sched.waiting or any(not r.request_id.startswith(decoder) for r in sched.running):
+                engine.step()
+    for r in list(engine.core.scheduler.running):
+        engine.abort_request(r.request_id.split("#")[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return records
+
+
+def measure_step_kinds(kinds: list[str], repeats: int, profile: bool, profile_top: int) -> dict:
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint("llama", Path(tmp) / "tiny", num_hidden_layers=1, hidden_size=64,
+                               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=1000, max_position_embeddings=STEP_MAX_LEN)
+        engine = build_step_engine(path)
+        timer = step_phases(engine)
+        try:
+            run_step_kind(engine, "prefill", 1, timer, seed=-1)  # warm-up
+            for k, kind in enumerate(kinds):
+                profiler = cProfile.Profile() if profile else None
+                records = run_step_kind(engine, kind, repeats, timer, seed=k, profiler=profiler)
+                med = {phase: round(statistics.median(r[phase] for r in records), 3) for phase in records[0]}
+                # min too: on a shared machine other jobs only ever add time
+                low = {phase: round(min(r[phase] for r in records), 3) for phase in records[0]}
+                out[kind] = {"median_ms": med, "min_ms": low, "host_ms_runs": [round(r["host"], 3) for r in records]}
+                print(f"{kind:>16}: host {med['host']:.2f} ms (wall {med['wall']:.2f}, forward "
+                      f"{med['model_forward']:.2f}, sampler {med['sampler']:.2f}); add_request "
+                      f"{med['add_request']:.2f}, schedule {med['schedule']:.2f}, runner host "
+                      f"{med['runner_host']:.2f} (update_states {med['update_states']:.2f}, prepare_inputs "
+                      f"{med['prepare_inputs']:.2f}, stage {med['stage']:.2f}, attention metadata "
+                      f"{med['attn_metadata']:.2f}, sampling metadata {med['sampling_metadata']:.2f}, "
+                      f"in-flight tracking {med['in_flight_track']:.2f}), update_from_output "
+                      f"{med['update_from_output']:.2f}, output processor {med['output_processor']:.2f}")
+                if profiler is not None:
+                    buf = io.StringIO()
+                    pstats.Stats(profiler, stream=buf).sort_stats(PROFILE_SORT).print_stats(profile_top)
+                    print(buf.getvalue())
+        finally:
+            timer.close()
+            engine.shutdown()
+    return out
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -129,30 +295,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--variants", default="greedy,penalties")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--profile-top", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads; 1 keeps the tiny kernels from fighting over cores")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    variants = [v for v in args.variants.split(",") if v]
+def measure_variants(args, variants: list[str]) -> tuple[dict, str | None]:
+    """Pure-decode steps at `args.num_requests` requests per sampling variant; (results, cProfile text)."""
     results: dict[str, dict] = {}
+    profile_text = None
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint("llama", Path(tmp) / "tiny", num_hidden_layers=1, hidden_size=64,
                                intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                vocab_size=1000, max_position_embeddings=args.prompt_len + args.output_len)
         engine = build_engine(path, args.num_requests, args.prompt_len, args.output_len)
         run_once(engine, variants[0], min(8, args.num_requests), args.prompt_len, 4, seed=-1)  # warm-up
-        profile_text = None
         for v_idx, variant in enumerate(variants):
             medians, host_medians = [], []
             for r in range(args.repeats):
@@ -173,6 +325,33 @@ def main() -> None:
                   f"(runs {', '.join(f'{m:.2f}' for m in medians)}), host part "
                   f"{statistics.median(host_medians):.2f} ms at {args.num_requests} requests")
         engine.shutdown()
+    return results, profile_text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--variants", default="greedy,penalties")
+    ap.add_argument("--steps", default=",".join(STEP_KINDS),
+                    help=f"step kinds to time per phase (of {', '.join(STEP_KINDS)}); empty for none")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-top", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads; 1 keeps the tiny kernels from fighting over cores")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    variants = [v for v in args.variants.split(",") if v]
+    kinds = [k for k in args.steps.split(",") if k]
+    unknown = sorted(set(kinds) - set(STEP_KINDS))
+    if unknown:
+        ap.error(f"unknown step kind(s) {unknown}; known: {', '.join(STEP_KINDS)}")
+    results, profile_text = measure_variants(args, variants) if variants else ({}, None)
+    steps = measure_step_kinds(kinds, args.repeats, args.profile, args.profile_top) if kinds else {}
     if profile_text is not None:
         print(profile_text)
     if args.out is not None:
@@ -187,6 +366,7 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "results": results,
+            "steps": steps,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")
