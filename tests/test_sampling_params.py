@@ -50,6 +50,28 @@ def test_clone_is_deep() -> None:
     assert p.stop == ["x"] and p.logit_bias == {1: 2.0}
 
 
+def test_clone_copies_every_container_and_shares_frozen_fields() -> None:
+    from keel.structured_output.params import StructuredOutputsParams
+
+    p = SamplingParams(stop_token_ids=[5], allowed_token_ids=[1, 2], extra_args={"k": [1]},
+                       structured_outputs=StructuredOutputsParams(regex="a+"))
+    p.update_from_generation_config({"eos_token_id": [2, 3]}, model_eos_token_id=2)
+    p._bad_words_token_ids = [[7, 8]]
+    c = p.clone()
+    assert c == p and c.all_stop_token_ids == p.all_stop_token_ids
+    c.stop_token_ids.append(9)  # type: ignore[union-attr]
+    c._all_stop_token_ids.add(9)
+    c._bad_words_token_ids[0].append(9)
+    c.extra_args["k"].append(9)  # type: ignore[index]
+    c.allowed_token_ids.append(9)  # type: ignore[union-attr]
+    assert p.stop_token_ids == [3, 5] and p.all_stop_token_ids == {2, 3, 5}
+    assert p._bad_words_token_ids == [[7, 8]] and p.extra_args == {"k": [1]} and p.allowed_token_ids == [1, 2]
+    assert c.structured_outputs is p.structured_outputs  # frozen: shared
+    e = SamplingParams().clone()  # empty containers are fresh too
+    e._all_stop_token_ids.add(1)
+    assert SamplingParams().all_stop_token_ids == set()
+
+
 def test_update_from_generation_config() -> None:
     p = SamplingParams(stop_token_ids=[5])
     p.update_from_generation_config({"eos_token_id": [2, 3]}, model_eos_token_id=2)

@@ -59,7 +59,7 @@ class Processor:
             salt = prompt.get("cache_salt")
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise ParamError("cache_salt", "cache_salt must be a non-empty string")
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list) and (_all_ints(prompt) or all(isinstance(t, int) for t in prompt)):
             text, ids = None, prompt
         else:
             raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
@@ -69,9 +69,26 @@ class Processor:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass prompt_token_ids")
             ids = self._bound.encode(text)
+        ids = self._checked_token_ids(ids)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: it must be "
+                f"shorter to leave room for at least one generated token"
+            )
+        return ProcessedPrompt(text, ids, salt)
+
+    def _checked_token_ids(self, ids: Any) -> list[int]:
+        """The prompt's ids as a new list of Python ints in [0, vocab_size), or a ParamError.
+
+        A list of plain ints (the common case) is checked by C-level passes (types, min, max): a
+        per-token Python loop cost ~0.2 ms per 128-token prompt, ~2 ms per 3000-token one.
+        """
+        if isinstance(ids, list) and ids and _all_ints(ids):
+            if min(ids) >= 0 and max(ids) < self.vocab_size:
+                return list(ids)
         # numpy / torch integers are fine (tokenizers return them); floats and bools are not.
-        if isinstance(ids, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                    for t in ids):
+        elif isinstance(ids, (str, bytes)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise ParamError("prompt", "prompt token ids must be a list of integers")
         ids = [int(t) for t in ids]
         if not ids:
@@ -79,12 +96,7 @@ class Processor:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ParamError("prompt", f"prompt token id(s) {_ids(bad)} out of vocabulary range [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: it must be "
-                f"shorter to leave room for at least one generated token"
-            )
-        return ProcessedPrompt(text, ids, salt)
+        return ids
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """Token ids inside sampling params must exist in the vocabulary, and no more logprobs than the
@@ -189,6 +201,11 @@ class Processor:
                 )
             )
         return requests
+
+
+def _all_ints(values: list) -> bool:
+    """Every element is exactly an int (not a bool or an int subclass): one C-level pass."""
+    return set(map(type, values)) <= {int}
 
 
 def _ids(bad: list[int]) -> str:
