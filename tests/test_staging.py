@@ -8,6 +8,7 @@ pinned, event-guarded copy itself runs on the GPU (tests/test_async_scheduling.p
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from keel.worker.staging import StagingBuffer
@@ -62,3 +63,31 @@ def test_packed_copy_round_trips_every_value():
             assert out[name].dtype == torch.from_numpy(a).dtype
             assert np.array_equal(out[name].numpy(), a), name
 
+
+
+def test_host_to_device_returns_host_tensors_as_they_are_and_copies_elsewhere():
+    from keel.worker.staging import host_to_device
+
+    t = torch.arange(5, dtype=torch.int32)
+    assert host_to_device(t, "cpu") is t
+    out = host_to_device(t, torch.device("meta"))  # no pinned memory there: the plain-memory fallback
+    assert out.device.type == "meta" and out.shape == t.shape and out.dtype == t.dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned copy needs a CUDA device")
+def test_host_to_device_copies_through_pinned_memory_without_waiting_for_the_stream():
+    from keel.worker.staging import host_to_device
+
+    import time
+
+    t = torch.arange(1000, dtype=torch.int64)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(100_000_000)  # the stream is busy: a pageable copy may wait for it, this one must not
+    out = host_to_device(t, "cuda")
+    returned = time.perf_counter() - start
+    t.fill_(-1)  # the source may change at once: the copy reads its own pinned buffer
+    torch.cuda.synchronize()
+    busy = time.perf_counter() - start
+    assert returned < 0.5 * busy, (returned, busy)
+    assert out.device.type == "cuda" and torch.equal(out.cpu(), torch.arange(1000))

@@ -38,7 +38,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
                  proposer: DraftProposer | None = None, num_speculative_tokens: int = 0,
                  max_model_len: int | None = None, pipeline=None,
-                 logits_processors: Sequence[LogitsProcessor] = (), dp_lockstep: bool = False) -> None:
+                 logits_processors: Sequence[LogitsProcessor] = (), dp_lockstep: bool = False,
+                 max_num_seqs: int = 64) -> None:
         self.model = model
         # Plugin logits processors (keel.logits_processor) and the layout of their rows, or None.
         self.logits_processors = LogitsProcessorBatch(logits_processors) if logits_processors else None
@@ -55,7 +56,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.token_bitmask = TokenBitmask()  # the worker binds a kernel plugin's op into it
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(block_size, max_model_len=max_model_len or 256)
+        # Rows for max_num_seqs requests from the start: growing copies every row (tens of MB at long
+        # max_model_len) inside the first step that holds more requests.
+        self.input_batch = InputBatch(block_size, max_num_reqs=max_num_seqs,
+                                      max_model_len=max_model_len or 256)
         self.sampling_state = BatchSamplingState(device)
         self.staging = StagingBuffer(device)
         self.vocab_size: int | None = None  # the logits' width, known after the first sampling step

@@ -21,6 +21,7 @@ from keel.engine.sampling_params import _SAMPLING_EPS
 from keel.layers.bad_words import banned_by_bad_words
 from keel.layers.sampling_metadata import SamplingMetadata, _logit_bias_tensor, allowed_token_mask, token_counts
 from keel.worker.input_batch import InputBatch
+from keel.worker.staging import host_to_device
 
 
 class BatchSamplingState:
@@ -122,9 +123,9 @@ class BatchSamplingState:
         )
         if not meta.no_penalties:
             self._prepare_penalty_rows(batch, rows[penalized], vocab_size)
-            idx = torch.from_numpy(rows).to(dev)
+            idx = host_to_device(torch.from_numpy(rows), dev)
             # Rows without penalties read zeros here (never written): harmless, their penalties are 0/1.
-            unpenalized = torch.from_numpy(~penalized).to(dev)
+            unpenalized = host_to_device(torch.from_numpy(~penalized), dev)
             meta.output_token_counts = self.output_counts[idx].masked_fill(unpenalized[:, None], 0)
             meta.prompt_token_mask = self.prompt_mask[idx].masked_fill(unpenalized[:, None], False)
         banned_rows = num_outputs < batch.min_tokens[rows]
@@ -167,8 +168,8 @@ class BatchSamplingState:
             sel = sel[ready]
         if sel.shape[0] == 0:
             return
-        idx = torch.from_numpy(sel).to(self.device)
-        picked = tokens.to(self.device)[torch.from_numpy(np.flatnonzero(mask)).to(self.device)]
+        idx = host_to_device(torch.from_numpy(sel), self.device)
+        picked = tokens.to(self.device)[host_to_device(torch.from_numpy(np.flatnonzero(mask)), self.device)]
         self.output_counts.index_put_((idx, picked), torch.ones_like(picked, dtype=torch.int32),
                                       accumulate=True)
 

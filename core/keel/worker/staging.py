@@ -44,6 +44,22 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device
     return torch.empty(shape, dtype=dtype)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` (a host tensor) on `device`, copied without making the host wait for the device.
+
+    For per-step tensors built outside the runner's `StagingBuffer` (a backend's tile tables, the
+    sampler's penalty rows). A copy from pageable memory may first synchronize with the stream -- under
+    async scheduling, wait for the step in flight, so everything the host does after it in this step
+    is no longer hidden. The copy goes through a fresh pinned tensor instead; PyTorch's caching host
+    allocator keeps it until the copy has run. On a CPU device `t` itself is returned.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    pinned = pinned_empty(t.shape, t.dtype, device).copy_(t)
+    return pinned.to(device, non_blocking=True)
+
+
 def record_event(device: torch.device) -> torch.Event | None:
     """An event recorded on `device`'s current stream, or None where the backend has none (then the
     caller's copies were synchronous)."""

@@ -137,7 +137,7 @@ class Worker:
         dp_lockstep = dp.world_size > 1 and build.enable_expert_parallel and supports(model_cls, "moe")
         self.runner = ModelRunner(model, self.device, block_size, proposer, num_spec,
                                   max_model_len=mc.derived_max_model_len, pipeline=stage, logits_processors=procs,
-                                  dp_lockstep=dp_lockstep)
+                                  dp_lockstep=dp_lockstep, max_num_seqs=self.config.scheduler.max_num_seqs)
         if self.platform.use_custom_ops():
             # Bound before warm-up and graph capture, so they already run the fused kernels; a draft model's
             # own layers (an MTP module) get the same kernels, and the runner's grammar-mask step its own.

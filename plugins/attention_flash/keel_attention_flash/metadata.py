@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keel.attention.metadata import CommonAttentionMetadata
+from keel.worker.staging import host_to_device
 
 # Largest uniform query length the split-K kernels take (rows = q x heads per KV head stay in registers).
 MAX_UNIFORM_QUERY_LEN = 8
@@ -58,8 +59,8 @@ class FlashAttentionMetadata:
             first_tile = torch.cumsum(per_req, 0) - per_req
             tile_q0 = (torch.arange(int(per_req.sum())) - first_tile[tile_req]) * block_q
             device = self.common.query_start_loc.device
-            found = (tile_req.to(torch.int32).to(device, non_blocking=True),
-                     tile_q0.to(torch.int32).to(device, non_blocking=True))
+            found = (host_to_device(tile_req.to(torch.int32), device),
+                     host_to_device(tile_q0.to(torch.int32), device))
             self._tiles[block_q] = found
         return found
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keel.attention.metadata import CommonAttentionMetadata
+from keel.worker.staging import host_to_device
 from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN, uniform_query_len
 
 
@@ -55,8 +56,8 @@ class TritonMLAMetadata:
             tile_idx = torch.repeat_interleave(torch.arange(len(self.prefill_reqs)), per_req)
             tile_q0 = (torch.arange(int(per_req.sum())) - first_tile[tile_idx]) * block_q
             device = self.common.query_start_loc.device
-            found = (tile_req.to(torch.int32).to(device, non_blocking=True),
-                     tile_q0.to(torch.int32).to(device, non_blocking=True))
+            found = (host_to_device(tile_req.to(torch.int32), device),
+                     host_to_device(tile_q0.to(torch.int32), device))
             self._tiles[block_q] = found
         return found
 
@@ -66,7 +67,7 @@ class TritonMLAMetadataBuilder:
 
     `build` is called by the model runner once per step (and once per captured batch size when the
     runner captures CUDA graphs). It never synchronizes with the device: on mixed steps it reads only
-    the CPU copy of `query_start_loc`.
+    the CPU copy of `query_start_loc`, and its request / tile tables go up from pinned memory.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -83,7 +84,7 @@ class TritonMLAMetadataBuilder:
             decode_idx = torch.nonzero(query_lens == 1).flatten()
             prefill_reqs = torch.nonzero(query_lens > 1).flatten().tolist()
             num_decodes = int(decode_idx.numel())
-            decode_reqs = decode_idx.to(torch.int32).to(common.query_start_loc.device, non_blocking=True)
+            decode_reqs = host_to_device(decode_idx.to(torch.int32), common.query_start_loc.device)
         return TritonMLAMetadata(
             common=common,
             num_reqs=n,
