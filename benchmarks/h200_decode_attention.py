@@ -93,7 +93,7 @@ def mla_case(batch: int, ctx: int, splits, launch) -> float:
     q = torch.randn(batch, H, N + R, dtype=torch.bfloat16, device="cuda")
     kv_c = torch.randn(batch, L, dtype=torch.bfloat16, device="cuda")
     k_pe = torch.randn(batch, R, dtype=torch.bfloat16, device="cuda")
-    return graph_ms(lambda: impl.forward(q, kv_c, k_pe, cache, md))
+    return graph_ms(lambda: impl.forward(q[..., :N], q[..., N:], kv_c, k_pe, cache, md))
 
 
 def main() -> None:

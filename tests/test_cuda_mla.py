@@ -95,7 +95,8 @@ def test_deepseek_sized_mixed_batch_matches_expanded_reference(dtype, bs):
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
     cache = cache64.to(dtype).cuda()
     new_dev = new.cuda().to(dtype)
-    out = impl.forward(q.to(dtype), new_dev[:, :L], new_dev[:, L:], cache, md)
+    qd = q.to(dtype)
+    out = impl.forward(qd[..., :N], qd[..., N:], new_dev[:, :L], new_dev[:, L:], cache, md)
     num = common.num_actual_tokens
     # The reference sees the inputs rounded to `dtype`, so only the kernel's own error remains.
     rounded = [lat.to(dtype).double() for lat in latents]

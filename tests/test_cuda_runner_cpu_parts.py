@@ -144,15 +144,15 @@ class EagerReplay(DecodeGraphRunner):
 
 
 class TableModel(torch.nn.Module):
-    """One attention layer whose q/k/v rows are looked up by token id (the last row is NaN: poison)."""
+    """One attention layer whose impl inputs (q/k/v; MLA: q_nope/q_pe/kv_c/k_pe) are rows looked up by
+    token id (the last row is NaN: poison)."""
 
-    def __init__(self, impl, q, k, v) -> None:
+    def __init__(self, impl, *tables) -> None:
         super().__init__()
-        self.impl, self.q, self.k, self.v = impl, q, k, v
+        self.impl, self.tables = impl, tables
 
     def forward(self, input_ids, positions, ctx: ForwardContext):
-        return self.impl.forward(self.q[input_ids], self.k[input_ids], self.v[input_ids], ctx.kv_caches[0],
-                                 ctx.attn_metadata[0])
+        return self.impl.forward(*(t[input_ids] for t in self.tables), ctx.kv_caches[0], ctx.attn_metadata[0])
 
 
 def test_graph_query_lens_follows_every_backend():
@@ -244,7 +244,7 @@ def test_flash_uniform_verify_step_through_the_runner(case, splits):
     case2 = dataclasses.replace(case, context_lens=(61, 2), query_lens=(q, q))
     step2, cache2, tables2 = _flash_step(case2, seed=q + 10)
     cache.copy_(cache2)
-    model.q, model.k, model.v = tables2
+    model.tables = tables2
     g.input_ids[2 * q :].fill_(2 * q)
     hidden2 = g.run(torch.arange(2 * q), torch.arange(2 * q), step2.common)
     ref2 = ref_varlen_attention(step2.q[: 2 * q], step2.keys, step2.values, [q, q], scale=scale,
@@ -283,8 +283,8 @@ MH, MN, MR, MV, ML = 4, 16, 8, 16, 32
 
 
 def _mla_step(context_lens, q, bs, gen):
-    """Uniform MLA step: (common, cache of CACHE_BLOCKS blocks, NaN outside the context, q/kv_c/k_pe tables
-    with a trailing NaN row)."""
+    """Uniform MLA step: (common, cache of CACHE_BLOCKS blocks, NaN outside the context, q_nope/q_pe/kv_c/k_pe
+    tables with a trailing NaN row)."""
     totals = [c + q for c in context_lens]
     blocks = [-(-t // bs) for t in totals]
     perm = (torch.randperm(CACHE_BLOCKS - 1, generator=gen) + 1).tolist()
@@ -312,7 +312,7 @@ def _mla_step(context_lens, q, bs, gen):
         max_query_len=q, max_seq_len=max(totals), block_size=bs)
     lat = torch.stack(new + [torch.full((ML + MR,), float("nan"))])
     qt = torch.cat([torch.randn(n * q, MH, MN + MR, generator=gen), torch.full((1, MH, MN + MR), float("nan"))])
-    return common, cache, (qt, lat[:, :ML], lat[:, ML:])
+    return common, cache, (qt[..., :MN], qt[..., MN:], lat[:, :ML], lat[:, ML:])
 
 
 @pytest.mark.parametrize("q,splits", [(2, None), (4, 3)])

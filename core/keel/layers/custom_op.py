@@ -25,6 +25,12 @@ the native layers):
     rotary_embedding(positions, q, k, cos_cache, sin_cache, head_size, rotary_dim) -> (q_out, k_out)
         neox rope on the first rotary_dim dims of each head; positions: [n] int; q: [n, heads * head_size];
         k: [n, kv_heads * head_size]; cos/sin_cache: [cache_len, rotary_dim] float32 (halves repeated).
+    mla_rope(positions, q, k_pe, cos_cache, sin_cache, nope_dim, interleaved) -> (q_pe, k_pe_out)
+        MLA's rope (`MLAAttention.rope`): q [n, heads, nope_dim + R] (the q projection's output, any
+        strides with a contiguous last dim); k_pe [n, R] (any row stride). The rope part of each head,
+        q[..., nope_dim:], and k_pe are de-interleaved (evens, then odds) when `interleaved`, then neox-
+        rotated over all R dims; q_pe [n, heads, R] and k_pe_out [n, R] are new contiguous tensors; q's
+        nope part is neither read nor copied. cos/sin_cache: [cache_len, R] float32 (halves repeated).
     silu_and_mul(x) -> out
         x: [..., 2 * d]; out: [..., d] = silu(x[..., :d]) * x[..., d:].
     select_experts(router_logits, routing, e_score_correction_bias) -> (topk_weights, topk_ids)
@@ -57,8 +63,8 @@ import torch
 logger = logging.getLogger("keel.custom_op")
 
 CUSTOM_OP_NAMES: tuple[str, ...] = (
-    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "select_experts", "fused_experts",
-    "apply_token_bitmask",
+    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "silu_and_mul", "select_experts",
+    "fused_experts", "apply_token_bitmask",
 )
 
 

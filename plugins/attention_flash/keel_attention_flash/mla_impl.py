@@ -77,7 +77,8 @@ class TritonMLAImpl:
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, H, N + R]
+        q_nope: torch.Tensor,  # [T, H, N] (a strided view of the q projection)
+        q_pe: torch.Tensor,  # [T, H, R]
         kv_c: torch.Tensor,  # [T, L]
         k_pe: torch.Tensor,  # [T, R]
         kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
@@ -89,13 +90,12 @@ class TritonMLAImpl:
                 "kv_b_proj's W_UK/W_UV after loading its weights"
             )
         self._write(kv_c, k_pe, kv_cache, metadata)
-        n = self.qk_nope_head_dim
-        q_pe = q[..., n:]
+        # The kernels read q_pe by its strides (the last one must be 1); no concatenation with q_c.
         q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
         # W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides.
-        q_c = torch.bmm(q[..., :n].transpose(0, 1), self.w_uk).transpose(0, 1)
-        o_latent = torch.empty((q.shape[0], self.num_heads, self.kv_lora_rank), dtype=q.dtype,
-                               device=q.device)
+        q_c = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        o_latent = torch.empty((q_nope.shape[0], self.num_heads, self.kv_lora_rank), dtype=q_nope.dtype,
+                               device=q_nope.device)
         if metadata.num_decodes:
             self._decode(q_c, q_pe, kv_cache, metadata, o_latent)
         if metadata.prefill_reqs:

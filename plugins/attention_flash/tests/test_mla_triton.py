@@ -105,7 +105,8 @@ def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, d
     md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
     cache = cache.to(dtype)
     dev = new_latents.to(DEVICE, dtype)
-    out = impl.forward(q.to(DEVICE, dtype), dev[:, :L], dev[:, L:], cache, md)
+    qd = q.to(DEVICE, dtype)
+    out = impl.forward(qd[..., :N], qd[..., N:], dev[:, :L], dev[:, L:], cache, md)
     num = common.num_actual_tokens
     ref = reference(q[:num], latents, context_lens, query_lens, w_uk, w_uv, layer.scale)
     assert out.shape == (q.shape[0], H, V)
@@ -177,7 +178,7 @@ def test_decode_is_absorbed_and_never_expands(monkeypatch):
     q = torch.randn(3, H, N + R, generator=gen).to(DEVICE)
     dev = new_latents.float().to(DEVICE)
     with Sizes():
-        out = impl.forward(q, dev[:, :L], dev[:, L:], cache, md)
+        out = impl.forward(q[..., :N], q[..., N:], dev[:, :L], dev[:, L:], cache, md)
     assert calls == ["_decode"] and out.shape == (3, H, V) and torch.isfinite(out).all()
     assert biggest and max(biggest) < expanded
 
@@ -206,7 +207,7 @@ def test_graph_padding_requests_read_and_write_nothing():
     md = TritonMLABackend.get_metadata_builder(dev).build(padded)
     rows = torch.cat((new_latents.float(), torch.randn(2, L + R, generator=gen, dtype=torch.float64).float()))
     q = torch.randn(4, H, N + R, generator=gen).to(DEVICE)
-    out = impl.forward(q, rows[:, :L].to(DEVICE), rows[:, L:].to(DEVICE), cache, md)
+    out = impl.forward(q[..., :N], q[..., N:], rows[:, :L].to(DEVICE), rows[:, L:].to(DEVICE), cache, md)
     assert torch.isfinite(out[:2]).all() and torch.equal(out[2:].cpu(), torch.zeros(2, H, V))
     changed = ~(torch.isclose(cache, before) | (cache.isnan() & before.isnan()))
     assert int(changed.any(-1).sum()) == 2  # only the two real tokens' slots

@@ -70,7 +70,7 @@ def test_impl_satisfies_protocol_and_needs_weights():
     impl = TritonMLABackend.get_impl(mla_layer())
     assert isinstance(impl, MLAAttentionImpl)
     with pytest.raises(RuntimeError, match="process_weights_after_loading"):
-        impl.forward(torch.zeros(1, H, N + R), torch.zeros(1, L), torch.zeros(1, R),
+        impl.forward(torch.zeros(1, H, N), torch.zeros(1, H, R), torch.zeros(1, L), torch.zeros(1, R),
                      torch.zeros(2, BS, L + R), None)
 
 

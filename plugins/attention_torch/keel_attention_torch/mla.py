@@ -97,7 +97,8 @@ class TorchMLAImpl:
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, H, N + R]
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_pe: torch.Tensor,  # [T, H, R]
         kv_c: torch.Tensor,  # [T, L]
         k_pe: torch.Tensor,  # [T, R]
         kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
@@ -108,6 +109,7 @@ class TorchMLAImpl:
                 "torch_mla: process_weights_after_loading was never called; the model must hand over "
                 "kv_b_proj's W_UK/W_UV after loading its weights"
             )
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, N + R]: the reference's one query
         cache = kv_cache.view(-1, self.kv_lora_rank + self.qk_rope_head_dim)  # [num_slots, L + R]
         self._write(kv_c, k_pe, cache, metadata)
         plan = metadata.plan(None)

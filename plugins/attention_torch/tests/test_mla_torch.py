@@ -64,7 +64,8 @@ def test_impl_satisfies_protocol_and_needs_weights():
     impl = TorchMLABackend.get_impl(mla_layer())
     assert isinstance(impl, MLAAttentionImpl)
     with pytest.raises(RuntimeError, match="process_weights_after_loading"):
-        impl.forward(torch.zeros(1, H, N + R), torch.zeros(1, L), torch.zeros(1, R), torch.zeros(2, BS, L + R), None)
+        impl.forward(torch.zeros(1, H, N), torch.zeros(1, H, R), torch.zeros(1, L), torch.zeros(1, R),
+                     torch.zeros(2, BS, L + R), None)
 
 
 def _step(context_lens, query_lens, gen):
@@ -129,7 +130,9 @@ def test_forward_matches_expanded_reference(context_lens, query_lens):
     impl = TorchMLABackend.get_impl(layer)
     impl.process_weights_after_loading(w_uk.float(), w_uv.float())
     md = TorchMLABackend.get_metadata_builder(torch.device("cpu")).build(common)
-    out = impl.forward(q.float(), new_latents[:, :L].float(), new_latents[:, L:].float(), cache, md)
+    qf = q.float()
+    out = impl.forward(qf[..., :N], qf[..., N:], new_latents[:, :L].float(), new_latents[:, L:].float(),
+                       cache, md)
     ref = _reference(q, latents, context_lens, query_lens, w_uk, w_uv, layer.scale)
     assert out.shape == (common.num_actual_tokens, H, V)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
@@ -152,5 +155,6 @@ def test_decode_is_absorbed_and_never_expands(monkeypatch):
     monkeypatch.setattr(TorchMLAImpl, "_decode_absorbed", lambda self, *a: calls.append(1) or absorbed(self, *a))
     md = TorchMLABackend.get_metadata_builder(torch.device("cpu")).build(common)
     q = torch.randn(3, H, N + R, generator=gen)
-    out = impl.forward(q, new_latents[:, :L].float(), new_latents[:, L:].float(), cache, md)
+    out = impl.forward(q[..., :N], q[..., N:], new_latents[:, :L].float(), new_latents[:, L:].float(),
+                       cache, md)
     assert calls == [1] and out.shape == (3, H, V) and torch.isfinite(out).all()

@@ -24,12 +24,14 @@ def manifest() -> PluginManifest:
                 "fused_add_rms_norm": f"{_OPS}:TritonFusedAddRMSNorm",
                 "rms_norm": f"{_OPS}:TritonRMSNorm",
                 "rotary_embedding": f"{_OPS}:TritonRotaryEmbedding",
+                "mla_rope": f"{_OPS}:TritonMLARope",
                 "silu_and_mul": f"{_OPS}:TritonSiluAndMul",
                 "select_experts": f"{_MOE_OPS}:TritonSelectExperts",
                 "fused_experts": f"{_MOE_OPS}:TritonFusedExperts",
                 "apply_token_bitmask": "keel_kernels_triton.token_bitmask:TritonApplyTokenBitmask",
             }
         },
-        description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, SiluAndMul; MoE routing "
-                    "and fused experts (grouped GEMMs with tuned tiles); the structured-output token bitmask.",
+        description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, MLA's q/k rope, "
+                    "SiluAndMul; MoE routing and fused experts (grouped GEMMs with tuned tiles); the "
+                    "structured-output token bitmask.",
     )

@@ -1,4 +1,5 @@
-"""Triton kernels of kernels-triton: (residual add +) RMSNorm, neox rope on q and k, SiluAndMul.
+"""Triton kernels of kernels-triton: (residual add +) RMSNorm, neox rope on q and k, MLA's rope,
+SiluAndMul.
 
 Each kernel reproduces the rounding steps of keel's native layer math (which mirrors HF): values are
 widened to float32 for arithmetic and rounded back to the activation dtype exactly where the torch code
@@ -84,33 +85,51 @@ def rms_norm_kernel(
 
 @triton.jit
 def _rope_heads(
-    x_ptr, out_ptr, stride_x, stride_o, token, cos, sin, num_heads,
+    x_ptr, out_ptr, stride_x, stride_o, stride_xh, stride_oh, token, cos, sin, num_heads,
     HEAD: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     # cos/sin: [1, BLOCK_HALF] float32 holding values already rounded to the activation dtype.
+    # Head h of the token's row starts at h * stride_xh (in) / h * stride_oh (out). INTERLEAVED reads
+    # the rotated dims de-interleaved: evens as the first half, odds as the second (a copy in torch).
     hh = tl.arange(0, BLOCK_H)[:, None]
     dd = tl.arange(0, BLOCK_HALF)[None, :]
     x_row = x_ptr + token * stride_x
     o_row = out_ptr + token * stride_o
     dt = out_ptr.dtype.element_ty
+    if INTERLEAVED:
+        first, second = 2 * dd, 2 * dd + 1
+    else:
+        first, second = dd, HALF + dd
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + hh
         mask = (h < num_heads) & (dd < HALF)
-        x1 = tl.load(x_row + h * HEAD + dd, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + h * HEAD + HALF + dd, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row + h * stride_xh + first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + h * stride_xh + second, mask=mask, other=0.0).to(tl.float32)
         # torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the activation dtype.
         a1 = _round_to(x1 * cos, dt).to(tl.float32)
         b1 = _round_to(x2 * sin, dt).to(tl.float32)
         a2 = _round_to(x2 * cos, dt).to(tl.float32)
         b2 = _round_to(x1 * sin, dt).to(tl.float32)
-        tl.store(o_row + h * HEAD + dd, _round_to(a1 - b1, dt), mask=mask)
-        tl.store(o_row + h * HEAD + HALF + dd, _round_to(a2 + b2, dt), mask=mask)
+        tl.store(o_row + h * stride_oh + dd, _round_to(a1 - b1, dt), mask=mask)
+        tl.store(o_row + h * stride_oh + HALF + dd, _round_to(a2 + b2, dt), mask=mask)
         if ROT < HEAD:  # partial rotary: the tail of each head passes through
             pp = tl.arange(0, BLOCK_PASS)[None, :]
             pmask = (h < num_heads) & (pp < HEAD - ROT)
-            tail = tl.load(x_row + h * HEAD + ROT + pp, mask=pmask, other=0.0)
-            tl.store(o_row + h * HEAD + ROT + pp, tail.to(dt), mask=pmask)
+            tail = tl.load(x_row + h * stride_xh + ROT + pp, mask=pmask, other=0.0)
+            tl.store(o_row + h * stride_oh + ROT + pp, tail.to(dt), mask=pmask)
+
+
+@triton.jit
+def _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, dt: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr,
+             BLOCK_HALF: tl.constexpr):
+    """The token's cos / sin halves as [1, BLOCK_HALF] float32, rounded to `dt` first as the torch path
+    casts them to the activation dtype before multiplying."""
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dd = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = _round_to(tl.load(cos_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    sin = _round_to(tl.load(sin_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -125,19 +144,38 @@ def rotary_kernel(
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    dd = tl.arange(0, BLOCK_HALF)[None, :]
-    dt = q_out_ptr.dtype.element_ty
-    # The torch path casts cos/sin to the activation dtype before multiplying.
-    cos = _round_to(tl.load(cos_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
-    sin = _round_to(tl.load(sin_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, q_out_ptr.dtype.element_ty, ROT, HALF, BLOCK_HALF)
     # Program (t, 0) rotates the token's q heads, (t, 1) its k heads.
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr, q_out_ptr, stride_q, stride_qo, token, cos, sin, num_q_heads,
-                    HEAD, HALF, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
+        _rope_heads(q_ptr, q_out_ptr, stride_q, stride_qo, HEAD, HEAD, token, cos, sin, num_q_heads,
+                    HEAD, HALF, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, False)
     else:
-        _rope_heads(k_ptr, k_out_ptr, stride_k, stride_ko, token, cos, sin, num_k_heads,
-                    HEAD, HALF, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
+        _rope_heads(k_ptr, k_out_ptr, stride_k, stride_ko, HEAD, HEAD, token, cos, sin, num_k_heads,
+                    HEAD, HALF, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, False)
+
+
+@triton.jit
+def mla_rope_kernel(
+    pos_ptr,  # [num_tokens] int
+    q_ptr,  # q's rope part: [num_tokens, heads, ROT] at row stride stride_q, head stride stride_qh
+    k_ptr,  # [num_tokens, ROT] (row stride stride_k)
+    q_out_ptr,  # [num_tokens, heads, ROT] contiguous
+    k_out_ptr,  # [num_tokens, ROT] contiguous
+    cos_ptr, sin_ptr,  # [cache_len, ROT] float32 contiguous
+    stride_q, stride_qh, stride_k, num_heads,
+    ROT: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """MLA's rope: q's rope parts read in place from the projection (no nope copy, no concatenation),
+    de-interleaved on the load when INTERLEAVED. Program (t, 0) does the token's q heads, (t, 1) k_pe."""
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, q_out_ptr.dtype.element_ty, ROT, HALF, BLOCK_HALF)
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr, q_out_ptr, stride_q, num_heads * ROT, stride_qh, ROT, token, cos, sin, num_heads,
+                    ROT, HALF, ROT, BLOCK_H, BLOCK_HALF, 1, INTERLEAVED)
+    else:
+        _rope_heads(k_ptr, k_out_ptr, stride_k, ROT, ROT, ROT, token, cos, sin, 1,
+                    ROT, HALF, ROT, 1, BLOCK_HALF, 1, INTERLEAVED)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from keel_kernels_triton.kernels import rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+from keel_kernels_triton.kernels import mla_rope_kernel, rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
 from keel_kernels_triton.support import SUPPORTED_DTYPES, TritonOp
 
 # Widest row one program keeps in registers; wider rows take the two-sweep path.
@@ -113,6 +113,48 @@ class TritonRotaryEmbedding(TritonOp):
                 q2.stride(0), k2.stride(0), q_out.stride(0), k_out.stride(0), nq, nk,
                 HEAD=head_size, ROT=rotary_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
                 BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+            )
+        return q_out, k_out
+
+
+class TritonMLARope(TritonOp):
+    """`mla_rope(positions, q, k_pe, cos_cache, sin_cache, nope_dim, interleaved) -> (q_pe, k_pe)`.
+
+    One launch for MLA's q and k rope: q's rope parts are read where the q projection wrote them, so the
+    layer hands q_nope to the attention as a view and nothing is concatenated or copied.
+    """
+
+    def __call__(
+        self,
+        positions: torch.Tensor,  # [n] int
+        q: torch.Tensor,  # [n, heads, nope_dim + R], last dim contiguous
+        k_pe: torch.Tensor,  # [n, R], last dim contiguous
+        cos_cache: torch.Tensor,  # [cache_len, R] float32
+        sin_cache: torch.Tensor,  # [cache_len, R] float32
+        nope_dim: int,
+        interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q_pe [n, heads, R], k_pe [n, R], contiguous
+        n, heads, rot = q.shape[0], q.shape[1], k_pe.shape[-1]
+        if q.dim() != 3 or q.shape[2] != nope_dim + rot or rot % 2 or k_pe.shape != (n, rot):
+            raise UnsupportedTensorError(f"mla_rope: q {tuple(q.shape)} must be [n, heads, {nope_dim} + R], "
+                                         f"k_pe {tuple(k_pe.shape)} [n, R] with R even")
+        for name, t in (("q", q), ("k_pe", k_pe)):
+            if t.dtype not in SUPPORTED_DTYPES or t.stride(-1) != 1:
+                raise UnsupportedTensorError(f"mla_rope {name}: needs one of {SUPPORTED_DTYPES} with a "
+                                             f"contiguous last dim, got {t.dtype} strides {t.stride()}")
+        caches_ok = cos_cache.dtype == torch.float32 and cos_cache.shape[-1] == rot
+        if not (caches_ok and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+            raise UnsupportedTensorError(f"mla_rope caches must be contiguous float32 [cache_len, {rot}]")
+        q_out = torch.empty((n, heads, rot), dtype=q.dtype, device=q.device)
+        k_out = torch.empty((n, rot), dtype=k_pe.dtype, device=k_pe.device)
+        if n:
+            half = rot // 2
+            block_half = triton.next_power_of_2(half)
+            mla_rope_kernel[(n, 2)](
+                positions, q[..., nope_dim:], k_pe, q_out, k_out, cos_cache, sin_cache,
+                q.stride(0), q.stride(1), k_pe.stride(0), heads,
+                ROT=rot, HALF=half, BLOCK_H=min(triton.next_power_of_2(heads), max(1, 4096 // block_half)),
+                BLOCK_HALF=block_half, INTERLEAVED=bool(interleaved),
             )
         return q_out, k_out
 

@@ -35,6 +35,13 @@ SCRIPT = textwrap.dedent('''
             "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr", "BLOCK_PASS": "constexpr"}
     compile_(K.rotary_kernel, rope, {"HEAD": 96, "ROT": 48, "HALF": 24, "BLOCK_H": 16, "BLOCK_HALF": 32,
                                      "BLOCK_PASS": 64})
+    mla_rope = {"pos_ptr": "*i64", "q_ptr": dt, "k_ptr": dt, "q_out_ptr": dt, "k_out_ptr": dt,
+                "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_q": i32, "stride_qh": i32, "stride_k": i32, "num_heads": i32,
+                "ROT": "constexpr", "HALF": "constexpr", "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr",
+                "INTERLEAVED": "constexpr"}
+    for interleaved in (True, False):  # DeepSeek-V2-Lite's 16 heads of 64 rope dims
+        compile_(K.mla_rope_kernel, mla_rope, {"ROT": 64, "HALF": 32, "BLOCK_H": 16, "BLOCK_HALF": 32,
+                                               "INTERLEAVED": interleaved})
     silu = {"x_ptr": dt, "out_ptr": dt, "stride_x": i32, "stride_o": i32, "D": i32, "BLOCK": "constexpr"}
     compile_(K.silu_and_mul_kernel, silu, {"BLOCK": 1024})
     print("compiled")

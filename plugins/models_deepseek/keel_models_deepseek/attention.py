@@ -5,9 +5,8 @@ Checkpoint names (HF layout): `q_proj` (no q_lora_rank) or `q_a_proj` + `q_a_lay
 per-head nope key and value), `o_proj`.
 
 Rope layout: DeepSeek checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (HF V2 always, V3
-when `rope_interleave`). Only q_pe . k_pe is ever used, so permuting both the same way changes nothing;
-we de-interleave q_pe and k_pe (evens, then odds) and apply keel's neox rotation, which is exactly HF's
-`apply_rotary_pos_emb_interleave`. The latent cache therefore stores k_pe de-interleaved.
+when `rope_interleave`). The MLA layer de-interleaves and rotates q's rope part and k_pe itself (see
+`keel.layers.mla_attention`); this module hands it the raw projections.
 """
 
 from __future__ import annotations
@@ -41,10 +40,6 @@ def mla_softmax_scale(config: Any, rope: dict[str, Any]) -> float:
             m = yarn_get_mscale(factor, mscale_all_dim)
             scale = scale * m * m
     return scale
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:  # x: [..., R] -> [..., R]: evens then odds
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 class DeepseekV2MLAAttention(nn.Module):
@@ -89,9 +84,9 @@ class DeepseekV2MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * v, hidden, bias, tp_size, tp_rank, quant_config=quant,
                                         prefix=f"{prefix}.o_proj")
         rope = get_rope_parameters(config)
-        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
-        self.rotary_emb = get_rope(r, config.max_position_embeddings, rope)
-        self.mla_attn = MLAAttention(layer_idx, h, n, r, v, lora, mla_softmax_scale(config, rope), build)
+        self.mla_attn = MLAAttention(layer_idx, h, n, r, v, lora, mla_softmax_scale(config, rope), build,
+                                     get_rope(r, config.max_position_embeddings, rope),
+                                     rope_interleaved=bool(getattr(config, "rope_interleave", True)))
 
     def process_weights_after_loading(self) -> None:
         """Called by the model after loading: W_UK / W_UV go to the MLA backend."""
@@ -103,18 +98,11 @@ class DeepseekV2MLAAttention(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        t, h, n, r = hidden.shape[0], self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         else:
             q = self.q_proj(hidden)
-        q = q.view(t, h, n + r)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, r], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
-        q_pe = q[..., n:]
-        if self.rope_interleave:
-            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, h * r), k_pe.contiguous())
-        q = torch.cat((q[..., :n], q_pe.view(t, h, r)), dim=-1)
-        out = self.mla_attn(q.reshape(t, h * (n + r)), kv_c, k_pe, ctx)
+        out = self.mla_attn(positions, q, kv_c, k_pe, ctx)  # rope applied inside (q_pe, k_pe)
         return self.o_proj(out)

@@ -90,6 +90,7 @@ def test_prefix_cache_hits_compute_only_new_tokens(checkpoints):
 def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch, name):
     """kernels-triton's MoE ops bound as on CUDA (the CPU platform forced to bind custom ops)."""
     from keel_kernels_triton.fused_moe.ops import TritonFusedExperts
+    from keel_kernels_triton.ops import TritonMLARope
     from keel_platform_cpu.platform import CpuPlatform
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -101,6 +102,9 @@ def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch, name):
                          plugins=["platform-cpu", "attention-torch", "models-deepseek", "kernels-triton"])
     moe = [m for m in engine.core.worker.runner.model.modules() if hasattr(m, "w13_weight")]
     assert moe and all(isinstance(m.bound_ops.get("fused_experts"), TritonFusedExperts) for m in moe)
+    # MLA's q / k rope runs the fused kernel too (q_nope handed on as a view, nothing concatenated)
+    attn = engine.core.worker.runner.attn_layers
+    assert attn and all(isinstance(m.bound_ops.get("mla_rope"), TritonMLARope) for m in attn)
     check_against_hf(path, prompts, run(engine, prompts, params), 3)
 
 

@@ -61,7 +61,7 @@ def test_tolerance_catches_a_wrong_rope_layout(tmp_path):
     prompts = random_prompts([30])
     model = load_keel(DeepseekV3ForCausalLM, path)
     for layer in model.model.layers:
-        layer.self_attn.rope_interleave = False
+        layer.self_attn.mla_attn.rope_interleaved = False
     assert (prefill_logits(model, prompts) - hf_logits(path, prompts)).abs().max() > 1e-2
 
 
