@@ -50,7 +50,8 @@ class StructuredOutputGrammar(Protocol):
         """Advance by committed tokens; False if a token is not allowed (the state is then unchanged)."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into `bitmask[row]` (int32 [rows, words], CPU)."""
+        """Write the tokens allowed next into the whole row `bitmask[row]` (int32 [rows, words], CPU; its
+        previous contents are garbage)."""
 
     def is_terminated(self) -> bool:
         """The grammar has accepted a stop token: nothing may follow (and no bitmask can be filled)."""
@@ -74,6 +75,6 @@ class StructuredOutputBackend(Protocol):
     def grammar(self, compiled: Any) -> StructuredOutputGrammar:
         """A fresh matcher for one request."""
 
-    # Optional: `fill_bitmasks(grammars, bitmask, rows)` fills `bitmask[rows[i]]` for `grammars[i]` (its own
-    # grammars, none terminated) in one call -- e.g. on threads. The manager uses it for the rows of a
+    # Optional: `fill_bitmasks(grammars, bitmask, rows)` fills the whole rows `bitmask[rows[i]]` for
+    # `grammars[i]` (its own grammars, none terminated) in one call -- e.g. on threads. The manager uses it for the rows of a
     # step that need no tentative advance; without it, each grammar's `fill_bitmask`.

@@ -72,18 +72,18 @@ class GrammarBitmask:
     Pickling (a worker in another process) waits for the fill.
     """
 
-    def __init__(self, req_ids: list[str], bitmask: torch.Tensor,
-                 fill: Callable[[torch.Tensor], None] | None = None, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, req_ids: list[str], bitmask: torch.Tensor | None = None,
+                 fill: Callable[[], torch.Tensor] | None = None, pool: ThreadPoolExecutor | None = None) -> None:
         self.req_ids = req_ids
         self._bitmask = bitmask  # [len(req_ids), ceil(vocab / 32)] int32, CPU (pinned for a device runner)
-        self._fill = fill  # writes the rows into the bitmask; None once filled
+        self._fill = fill  # allocates and fills the bitmask; None once filled
         self._pool = pool
         self._future: Future | None = None
 
     def start(self) -> None:
         """Begin the fill on the manager's thread (idempotent). Called by the scheduler."""
         if self._fill is not None and self._future is None:
-            self._future = self._pool.submit(self._fill, self._bitmask)
+            self._future = self._pool.submit(self._fill)
 
     def done(self) -> bool:
         """The bitmask is filled (`result` will not wait)."""
@@ -95,7 +95,7 @@ class GrammarBitmask:
             if self._future is None:
                 raise RuntimeError("a grammar bitmask was read before its fill started (its step's grammars "
                                    "had not seen the previous step's tokens)")
-            self._future.result()
+            self._bitmask = self._future.result()
             self._fill = self._future = None
         return self._bitmask
 
@@ -173,42 +173,45 @@ class StructuredOutputManager:
         draft. Called by the scheduler; the fill runs on this manager's fill thread once started."""
         drafts = list(drafts) if drafts is not None else [()] * len(grammars)
         rows = [rid for rid, tokens in zip(req_ids, drafts, strict=True) for _ in range(len(tokens) + 1)]
-        bitmask = torch.full((len(rows), bitmask_width(self.vocab_size)), -1, dtype=torch.int32,
-                             pin_memory=self.pin_memory)
         grammars = list(grammars)
-        return GrammarBitmask(rows, bitmask, lambda out: self._fill_rows(out, grammars, drafts), self._fill_pool)
+        return GrammarBitmask(rows, fill=lambda: self._fill_rows(len(rows), grammars, drafts), pool=self._fill_pool)
 
     def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
                         drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
         """`plan_bitmask`, filled on the caller's thread (tests, benchmarks)."""
-        drafts = list(drafts) if drafts is not None else [()] * len(grammars)
         planned = self.plan_bitmask(req_ids, grammars, drafts)
-        self._fill_rows(planned._bitmask, list(grammars), drafts)
-        return GrammarBitmask(planned.req_ids, planned._bitmask)
+        return GrammarBitmask(planned.req_ids, planned._fill())
 
-    def _fill_rows(self, bitmask: torch.Tensor, grammars: list[StructuredOutputGrammar],
-                   drafts: list[Sequence[int]]) -> None:
+    def _fill_rows(self, num_rows: int, grammars: list[StructuredOutputGrammar],
+                   drafts: list[Sequence[int]]) -> torch.Tensor:  # [num_rows, words] int32
         """With drafts, the grammar is advanced through them tentatively and rolled back. A row past the
         grammar's end allows everything: verification stops at the end token, so nothing sampled there is
         kept. Runs while no other thread touches these grammars (the scheduler advances them only once
-        the step's tokens arrived, which needs this bitmask)."""
+        the step's tokens arrived, which needs this bitmask). Allocated here, off the engine loop; a fill
+        writes whole rows, so only the rows nobody fills are set (to all allowed)."""
+        bitmask = torch.empty((num_rows, bitmask_width(self.vocab_size)), dtype=torch.int32, pin_memory=self.pin_memory)
         batch_fill = getattr(self._backend, "fill_bitmasks", None)
-        if batch_fill is not None and bitmask.shape[0] == len(grammars):  # no drafts: rows at the current state
+        if batch_fill is not None and num_rows == len(grammars):  # no drafts: rows at the current state
             live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
+            if len(live) < num_rows:
+                bitmask[sorted(set(range(num_rows)) - set(live))] = -1
             batch_fill([grammars[i] for i in live], bitmask, live)
-            return
+            return bitmask
         row = 0
         for grammar, tokens in zip(grammars, drafts, strict=True):
             advanced, valid = 0, True
             for i in range(len(tokens) + 1):
                 if valid and not grammar.is_terminated():
                     grammar.fill_bitmask(bitmask, row)
+                else:
+                    bitmask[row] = -1
                 row += 1
                 # A refused draft (not validated) ends what is known: verification stops at it anyway.
                 valid = valid and i < len(tokens) and not grammar.is_terminated() and grammar.accept_tokens([tokens[i]])
                 advanced += valid
             if advanced:
                 grammar.rollback(advanced)
+        return bitmask
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

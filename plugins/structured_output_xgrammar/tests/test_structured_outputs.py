@@ -13,6 +13,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from keel import LLM, SamplingParams
 from keel.plugins.loader import load_plugins
@@ -146,29 +147,54 @@ def test_same_valid_outputs_across_scheduling_modes(model_dir, llm, engine_kw):
         other.llm_engine.shutdown()
 
 
+def generate_checking_every_step(llm, prompts, params, kinds) -> list[list[str]]:
+    """`check_outputs` of an async engine's run, which must have scheduled every request in every step
+    from its first to its last: constrained ones too, their bitmask filled once the tokens before it
+    were applied, while the step's forward runs."""
+    core = llm.llm_engine.core
+    assert core.async_scheduling and core.constrained_in_flight
+    scheduled, schedule = [], core.scheduler.schedule
+
+    def spy():
+        so = schedule()
+        scheduled.append(set(so.num_scheduled_tokens))
+        return so
+
+    core.scheduler.schedule = spy
+    try:
+        texts = check_outputs(llm.generate(prompts, params, use_tqdm=False), kinds)
+    finally:
+        core.scheduler.schedule = schedule
+    for rid in set().union(*scheduled):
+        steps = [i for i, ids in enumerate(scheduled) if rid in ids]
+        assert steps == list(range(steps[0], steps[-1] + 1)), rid
+    return texts
+
+
 def test_async_scheduling_samples_constrained_requests_every_step(model_dir, llm):
-    """Each step is scheduled before the previous one's tokens arrived, constrained requests too: their
-    bitmask is filled once those tokens are applied, while the step's forward runs."""
     prompts, params, kinds = mixed_batch()
     reference = check_outputs(llm.generate(prompts, params, use_tqdm=False), kinds)
     other = make_llm(model_dir, async_scheduling=True)
     try:
-        core = other.llm_engine.core
-        assert core.constrained_in_flight
-        scheduled, schedule = [], core.scheduler.schedule
-
-        def spy():
-            so = schedule()
-            scheduled.append(set(so.num_scheduled_tokens))
-            return so
-
-        core.scheduler.schedule = spy
-        assert check_outputs(other.generate(prompts, params, use_tqdm=False), kinds) == reference
-        for rid in set().union(*scheduled):  # from its first step to its last, in every step
-            steps = [i for i, ids in enumerate(scheduled) if rid in ids]
-            assert steps == list(range(steps[0], steps[-1] + 1)), rid
+        assert generate_checking_every_step(other, prompts, params, kinds) == reference
     finally:
         other.llm_engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_async_engine_with_the_fused_mask(model_dir):
+    """On the GPU with kernels-triton the runner's mask is the fused kernel, the bitmask is pinned, and
+    async scheduling (on by default there) samples constrained requests every step, all valid."""
+    gpu = make_llm(model_dir, plugins=["platform-cuda", "attention-flash", "kernels-triton", "models-llama",
+                                       "structured-output-xgrammar"], platform="cuda",
+                   attention_backend="triton_flash", block_size=16, gpu_memory_utilization=0.3)
+    try:
+        core = gpu.llm_engine.core
+        assert "apply_token_bitmask" in core.worker.runner.token_bitmask.bound_ops
+        assert core.scheduler.structured_output.pin_memory
+        generate_checking_every_step(gpu, *mixed_batch())
+    finally:
+        gpu.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("spec, problem", [
@@ -189,8 +215,6 @@ def test_invalid_constraints_refused_before_queuing(llm, spec, problem):
 def test_batch_fill_equals_one_by_one(llm):
     """The manager fills a step's rows in one threaded xgrammar call; rows equal each matcher's own fill,
     and a terminated matcher's row stays all-allowed."""
-    import torch
-
     from keel.structured_output.backend import BackendContext
     from keel.structured_output.manager import StructuredOutputManager
     from keel.structured_output.params import StructuredOutputsParams
