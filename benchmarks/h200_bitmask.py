@@ -152,7 +152,7 @@ def engine_steps(ns, device: str) -> dict:
         t = time.perf_counter()
         new = sum(step() for _ in range(ns.steps))
         elapsed_ms = (time.perf_counter() - t) * 1e3
-        finished = sum(1 for r in ids if r not in core.scheduler.requests)
+        finished = running - sum(1 for r in ids if r in core.scheduler.requests)  # grammars that ended
         for r in ids:
             engine.abort_request(r)
         while engine.has_unfinished_requests():
