@@ -205,7 +205,11 @@ class ModelRunner:
             hidden = self.pipeline.forward_alone(self.model, input_ids, pos.to(dev), ctx)
         if hidden is not None and not self.pooling_model:
             rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
-            self.model.compute_logits(hidden[rows]).softmax(dim=-1)  # the sampler's largest intermediate
+            logits = self.model.compute_logits(hidden[rows])  # [rows, vocab]
+            if getattr(self.token_bitmask, "bound_ops", None):  # compiled here, not in the first constrained step
+                words = -(-logits.shape[-1] // 32)
+                self.token_bitmask(logits, torch.full((1, words), -1, dtype=torch.int32, device=dev), rows[:1])
+            logits.softmax(dim=-1)  # the sampler's largest intermediate
         return sum(c.numel() * c.element_size() for c in caches)
 
     def warm_up(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

@@ -42,3 +42,43 @@ def test_engine_with_triton_custom_ops_matches_transformers(arch, tmp_path, monk
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
     results = run_requests(engine, prompts, params)
     assert_matches_hf(path, prompts, results, 4, atol=1e-4)
+
+
+def test_structured_outputs_through_the_triton_token_bitmask(tmp_path, monkeypatch):
+    """The runner's grammar mask bound to kernels-triton's apply_token_bitmask (interpreted; also run once
+    in the start-up profile, where it compiles on a GPU): under async scheduling every constrained output
+    is valid and equals the one the torch reference mask gives."""
+    pytest.importorskip("keel_structured_output_xgrammar")
+    import re
+
+    from keel_kernels_triton.token_bitmask import TritonApplyTokenBitmask
+
+    from keel import LLM
+    from keel.testing.tokenizer import build_tokenizer
+
+    path = make_checkpoint("llama", tmp_path / "llama", vocab_size=512, **ODD)
+    build_tokenizer(path, vocab_size=512)
+    regex = r"(cat|dog)-[0-9]{2,4}"
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=40, structured_outputs={"regex": regex})
+              for t in (0.0, 1.0)]
+    prompts = ["Hello", "Numbers: 0 1 2"]
+    kw = {"model": str(path), "dtype": "float32", "max_model_len": 64, "async_scheduling": True, "seed": 0,
+          "plugins": ["platform-cpu", "attention-torch", "models-llama", "kernels-triton", "structured-output-xgrammar"]}
+    reference = LLM(**kw)
+    want = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
+    reference.llm_engine.shutdown()
+    monkeypatch.setattr(CpuPlatform, "use_custom_ops", lambda self: True)
+    llm = LLM(**kw)
+    try:
+        assert isinstance(llm.llm_engine.core.worker.runner.token_bitmask.bound_ops["apply_token_bitmask"],
+                          TritonApplyTokenBitmask)
+        got = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner, calls = llm.llm_engine.core.worker.runner, []
+        op = runner.token_bitmask.bound_ops["apply_token_bitmask"]
+        runner.token_bitmask.bound_ops = {"apply_token_bitmask": lambda *a: calls.append(a) or op(*a)}
+        runner.profile_run(4, 2, 64)  # the start-up profile / warm-up launches it once
+        assert len(calls) == 1
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == want
+    assert all(re.fullmatch(regex, text) for text in got), got
