@@ -17,7 +17,7 @@ from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
-from keel.testing.fidelity import run_requests
+from keel.testing.fidelity import run_requests, run_with_abort
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +107,7 @@ def test_preemption_matches_sync(model_path):
 def test_abort_while_steps_are_in_flight_frees_blocks(model_path):
     engine = make_engine(model_path, True)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    for i, p in enumerate(prompts_for(6, [6, 8, 5])):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    for step in range(40):
-        if step == 4:
-            engine.abort_request("1")
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
+    done = run_with_abort(engine, prompts_for(6, [6, 8, 5]), params, "1", at_step=4, max_steps=40)
     assert "1" not in done  # an aborted request reports nothing more (as without async scheduling)
     assert len(done["0"].outputs[0].token_ids) == 20 and len(done["2"].outputs[0].token_ids) == 20
     assert engine.get_metrics()["kv_cache_usage"] == 0.0
@@ -137,11 +127,13 @@ def test_max_tokens_is_not_overscheduled(model_path):
     assert max(scheduled) == 4
 
 
-def test_async_with_speculative_decoding_is_refused(model_path):
-    from keel.config import ConfigError
+def test_async_with_speculative_decoding_is_accepted_and_on_by_default_off_the_cpu(model_path):
+    from keel.engine.core import resolve_async_scheduling
 
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        make_engine(model_path, True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = make_engine(model_path, True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert engine.core.async_scheduling  # outputs: tests/test_spec_async.py
+    assert resolve_async_scheduling(None, "cuda", 1) and not resolve_async_scheduling(None, "cpu", 1)
+    assert not resolve_async_scheduling(False, "cuda", 1)
 
 
 def test_cpu_default_is_synchronous(model_path):

@@ -175,11 +175,23 @@ def test_engine_fast_sampling_path_equals_general_path(tmp_path):
                   max_num_batched_tokens=24)
         runner = llm.llm_engine.core.worker.runner
         if general:
-            no_drafts = SimpleNamespace(scheduled_spec_decode_tokens={})
-
             def general_path(states, batch_rows, sampling_idx, sample_rows, hidden, out, staged=None, constraint=None):
-                reqs = list(zip(sampling_idx.tolist(), [1] * len(sampling_idx)))
-                runner._sample_and_verify(no_drafts, states, sample_rows.tolist(), reqs, hidden, out)
+                logits = runner.model.compute_logits(hidden[sample_rows])
+                sel = [states[i] for i in sampling_idx.tolist()]
+                meta = SamplingMetadata.build(
+                    params=[s.sampling_params for s in sel], output_token_ids=[s.output_token_ids for s in sel],
+                    prompt_token_ids=[s.prompt_token_ids for s in sel], seeds=[s.seed for s in sel],
+                    vocab_size=logits.shape[-1], device=logits.device,
+                    stop_token_ids_for_min_tokens=[s.stop_token_ids for s in sel])
+                res = runner.sampler(logits, meta)
+                cols = (res.logprob_token_ids.tolist(), res.logprobs.tolist(), res.ranks.tolist())
+                for j, (i, s, tok) in enumerate(zip(sampling_idx.tolist(), sel, res.sampled_token_ids.tolist())):
+                    s.token_ids.append(tok)
+                    runner.input_batch.append_tokens(s.row, [tok])
+                    out.sampled_token_ids[i] = [tok]
+                    k = s.sampling_params.logprobs
+                    out.logprobs[s.req_id] = tuple([col[j][: k + 1]] for col in cols)
+                runner.sampling_state.invalidate(np.asarray(batch_rows, dtype=np.int64))
 
             runner._sample_one_each = general_path
         outs = llm.generate(prompts, params, use_tqdm=False)

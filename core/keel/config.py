@@ -198,7 +198,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while step N runs on the device. None: on where the device runs asynchronously
-    # to the host (not the CPU) and no speculative decoding is configured.
+    # to the host (not the CPU), speculative decoding or not.
     async_scheduling: bool | None = None
     max_model_len: int | None = None  # filled in by create_engine_config when the model is known
     # "fcfs": arrival order. "priority": requests' `priority` first (lower is sooner), then arrival; the

@@ -291,8 +291,6 @@ class EngineArgs:
                 from keel.plugins.errors import suggest
 
                 raise ConfigError(f"speculative_config: unknown key {key!r}{suggest(key, names)}")
-        if values["async_scheduling"] and spec is not None:
-            raise ConfigError("async_scheduling does not support speculative_config yet: turn one of them off")
         plugins = values["plugins"]
         config = EngineConfig(
             model=model,

@@ -25,6 +25,14 @@ logger = logging.getLogger("keel.engine")
 WAKE_UP_TAGS = ("weights", "kv_cache")  # vLLM's, in the order they are restored
 
 
+def resolve_async_scheduling(setting: bool | None, device_type: str, pipeline_parallel_size: int) -> bool:
+    """`async_scheduling` as set, or by default on where the device runs apart from the host (not the CPU)
+    and for pipeline stages (it is what feeds them micro-batches) -- with speculative decoding too."""
+    if setting is not None:
+        return setting
+    return device_type != "cpu" or pipeline_parallel_size > 1
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins=None) -> None:
         self.config = config
@@ -47,17 +55,18 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_kv_blocks = num_blocks
-        self.async_scheduling = sched.async_scheduling
         pp = config.parallel.pipeline_parallel_size
-        if self.async_scheduling is None:  # on for pipeline stages: it is what feeds them micro-batches
-            self.async_scheduling = (self.platform.device_type != "cpu" or pp > 1) and config.speculative is None
+        self.async_scheduling = resolve_async_scheduling(sched.async_scheduling, self.platform.device_type, pp)
         # Steps in flight: two overlap the host with the device; under pipeline parallelism one
         # micro-batch per stage keeps every stage busy.
         self.max_in_flight = max(2, pp) if self.async_scheduling else 1
         # A constrained request is scheduled while its token is in flight when the runner shares this
         # process: it receives the step's bitmask as a handle still being filled and waits for it only
         # right before sampling. Workers in other processes get the bitmask with the step, filled.
-        self.constrained_in_flight = self.max_in_flight == 2 and pp == 1 and self.executor.in_process
+        # Not with speculative decoding: the bitmask plan needs the request's drafts on the host (a constrained
+        # request then waits for its step in flight and verifies every other step).
+        self.constrained_in_flight = (self.max_in_flight == 2 and pp == 1 and self.executor.in_process
+                                      and config.speculative is None)
         # One scheduler per data-parallel replica, each over its own KV cache of num_blocks blocks.
         self._schedulers = [self._make_scheduler(spec, num_blocks) for _ in range(config.parallel.data_parallel_size)]
         self.scheduler = (self._schedulers[0] if len(self._schedulers) == 1

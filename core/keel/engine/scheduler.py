@@ -10,6 +10,9 @@ request whose step N samples a token carries an output placeholder until `update
 token, and step N+1 already computes the placeholder position (the runner feeds it the sampled token
 on the device). A request whose placeholders will finish it (max_tokens, max_model_len) is not
 scheduled again; one that stops on a token wastes at most one step's slot, never a wrong token.
+With speculative decoding too, step N's placeholders are 1 + its drafts (all counted as accepted, and
+num_computed_tokens with them); step N+1 verifies k placeholder drafts (-1) that the runner takes from
+step N's device output, and `update_from_output` rolls back the rejected ones when N arrives.
 
 Structured outputs: a constrained request waits in the queue until its grammar has compiled (other
 requests pass it), and each step that samples for it carries its allowed tokens (`grammar_bitmask`, a
@@ -61,8 +64,8 @@ class Scheduler:
         pipeline_depth: int = 1,
         constrained_in_flight: bool = False,
     ) -> None:
-        if async_scheduling and num_spec_tokens:
-            raise ValueError("async scheduling does not support speculative decoding yet")
+        if pipeline_depth > 1 and num_spec_tokens:
+            raise ValueError("pipelined scheduling (micro-batches) does not support speculative decoding")
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}: fcfs or priority")
         if pipeline_depth > 1 and not async_scheduling:
@@ -155,7 +158,8 @@ class Scheduler:
                     or (request.structured_output is not None and not self.constrained_in_flight)):
                 i += 1
                 continue
-            num_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+            drafts = self._drafts_to_verify(request)
+            num_new = request.num_tokens_with_placeholders + len(drafts) - request.num_computed_tokens
             num_new = min(num_new, budget)
             # Never compute past the model's length (drafts beyond it are pointless).
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
@@ -178,7 +182,7 @@ class Scheduler:
             self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             if num_lookahead:
-                spec_tokens[request.request_id] = request.spec_token_ids[:num_lookahead]
+                spec_tokens[request.request_id] = drafts[:num_lookahead]
             budget -= num_new
             i += 1
 
@@ -245,7 +249,9 @@ class Scheduler:
                 constrained.append(request)
                 token_in_flight = token_in_flight or request.num_output_placeholders > 0
             if self.async_scheduling and samples:
-                request.num_output_placeholders += 1  # this step samples the next token
+                # This step samples the next token, and accepts any of its drafts: all count as placeholders
+                # (the optimistic count) until update_from_output sees how many were accepted.
+                request.num_output_placeholders += 1 + len(spec_tokens.get(rid, ()))
         if constrained:
             plan = self.structured_output.plan_bitmask(
                 [r.request_id for r in constrained], [r.structured_output.grammar for r in constrained],
@@ -276,6 +282,19 @@ class Scheduler:
         return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
                 or request.num_tokens_with_placeholders >= self.max_model_len)
 
+    def _drafts_to_verify(self, request: Request) -> list[int]:
+        """The drafts a running request's next step verifies.
+
+        With a sampled step of it still in flight (async scheduling), its drafts are not on the host yet:
+        the runner proposed them on the device, so the step carries placeholders (-1, vLLM's) for as many
+        as can still be emitted, counted against the optimistic placeholders (every draft accepted).
+        """
+        if not request.num_output_placeholders or not self.num_spec_tokens:
+            return request.spec_token_ids
+        room = min(self.num_spec_tokens,
+                   request.max_tokens - request.num_output_tokens - request.num_output_placeholders - 1)
+        return [-1] * max(room, 0)
+
     def _draft_slots(self, num_tokens_after_step: int) -> int:
         """Slots reserved past this step's tokens while spec decoding is on (as vLLM's lookahead).
 
@@ -299,7 +318,8 @@ class Scheduler:
             if self.pipelined:
                 new_tokens = request.all_token_ids[self._runner_num_tokens[rid]:]
                 self._runner_num_tokens[rid] = len(request.all_token_ids)
-            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens, new_tokens))
+            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens, new_tokens,
+                                                 after_in_flight_step=request.num_output_placeholders > 0))
             return
         self._known_to_runner.add(rid)
         if self.pipelined:
@@ -364,12 +384,14 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran, or stopped by an earlier step (async scheduling)
-            if generated and request.num_output_placeholders:
-                request.num_output_placeholders -= 1
             drafts = spec_tokens.get(rid) if spec_tokens else None
+            if generated and request.num_output_placeholders:
+                request.num_output_placeholders -= 1 + (len(drafts) if drafts else 0)
+            running = request.status == RequestStatus.RUNNING  # not preempted while the step ran
             if drafts:
                 num_accepted = max(0, len(generated) - 1)
-                request.num_computed_tokens -= len(drafts) - num_accepted
+                if running:  # a preempted request recomputes from 0 anyway
+                    request.num_computed_tokens -= len(drafts) - num_accepted
                 stats.spec_decode_num_draft_tokens_total += len(drafts)
                 stats.spec_decode_num_accepted_tokens_total += num_accepted
                 stats.spec_decode_num_drafts_total += 1
@@ -414,7 +436,7 @@ class Scheduler:
                 self._finish(request, status)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
-            else:
+            elif running:
                 self._set_drafts(request, spec_ids.get(rid) if spec_ids else None)
             outputs.append(out)
         # The step scheduled after this one (one in flight) may fill its bitmask now: its grammars have

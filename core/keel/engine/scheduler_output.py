@@ -37,6 +37,11 @@ class CachedRequestData:
     # Pipeline parallelism: the tokens sampled since the runner last saw this request (only the last
     # stage samples; the stages before it learn the tokens here). Empty otherwise.
     new_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling with speculative decoding: the request's previous sampled step has not been applied
+    # yet, so num_computed_tokens counts all of that step's drafts as accepted; the runner corrects it by
+    # the step's accepted count (on the device while the step is in flight) and takes the step's
+    # bonus token and new drafts (placeholders -1 in scheduled_spec_decode_tokens) from the device.
+    after_in_flight_step: bool = False
 
 
 @dataclass

@@ -68,11 +68,32 @@ class DraftInput:
     block_ids: list[list[int]] | None = None  # per request: its block table (lookahead slots included)
     block_size: int = 0
     kv_caches: Sequence[torch.Tensor] | None = None  # per attention layer index, the proposer's included
+    # Device inputs, for `propose_on_device` (all rows of the step, T tokens, n requests). Under async
+    # scheduling `token_ids` may lag them: the host has not seen the previous step's tokens yet.
+    positions: torch.Tensor | None = None  # [T] int64: each row's position
+    next_token_ids: torch.Tensor | None = None  # [T] int64: the token after each row (its sample where sampled)
+    last_valid_rows: torch.Tensor | None = None  # [n] int64: row of each request's last accepted position
+    attn_metadata: Any = None  # the step's CommonAttentionMetadata (device tensors as the target used them)
+    drafting: torch.Tensor | None = None  # [D] int64: the requests (batch indices) that want drafts
+    num_blocks: torch.Tensor | None = None  # [n] int64: block table entries each request holds
+    max_model_len: int = 0
 
 
 @runtime_checkable
 class DraftProposer(Protocol):
+    """Implements `propose` (host token ids) or `propose_on_device` (device tensors), or both; the
+    runner uses `propose_on_device` where present.
+
+    `propose_on_device(batch) -> Tensor [n, num_speculative_tokens] int64` is called once per step, after
+    verification and before anything reaches the host, with the device fields of `DraftInput`; rows of
+    requests not in `batch.drafting` are ignored (-1 marks "no draft"). With it, async scheduling keeps
+    its overlap: the next step's inputs are built on the device. A proposer with `propose` only reads
+    committed host tokens, so under async scheduling each step first waits for the previous one (vLLM's
+    n-gram proposer has the same need).
+    """
+
     def propose(self, batch: DraftInput) -> list[list[int]]:
-        """Called by the runner after sampling, once per step with every scheduled request; returns at
-        most max_drafts[i] draft tokens per request (a list, possibly empty, per request)."""
+        """Called by the runner after sampling and after the step's tokens reached the host, once per step
+        with every scheduled request; returns at most max_drafts[i] draft tokens per request (a list,
+        possibly empty, per request)."""
         ...

@@ -67,6 +67,40 @@ def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Any, *, 
     return results
 
 
+def run_with_abort(engine: Any, prompts: Sequence[Sequence[int]], params: Any, abort_id: str, at_step: int,
+                   max_steps: int = 200) -> dict[str, Any]:
+    """Submit token-id prompts (ids "0", "1", ...), abort `abort_id` before step `at_step` -- with async
+    scheduling, while steps of it are in flight -- and step until done. Returns id -> finished output."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": list(p)}, params)
+    done: dict[str, Any] = {}
+    for step in range(max_steps):
+        if step == at_step:
+            engine.abort_request(abort_id)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    return done
+
+
+def finish_summary(results: dict[str, Any]) -> dict[str, list]:
+    """Per request: (token ids, finish reason, stop reason) of each completion, for equality checks."""
+    return {rid: [(list(c.token_ids), c.finish_reason, c.stop_reason) for c in r.outputs]
+            for rid, r in results.items()}
+
+
+def assert_logprobs_close(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-4) -> None:
+    """Same logprob tokens and ranks per position, values within `tol` (float32: a different batch
+    composition may round differently)."""
+    for rid in want:
+        for a, b in zip(got[rid].outputs, want[rid].outputs, strict=True):
+            for da, db in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert da.keys() == db.keys(), rid
+                assert all(abs(da[t].logprob - db[t].logprob) < tol and da[t].rank == db[t].rank for t in da), rid
+
+
 def greedy_tokens_and_logprobs(engine: Any, prompts: Sequence[Sequence[int]],
                                max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens (ignore_eos) and each token's logprob per prompt, all submitted at once."""

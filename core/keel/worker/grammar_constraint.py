@@ -9,10 +9,13 @@ same stream after the forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from keel.layers.token_bitmask import grammar_logits_rows
 from keel.structured_output.manager import GrammarBitmask
 
 
@@ -32,3 +35,22 @@ class GrammarConstraint:
         if self.staged is not None:
             return self.staged, self.rows
         return self.handle.result().to(device, non_blocking=True), self.rows
+
+
+def grammar_arrays(grammar: GrammarBitmask | None, sampling_req_ids: Sequence[str],
+                   num_sample_rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The host arrays a step stages for its bitmask (none without one): "grammar_rows", the logits row of
+    each bitmask row, and "grammar_bitmask" [R, W] int32 when the fill is already done at launch."""
+    if grammar is None:
+        return {}
+    arrays = {"grammar_rows": grammar_logits_rows(grammar.req_ids, sampling_req_ids, num_sample_rows)}
+    if grammar.done():  # already filled: it travels with the inputs
+        arrays["grammar_bitmask"] = grammar.result().numpy()
+    return arrays
+
+
+def staged_constraint(grammar: GrammarBitmask | None, staged: dict[str, torch.Tensor]) -> GrammarConstraint | None:
+    """The step's constraint from its staged arrays (`grammar_arrays`), or None without a bitmask."""
+    if grammar is None:
+        return None
+    return GrammarConstraint(grammar, staged["grammar_rows"], staged.get("grammar_bitmask"))

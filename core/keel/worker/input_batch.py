@@ -74,6 +74,9 @@ class InputBatch:
         self.num_tokens = np.zeros(cap, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(cap, dtype=np.int64)
         self.num_computed_tokens = np.zeros(cap, dtype=np.int64)
+        # Speculative steps in flight: tokens the scheduler already counts (1 + drafts per step) that the
+        # host has not received; they follow token_ids[row, :num_tokens] (see worker/spec_launch.py).
+        self.num_in_flight = np.zeros(cap, dtype=np.int64)
         self.block_table = np.zeros((cap, -(-cols // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(cap, dtype=np.int64)
         # Sampling parameters per row, written once at add. Floats stay float64 here so the flags
@@ -111,6 +114,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = num_prompt_tokens
         self.num_computed_tokens[row] = num_computed_tokens
+        self.num_in_flight[row] = 0
         self.block_table[row] = 0
         self.num_blocks[row] = 0
         self.append_block_ids(row, block_ids)
@@ -158,7 +162,8 @@ class InputBatch:
 
     def _grow_rows(self, cap: int) -> None:
         old = self.capacity
-        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "block_table",
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_in_flight",
+                     "block_table",
                      "num_blocks", "uses_penalties", "has_logit_bias", "has_allowed_tokens", "has_bad_words",
                      "generation",
                      *self._FLOAT_FIELDS, *self._INT_FIELDS):
@@ -170,8 +175,9 @@ class InputBatch:
     # ---------------------------------------------------------------- per step
 
     def write_drafts(self, row: int, drafts: list[int]) -> None:
-        """Tentative draft tokens go right after the committed ones (never counted in num_tokens)."""
-        n = int(self.num_tokens[row])
+        """Tentative draft tokens go right after the committed ones and those in flight (never counted in
+        num_tokens)."""
+        n = int(self.num_tokens[row] + self.num_in_flight[row])
         self.ensure_len(n + len(drafts))
         self.token_ids[row, n : n + len(drafts)] = drafts
 
@@ -200,8 +206,8 @@ class InputBatch:
         bs = self.block_size
         block_idx = positions // bs
         slot_mapping = self.block_table[tok_rows, block_idx].astype(np.int64) * bs + positions % bs
-        # Rows from the last committed token on predict unknown or draft tokens.
-        num_sample_rows = np.maximum(seq_lens - (self.num_tokens[rows] - 1), 0)
+        # Rows from the last committed (or in-flight) token on predict unknown or draft tokens.
+        num_sample_rows = np.maximum(seq_lens - (self.num_tokens[rows] + self.num_in_flight[rows] - 1), 0)
         return StepInputs(
             input_ids=self.token_ids[tok_rows, positions],
             positions=positions,

@@ -2,8 +2,9 @@
 
 Per step: update the request mirrors, flatten all scheduled tokens into one varlen batch (token ids,
 positions, slot mapping, block table), build the attention metadata once, run the model, compute logits
-only at sampling positions, sample, let the speculative proposer (if any) draft, and report. It never
-touches scheduler state.
+only at sampling positions, sample, and report. With a draft proposer every step is a verify step run by
+`worker/spec_step.py:SpecStepRunner` (drafts verified and proposed on the device). It never touches
+scheduler state.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from keel.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import KVCacheSpec
 from keel.layers.sampler import Sampler, compute_logprobs
-from keel.layers.sampling_metadata import SamplingMetadata
-from keel.layers.token_bitmask import TokenBitmask, grammar_logits_rows
+from keel.layers.token_bitmask import TokenBitmask
 from keel.logits_processor import LogitsProcessor
-from keel.spec_decode.proposer import DraftInput, DraftProposer
+from keel.spec_decode.proposer import DraftProposer
 from keel.worker.async_output import AsyncModelRunnerOutput, InFlightTokens, SampledLaunch
-from keel.worker.grammar_constraint import GrammarConstraint
+from keel.worker.grammar_constraint import GrammarConstraint, grammar_arrays, staged_constraint
 from keel.worker.input_batch import InputBatch, table_width
 from keel.worker.logits_batch import LogitsProcessorBatch
 from keel.worker.request_state import CachedRequestState
@@ -79,6 +79,9 @@ class ModelRunner:
         self.cuda_graphs = None  # a DecodeGraphRunner once capture_cuda_graphs ran
         # A model with a pooler (SupportsPooling) serves pooling requests; a pooling-only one has no LM head.
         self.pooling_model = hasattr(model, "pool")
+        from keel.worker.spec_step import SpecStepRunner
+
+        self.spec = SpecStepRunner(self) if proposer is not None else None
 
     # ---------------------------------------------------------------- KV cache
 
@@ -280,9 +283,9 @@ class ModelRunner:
         """Called by the worker once per scheduled step; returns once the step is enqueued on the device.
 
         Tokens sampled by the previous step that the host has not seen yet (async scheduling) are fed
-        to this step on the device. Steps with drafts or a draft proposer read host token ids, so they
-        first wait for the previous step's tokens. A step whose grammar bitmask is still being filled
-        enqueues its sampling once the bitmask is there: at the latest when the next step starts here.
+        to this step on the device. With a draft proposer every step is a verify step (`SpecStepRunner`).
+        A step whose grammar bitmask is still being filled enqueues its sampling once the bitmask is there:
+        at the latest when the next step starts here.
         """
         self.in_flight.finish_sampling()  # the previous step's sampling comes before anything of this one
         self._update_states(so)
@@ -290,8 +293,10 @@ class ModelRunner:
             if self.dp_lockstep and any(so.dp_num_tokens):  # another DP rank has work: join its exchange
                 self.profile_run(1, 1, 1, dp_num_tokens=so.dp_num_tokens)
             return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), None)
-        if so.scheduled_spec_decode_tokens or self.proposer is not None or self.logits_processors is not None:
-            self.in_flight.wait()  # logits processors see every committed output token, too
+        if self.spec is not None:  # speculative decoding: every step verifies (worker/spec_step.py)
+            return self.spec.execute(so)
+        if self.logits_processors is not None:
+            self.in_flight.wait()  # logits processors see every committed output token
 
         req_ids = list(so.num_scheduled_tokens)
         requests = self.requests
@@ -302,9 +307,6 @@ class ModelRunner:
         if batch.has_bad_words[rows].any():
             self.in_flight.wait()  # bad words read each row's last output tokens on the host
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        # Drafts (speculative tokens) follow the committed tokens.
-        for rid, drafts in so.scheduled_spec_decode_tokens.items():
-            batch.write_drafts(requests[rid].row, drafts)
         step = batch.prepare_inputs(rows, num_scheduled)
         pooling = [i for i, s in enumerate(states) if s.pooling_params is not None] if self._has_pooling() else []
         if pooling:
@@ -313,13 +315,7 @@ class ModelRunner:
         # Flat rows whose next token is sampled (drafts: one row each + 1), and (batch index, rows).
         sampling_idx = np.flatnonzero(step.num_sample_rows)
         sample_counts = step.num_sample_rows[sampling_idx]
-        ends = step.query_start_loc[1:][sampling_idx].astype(np.int64)
-        if not so.scheduled_spec_decode_tokens:  # at most one row per request
-            sample_rows = ends - 1
-        else:
-            group = np.repeat(np.arange(sampling_idx.shape[0]), sample_counts)
-            firsts = np.cumsum(sample_counts) - sample_counts
-            sample_rows = (ends - sample_counts)[group] + (np.arange(group.shape[0]) - firsts[group])
+        sample_rows = step.query_start_loc[1:][sampling_idx].astype(np.int64) - 1  # one row per request
         sampling_reqs = list(zip(sampling_idx.tolist(), sample_counts.tolist()))
         num_tokens = int(step.input_ids.shape[0])
 
@@ -333,16 +329,12 @@ class ModelRunner:
         if fixups is not None:
             arrays["fixup_dst"], arrays["fixup_src"] = fixups
         sample_batch_rows = rows[sampling_idx]
-        one_each = bool(sampling_reqs) and not so.scheduled_spec_decode_tokens and self.vocab_size is not None
+        one_each = bool(sampling_reqs) and self.vocab_size is not None
         if one_each:
             for name, arr in self.sampling_state.host_arrays(batch, sample_batch_rows, self.vocab_size).items():
                 arrays["sampling." + name] = arr
         grammar = so.grammar_bitmask
-        if grammar is not None:
-            arrays["grammar_rows"] = grammar_logits_rows(grammar.req_ids, [req_ids[b] for b in sampling_idx.tolist()],
-                                                         sample_counts)
-            if grammar.done():  # already filled: it travels with the inputs
-                arrays["grammar_bitmask"] = grammar.result().numpy()
+        arrays.update(grammar_arrays(grammar, [req_ids[b] for b in sampling_idx.tolist()], sample_counts))
         t = self.staging.stage(arrays)
         input_ids = t["input_ids"]
         if fixups is not None:
@@ -361,40 +353,39 @@ class ModelRunner:
             max_seq_len=step.max_seq_len,
             block_size=self.block_size,
         )
-        hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, t["positions"], common)
-        if hidden is None:
-            metas = [builder.build(common) for builder in self._builders]
-            ctx = ForwardContext(
-                attn_metadata=[metas[b] for b in self._layer_builder],
-                kv_caches=self.kv_caches,
-                num_actual_tokens=num_tokens,
-                dp_num_tokens=so.dp_num_tokens,
-            )
-            if self.pipeline is None:
-                hidden = self.model(input_ids, t["positions"], ctx)
-            else:  # None on every stage but the last
-                hidden = self.pipeline.forward(self.model, input_ids, t["positions"], ctx)
+        hidden = self._forward(input_ids, t["positions"], common, so)
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         launch = None
         if sampling_reqs and hidden is not None:  # pipeline stages before the last sample nothing
-            constraint = None if grammar is None else GrammarConstraint(grammar, t["grammar_rows"], t.get("grammar_bitmask"))
-            if so.scheduled_spec_decode_tokens:
-                self._sample_and_verify(so, states, sample_rows.tolist(), sampling_reqs, hidden, out, constraint)
-            else:
-                staged = {k[9:]: v for k, v in t.items() if k.startswith("sampling.")} if one_each else None
-                launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
-                                               out, staged=staged, constraint=constraint)
+            constraint = staged_constraint(grammar, t)
+            staged = {k[9:]: v for k, v in t.items() if k.startswith("sampling.")} if one_each else None
+            launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
+                                           out, staged=staged, constraint=constraint)
         query_start = step.query_start_loc.tolist()
         if pooling and hidden is not None:
             self._pool(states, pooling, query_start, num_scheduled, hidden, out)
         if hidden is not None and self._any_prompt_logprobs(states):
             self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
-        result = self.in_flight.track(out, launch)
-        if self.proposer is not None:
-            result.get_output()  # the proposer reads committed token ids on the host
-            self._propose(so, states, query_start, sampling_reqs, hidden, out)
-        return result
+        return self.in_flight.track(out, launch)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
+                 so: SchedulerOutput) -> torch.Tensor | None:
+        """The model over a step's flat tokens: a CUDA graph replay where one fits, else eager; None on a
+        pipeline stage before the last. input_ids, positions: [num_tokens]; returns [num_tokens, hidden]."""
+        hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, positions, common)
+        if hidden is not None:
+            return hidden
+        metas = [builder.build(common) for builder in self._builders]
+        ctx = ForwardContext(
+            attn_metadata=[metas[b] for b in self._layer_builder],
+            kv_caches=self.kv_caches,
+            num_actual_tokens=common.num_actual_tokens,
+            dp_num_tokens=so.dp_num_tokens,
+        )
+        if self.pipeline is None:
+            return self.model(input_ids, positions, ctx)
+        return self.pipeline.forward(self.model, input_ids, positions, ctx)  # None on every stage but the last
 
     def _has_pooling(self) -> bool:
         return any(s.pooling_params is not None for s in self.requests.values()) if self.pooling_model else False
@@ -484,97 +475,6 @@ class ModelRunner:
         if self.logits_processors is not None:
             meta.logitsprocs = self.logits_processors.step(rows_states)
         return logits, meta
-
-    def _sample_and_verify(self, so, states, sample_rows, sampling_reqs, hidden, out, constraint=None) -> None:
-        """Sample every row; for draft rows keep the leading drafts equal to the samples, then one more.
-
-        Row j of a request is sampled with the state a non-speculative step would have there: outputs
-        plus the j drafts before it (penalties, min_tokens) and seed counter outputs + j; a constraint
-        (grammar bitmask, its logits rows) masks every row as the grammar stands after those drafts.
-        """
-        dev = self.device
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [S, vocab]
-        params, outputs, prompts, seeds, stops = [], [], [], [], []
-        for i, num_rows in sampling_reqs:
-            state = states[i]
-            drafts = so.scheduled_spec_decode_tokens.get(state.req_id, ())
-            prior = state.output_token_ids
-            prompt = state.prompt_token_ids
-            for j in range(num_rows):
-                params.append(state.sampling_params)
-                outputs.append(prior + list(drafts[:j]) if j else prior)
-                prompts.append(prompt)
-                seeds.append(state.seed)
-                stops.append(state.stop_token_ids)
-        meta = SamplingMetadata.build(
-            params=params,
-            output_token_ids=outputs,
-            prompt_token_ids=prompts,
-            seeds=seeds,
-            vocab_size=logits.shape[-1],
-            device=dev,
-            stop_token_ids_for_min_tokens=stops,
-        )
-        if constraint is not None:  # the step waits for its tokens anyway: the bitmask is wanted now
-            logits = self.token_bitmask(logits, *constraint.on_device(self.device))
-        result = self.sampler(logits, meta)
-        sampled = result.sampled_token_ids.tolist()  # the one host sync of the step
-        # Penalty counts of these rows are rebuilt from their tokens when they next sample.
-        self.sampling_state.invalidate(np.array([states[i].row for i, _ in sampling_reqs], dtype=np.int64))
-        lp_lists = None
-        if result.logprobs is not None:
-            lp_lists = (result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist())
-        row = 0
-        for i, num_rows in sampling_reqs:
-            state = states[i]
-            drafts = so.scheduled_spec_decode_tokens.get(state.req_id, ())
-            targets = sampled[row : row + num_rows]
-            accepted = 0
-            while accepted < num_rows - 1 and drafts[accepted] == targets[accepted]:
-                accepted += 1
-            tokens = targets[: accepted + 1]
-            state.token_ids.extend(tokens)
-            self.input_batch.append_tokens(state.row, tokens)
-            out.sampled_token_ids[i] = tokens
-            k = state.sampling_params.logprobs
-            if k is not None and lp_lists is not None:
-                ids, lps, ranks = ([r[: k + 1] for r in col[row : row + len(tokens)]] for col in lp_lists)
-                out.logprobs[state.req_id] = (ids, lps, ranks)
-            row += num_rows
-
-    def _propose(self, so, states, query_start, sampling_reqs, hidden, out: ModelRunnerOutput) -> None:
-        """Hand every scheduled request to the proposer (after sampling); drafts go to `out`.
-
-        Requests that sampled nothing get max_drafts 0 but still come, so a draft model sees every
-        computed position whose next token is committed (its own KV cache stays complete).
-        """
-        sampled = {i for i, _ in sampling_reqs}
-        first_pos, valid, max_drafts = [], [], []
-        for i, state in enumerate(states):
-            start, n = state.num_computed_tokens, so.num_scheduled_tokens[state.req_id]
-            first_pos.append(start)
-            # Position p is valid when token p + 1 is committed (rejected drafts' positions are not).
-            valid.append(min(start + n, len(state.token_ids) - 1) - start)
-            room = self.num_speculative_tokens if i in sampled else 0
-            if self.max_model_len is not None:
-                room = min(room, self.max_model_len - len(state.token_ids))
-            max_drafts.append(max(room, 0))
-        batch = DraftInput(
-            req_ids=[s.req_id for s in states],
-            token_ids=[s.token_ids for s in states],
-            max_drafts=max_drafts,
-            hidden_states=hidden,
-            last_hidden_rows=[query_start[i] + v - 1 for i, v in enumerate(valid)],
-            first_positions=first_pos,
-            first_rows=list(query_start[:-1]),
-            num_valid_positions=valid,
-            block_ids=[s.block_ids for s in states],
-            block_size=self.block_size,
-            kv_caches=self.kv_caches,
-        )
-        for state, drafts in zip(states, self.proposer.propose(batch)):
-            if drafts:
-                out.spec_token_ids[state.req_id] = list(drafts)
 
     def _prompt_logprobs(self, so, req_ids, states, query_start, hidden, out: ModelRunnerOutput) -> None:
         for i, (rid, state) in enumerate(zip(req_ids, states)):

@@ -16,12 +16,13 @@ also zeroes the token embedding at position 0; keel does not -- drafts only chan
 
 KV state: the module's MLA layer has its own latent cache, allocated by the runner with the target's
 block ids (`attention_layers()`; its layer_idx follows the target's). Every step it is run over every
-position the target computed whose next token is committed -- prefill chunks that sample nothing
-included -- so its cache is complete; draft steps write tentatively at later positions, which the next
-step overwrites (the scheduler lowers num_computed_tokens; nothing tentative is hashed). The MTP KV at
-a block's last position depends on the *next* block's first token, so a prefix-cache hit may hand the
-draft layer a slightly different context than a fresh run would: drafts may differ, outputs never do
-(verification decides every token).
+row the target computed -- prefill chunks that sample nothing included -- so its cache is complete;
+rows past a request's accepted drafts and the draft steps write tentatively at later positions, which
+later steps overwrite (the scheduler lowers num_computed_tokens; nothing tentative is hashed). Drafting
+runs on the device only (`propose_on_device`), so under async scheduling the next step is built from
+these drafts before anything reaches the host. The MTP KV at a block's last position depends on the
+*next* block's first token, so a prefix-cache hit may hand the draft layer a slightly different context
+than a fresh run would: drafts may differ, outputs never do (verification decides every token).
 """
 
 from __future__ import annotations
@@ -196,83 +197,68 @@ class DeepSeekMTPProposer:
 
     # ---------------------------------------------------------------- per step
 
-    def _context(
-        self, batch: DraftInput, reqs: list[int], positions: list[list[int]]
-    ) -> tuple[ForwardContext, torch.Tensor]:
-        """Attention metadata for the MTP layer: request reqs[j] computes `positions[j]` (consecutive)."""
-        bs = batch.block_size
-        qsl, seq_lens, slots = [0], [], []
-        for i, pos in zip(reqs, positions):
-            blocks = batch.block_ids[i]
-            if (pos[-1] // bs) >= len(blocks):
-                raise RuntimeError(
-                    f"mtp: request {batch.req_ids[i]} has no KV slot for position {pos[-1]} "
-                    f"({len(blocks)} blocks of {bs}); the scheduler must reserve num_speculative_tokens "
-                    "lookahead slots while spec decoding is on"
-                )
-            qsl.append(qsl[-1] + len(pos))
-            seq_lens.append(pos[-1] + 1)
-            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-        table = torch.zeros((len(reqs), max(len(batch.block_ids[i]) for i in reqs)), dtype=torch.int32)
-        for j, i in enumerate(reqs):
-            table[j, : len(batch.block_ids[i])] = torch.tensor(batch.block_ids[i], dtype=torch.int32)
-        dev = self.device
-        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    def _one_token_context(self, batch: DraftInput, table: torch.Tensor, num_blocks: torch.Tensor,
+                           positions: torch.Tensor, max_seq_len: int) -> ForwardContext:
+        """Metadata for one draft token per drafting request at `positions` ([D] int64, device), from
+        device tensors only: table [D, W] int32 block table rows, num_blocks [D] their filled entries.
+        A position without a slot (past max_model_len or the reserved lookahead) writes nothing
+        (slot -1); its draft is never kept."""
+        bs, dev, d = batch.block_size, self.device, positions.shape[0]
+        block = positions // bs
+        has_slot = (block < num_blocks) & (positions < batch.max_model_len)
+        ids = table.gather(1, block.clamp(max=table.shape[1] - 1)[:, None]).squeeze(1).to(torch.int64)
+        slots = torch.where(has_slot, ids * bs + positions % bs, torch.full_like(positions, -1))
+        seq = (positions.clamp(max=batch.max_model_len - 1) + 1).to(torch.int32)
+        qsl_cpu = torch.arange(d + 1, dtype=torch.int32)
+        # The host's lengths are an upper bound where they are not the device's own tensor (graph-safe
+        # backends read only max_seq_len); on the CPU they are exact.
+        seq_cpu = seq if dev.type == "cpu" else torch.full((d,), max_seq_len, dtype=torch.int32)
         common = CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(dev),
-            seq_lens_cpu=seq_cpu, block_table=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), num_reqs=len(reqs),
-            num_actual_tokens=qsl[-1], max_query_len=max(len(p) for p in positions), max_seq_len=max(seq_lens),
-            block_size=bs,
+            query_start_loc=torch.arange(d + 1, dtype=torch.int32, device=dev), query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq, seq_lens_cpu=seq_cpu, block_table=table, slot_mapping=slots, num_reqs=d,
+            num_actual_tokens=d, max_query_len=1, max_seq_len=max_seq_len, block_size=bs,
         )
+        return self._forward_context(batch, common)
+
+    def _forward_context(self, batch: DraftInput, common: CommonAttentionMetadata) -> ForwardContext:
         metadata: list[Any] = [None] * len(batch.kv_caches)
         metadata[self.mla.layer_idx] = self._builder.build(common)
-        ctx = ForwardContext(attn_metadata=metadata, kv_caches=batch.kv_caches, num_actual_tokens=qsl[-1])
-        flat_pos = torch.tensor([p for pos in positions for p in pos], dtype=torch.int64, device=dev)
-        return ctx, flat_pos
+        return ForwardContext(attn_metadata=metadata, kv_caches=batch.kv_caches,
+                              num_actual_tokens=common.num_actual_tokens)
 
-    def propose(self, batch: DraftInput) -> list[list[int]]:
-        """Called by the runner after sampling (every scheduled request); greedy MTP drafts per request.
+    def propose_on_device(self, batch: DraftInput) -> torch.Tensor:  # [n, k] int64
+        """Called by the runner once per step, after verification; greedy MTP drafts, on the device.
 
-        First one MTP forward over every valid position of every request (filling the MTP cache and
-        giving draft 1 at each drafting request's last committed position), then k - 1 one-token steps.
+        One MTP forward over every row the target computed (position i with the token after it and the
+        target's hidden h_i; rows past a request's accepted drafts compute tentative KV that later steps
+        overwrite, as the target's rejected drafts do), then draft 1 at each drafting request's last
+        accepted row and k - 1 one-token steps. No host sync: the runner may build the next step on
+        these drafts before any of this step's tokens reach the host.
         """
-        if batch.hidden_states is None or batch.first_positions is None or batch.kv_caches is None:
-            raise RuntimeError("mtp: the runner must pass hidden states, positions, block ids and KV caches")
-        hidden, dev = batch.hidden_states, self.device
-        reqs = [i for i, v in enumerate(batch.num_valid_positions) if v > 0]
-        drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        if not reqs:
+        common = batch.attn_metadata
+        if batch.hidden_states is None or common is None or batch.positions is None or batch.kv_caches is None:
+            raise RuntimeError("mtp: the runner must pass hidden states, positions, metadata and KV caches")
+        num_tokens = common.num_actual_tokens
+        g = self.layer.forward_mtp(batch.next_token_ids[:num_tokens], batch.positions[:num_tokens],
+                                   batch.hidden_states[:num_tokens], self._forward_context(batch, common))
+        drafts = torch.full((len(batch.req_ids), self.k), -1, dtype=torch.int64, device=self.device)
+        which = batch.drafting
+        if which is None or which.shape[0] == 0:
             return drafts
-        positions, token_ids, rows = [], [], []
-        for i in reqs:
-            f, v, r = batch.first_positions[i], batch.num_valid_positions[i], batch.first_rows[i]
-            positions.append(list(range(f, f + v)))
-            token_ids.extend(batch.token_ids[i][f + 1 : f + v + 1])
-            rows.extend(range(r, r + v))
-        ctx, pos = self._context(batch, reqs, positions)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-        g = self.layer.forward_mtp(ids, pos, hidden[torch.tensor(rows, device=dev)], ctx)  # [T, hidden]
-
-        # Drafting requests: index into reqs, and their last valid row of g.
-        active = [j for j, i in enumerate(reqs) if batch.max_drafts[i] > 0]
-        if not active:
-            return drafts
-        ends = torch.tensor([sum(len(p) for p in positions[: j + 1]) - 1 for j in active], device=dev)
-        prev = g[ends]  # [A, hidden]
-        last_pos = [positions[j][-1] for j in active]
-        active = [reqs[j] for j in active]  # now batch indices
+        rows = batch.last_valid_rows.index_select(0, which)
+        prev = g.index_select(0, rows)  # [D, hidden]
+        positions = batch.positions.index_select(0, rows)
+        table = common.block_table.index_select(0, which)
+        num_blocks = batch.num_blocks.index_select(0, which)
+        tokens = []
         for step in range(self.k):
-            tokens = self.layer.compute_logits(prev).argmax(dim=-1)  # [A]
-            for i, t in zip(active, tokens.tolist()):
-                drafts[i].append(t)
-            keep = [j for j, i in enumerate(active) if batch.max_drafts[i] > step + 1]
-            if not keep:
+            token = self.layer.compute_logits(prev).argmax(dim=-1)  # [D]
+            tokens.append(token)
+            if step + 1 == self.k:
                 break
-            active = [active[j] for j in keep]
-            last_pos = [last_pos[j] + 1 for j in keep]
-            sel = torch.tensor(keep, device=dev)
-            ctx, pos = self._context(batch, active, [[p] for p in last_pos])
-            prev = self.layer.forward_mtp(tokens[sel], pos, prev[sel], ctx)
+            positions = positions + 1
+            ctx = self._one_token_context(batch, table, num_blocks, positions,
+                                          min(common.max_seq_len + step + 1, batch.max_model_len))
+            prev = self.layer.forward_mtp(token, positions.clamp(max=batch.max_model_len - 1), prev, ctx)
+        drafts.index_copy_(0, which, torch.stack(tokens, dim=1))
         return drafts

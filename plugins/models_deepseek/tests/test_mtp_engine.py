@@ -113,16 +113,16 @@ def test_chunked_prefill_fills_the_mtp_cache(ckpt, greedy_base):
     def drafts_after_prefill(**kw):
         engine = make_engine(ckpt, 3, **kw)
         proposer = engine.core.worker.runner.proposer
-        seen, real = {}, proposer.propose
+        seen, real = {}, proposer.propose_on_device
 
         def spy(batch):
             out = real(batch)
-            for rid, d in zip(batch.req_ids, out):
-                if d and rid not in seen:
-                    seen[rid] = d
+            for i in batch.drafting.tolist():
+                if batch.req_ids[i] not in seen:
+                    seen[batch.req_ids[i]] = out[i].tolist()
             return out
 
-        proposer.propose = spy
+        proposer.propose_on_device = spy
         outs = run(engine, PROMPTS, GREEDY)
         return seen, outs
 
