@@ -1,0 +1,216 @@
+"""MTP speculative decoding under async scheduling against plain decoding, on one GPU.
+
+    python benchmarks/h200_spec.py [--out benchmarks/results/h200-spec.json] [--layers 27]
+    python benchmarks/h200_spec.py --smoke [--out FILE]   # a tiny model, any device, seconds (a test runs it)
+
+The model: DeepSeek-V2-Lite's dimensions as a DeepSeek-V3-style config with one MTP module (V2 has none),
+random weights drawn on the device (load_format="dummy": the same seed, so every engine holds the same
+target), bf16, then shaped in place so that the draft *agrees* with the target: every block's output
+projections (attention o_proj, dense / shared / routed down projections) are damped, so the residual stream
+stays near the token embedding and the target is close to a bigram model; the MTP block copies the
+target's last layer, its eh_proj passes the token embedding, shared_head is the target's final norm and
+lm_head, its embedding the target's. The acceptance that gives is measured, not assumed.
+
+Engines (async scheduling on, the `cuda` profile: CUDA graphs, Triton kernels): plain decoding, MTP k=1,
+MTP k=3. Per engine, batch 1 and batch 32 of distinct random prompts (128 in, 128 out, greedy, ignore_eos;
+one warm-up round, then measured rounds of new prompts): ms per output token after the first, tokens per
+request step (1 + accepted drafts per verify step), the acceptance rate, and whether the greedy tokens
+equal plain decoding's (bf16 verify and decode steps run different kernels, so they may not everywhere).
+Results: a JSON file with device, versions and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_here = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("h200_dsv2lite", _here / "h200_dsv2lite.py")
+_dsv2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_dsv2)
+
+SMOKE = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0, "kv_lora_rank": 32,
+    "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
+    "first_k_dense_replace": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+DAMP = 0.05  # scale of every block's output projections: the target stays close to a bigram model
+
+
+def write_config(shape: dict, layers: int) -> Path:
+    """A V3-style config.json (one MTP module, no weights: the engines draw them on the device)."""
+    from transformers import DeepseekV3Config
+
+    v3 = {k: v for k, v in shape.items() if k not in ("topk_method", "moe_layer_freq")}
+    v3.update(num_hidden_layers=layers, num_nextn_predict_layers=1, n_group=1, topk_group=1, norm_topk_prob=True)
+    cfg = DeepseekV3Config(**v3)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    path = Path(tempfile.mkdtemp()) / "dsv3-mtp"
+    cfg.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def shape_weights(runner) -> None:
+    """Damp the target's block outputs; make the MTP module (if any) agree with the target (see above)."""
+    model = runner.model
+    for name, p in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "w2_weight")):
+            p.mul_(DAMP)
+    proposer = runner.proposer
+    if proposer is None:
+        return
+    mtp = proposer.layer
+    last = dict(model.model.layers[-1].named_parameters())
+    for name, p in mtp.named_parameters():
+        if name in last:
+            p.copy_(last[name])
+    hidden = mtp.eh_proj.weight.shape[0]
+    eye = torch.eye(hidden, dtype=mtp.eh_proj.weight.dtype, device=mtp.eh_proj.weight.device)
+    mtp.eh_proj.weight.copy_(torch.cat([eye, torch.zeros_like(eye)], dim=1))
+    mtp.enorm.weight.fill_(1.0)
+    mtp.hnorm.weight.fill_(1.0)
+    mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
+    mtp.shared_head.head.weight.copy_(model.lm_head.weight)
+    mtp.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    mtp.self_attn.process_weights_after_loading()  # the absorbed W_UK / W_UV of the copied kv_b_proj
+
+
+def run_round(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """One batch of prompts at once; per-request decode time after its first token."""
+    from keel import SamplingParams
+    from keel.engine.output_processor import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    before = engine.get_metrics()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params, RequestOutputKind.DELTA)
+    first, tokens, steps = None, {}, 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        for o in outs:
+            if o.outputs[0].token_ids and first is None:
+                first = time.perf_counter()
+            tokens.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    end = time.perf_counter()
+    after = engine.get_metrics()
+    delta = {k: after[k] - before[k] for k in ("spec_decode_num_draft_tokens_total",
+                                                "spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total")}
+    verify_steps = delta["spec_decode_num_drafts_total"]
+    return {
+        "ms_per_output_token": 1e3 * (end - first) / max(output_len - 1, 1),
+        "engine_steps": steps,
+        "tokens_per_request_step": 1 + delta["spec_decode_num_accepted_tokens_total"] / verify_steps if verify_steps else 1.0,
+        "acceptance_rate": (delta["spec_decode_num_accepted_tokens_total"] / delta["spec_decode_num_draft_tokens_total"]
+                            if delta["spec_decode_num_draft_tokens_total"] else None),
+        "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))],
+    }
+
+
+def measure(model_dir: Path, spec: dict | None, batches: list[int], input_len: int, output_len: int, rounds: int,
+            vocab: int, smoke: bool) -> dict:
+    from keel.bench import random_prompts
+    from keel.config import EngineArgs
+    from keel.engine.llm_engine import LLMEngine
+
+    device_args = ({"platform": "cpu", "dtype": "float32"} if smoke and not torch.cuda.is_available()
+                   else {"profile": "cuda", "dtype": "bfloat16"})
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, async_scheduling=True,
+        max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), speculative_config=spec,
+        seed=0, **device_args))
+    out: dict = {"startup_s": time.perf_counter() - t0}
+    try:
+        shape_weights(engine.core.worker.runner)
+        seed = 1000
+        for b in batches:
+            runs = []
+            for r in range(rounds + 1):  # round 0 warms up (new prompts every round: no prefix hits)
+                seed += 1
+                prompts = random_prompts(b, input_len, vocab, seed=seed)
+                res = run_round(engine, prompts, output_len, f"b{b}r{r}")
+                if r:
+                    runs.append(res)
+            best = min(runs, key=lambda x: x["ms_per_output_token"])
+            out[f"b{b}"] = {k: v for k, v in best.items() if k != "tokens"}
+            out[f"b{b}"]["rounds_ms_per_output_token"] = [x["ms_per_output_token"] for x in runs]
+            out[f"b{b}"]["_tokens"] = [x["tokens"] for x in runs]
+        spec_runner = engine.core.worker.runner.spec
+        if spec_runner is not None:
+            out["device_fixed_requests"] = spec_runner.num_device_fixed
+            out["host_waits"] = spec_runner.num_host_waits
+        graphs = engine.core.worker.runner.cuda_graphs
+        out["graph_replays_by_query_len"] = dict(getattr(graphs, "replays_by_query_len", {}) or {})
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(_here / "results" / "h200-spec.json"))
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, a few tokens (CPU or GPU)")
+    ns = ap.parse_args(argv)
+    if ns.smoke:
+        shape, layers, batches, input_len, output_len, rounds = SMOKE, SMOKE["num_hidden_layers"], [1, 4], 8, 12, 1
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("h200_spec.py needs a GPU (or --smoke)")
+        shape, layers, batches, input_len, output_len, rounds = _dsv2.DSV2_LITE, ns.layers, [1, 32], 128, 128, 2
+    model_dir = write_config(shape, layers)
+    result: dict = {
+        "benchmark": "h200_spec", "smoke": ns.smoke, "layers": layers, "input_len": input_len,
+        "output_len": output_len, "batches": batches, "damp": DAMP, "async_scheduling": True,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    try:
+        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=_here, check=False).stdout.strip() or None
+    except OSError:
+        result["commit"] = None
+    engines = {"plain": None, "mtp_k1": {"method": "mtp", "num_speculative_tokens": 1},
+               "mtp_k3": {"method": "mtp", "num_speculative_tokens": 3}}
+    for name, spec in engines.items():
+        result[name] = measure(model_dir, spec, batches, input_len, output_len, rounds, shape["vocab_size"], ns.smoke)
+        print(name, {k: v for k, v in result[name].items() if not k.startswith("b")},
+              {b: {k: v for k, v in result[name][f"b{b}"].items() if k != "_tokens"} for b in batches}, flush=True)
+    for name in ("mtp_k1", "mtp_k3"):
+        for b in batches:
+            row = result[name][f"b{b}"]
+            plain = result["plain"][f"b{b}"]
+            row["speedup_vs_plain"] = plain["ms_per_output_token"] / row["ms_per_output_token"]
+            pairs = [(x, y) for rx, ry in zip(row["_tokens"], plain["_tokens"]) for x, y in zip(rx, ry)]
+            row["greedy_equal_to_plain"] = sum(x == y for x, y in pairs) / len(pairs)
+    for name in engines:
+        for b in batches:
+            result[name][f"b{b}"].pop("_tokens", None)
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("wrote", out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

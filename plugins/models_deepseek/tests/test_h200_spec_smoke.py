@@ -1,0 +1,28 @@
+"""benchmarks/h200_spec.py --smoke: the MTP-vs-plain benchmark runs end to end on a tiny model (here on
+the CPU), its shaped draft agrees with the target, and MTP's greedy tokens equal plain decoding's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "h200_spec.py"
+
+
+def test_smoke_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEEL_PLATFORM", "cpu")
+    spec = importlib.util.spec_from_file_location("h200_spec", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "spec.json"
+    bench.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["async_scheduling"]
+    for name in ("mtp_k1", "mtp_k3"):
+        assert result[name]["device_fixed_requests"] > 0  # async: inputs built from the step in flight
+        for b in result["batches"]:
+            row = result[name][f"b{b}"]
+            assert row["acceptance_rate"] > 0.5 and row["tokens_per_request_step"] > 1.5
+            assert row["greedy_equal_to_plain"] == 1.0
+    assert result["plain"]["b1"]["tokens_per_request_step"] == 1.0
