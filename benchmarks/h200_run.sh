@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install keel (no network), run the CUDA tests, then the H200 benchmarks.
-#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [moe-tiles] [moe-small-m] [tests] [llama] [dsv2-profile] [dsv2]
+#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [moe-tiles] [moe-small-m] [tests] [llama] [dsv2-profile] [dsv2] [spec]
 # Logs and results land in $OUT (each part has its own time limit so one slow part cannot eat the rest).
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -31,6 +31,8 @@ for part in $parts; do
              >"$OUT/dsv2.log" 2>&1; tail -5 "$OUT/dsv2.log";;
     dsv2) timeout 480 python3 benchmarks/h200_dsv2lite.py --out "$OUT/h200-dsv2lite.json" >"$OUT/dsv2.log" 2>&1
           tail -12 "$OUT/dsv2.log";;
+    spec) timeout 450 python3 benchmarks/h200_spec.py --out "$OUT/h200-spec.json" >"$OUT/spec.log" 2>&1
+          tail -8 "$OUT/spec.log";;
     *) echo "unknown part $part";;
   esac
   echo "== $part: $(( $(date +%s) - start )) s"

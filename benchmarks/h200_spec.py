@@ -11,8 +11,10 @@ stays near the token embedding and the target is close to a bigram model; the MT
 target's last layer, its eh_proj passes the token embedding, shared_head is the target's final norm and
 lm_head, its embedding the target's. The acceptance that gives is measured, not assumed.
 
-Engines (async scheduling on, the `cuda` profile: CUDA graphs, Triton kernels): plain decoding, MTP k=1,
-MTP k=3. Per engine, batch 1 and batch 32 of distinct random prompts (128 in, 128 out, greedy, ignore_eos;
+Engines (the `cuda` profile: CUDA graphs, Triton kernels; `--engines`, default plain,mtp_k1,mtp_k3,
+mtp_k3_sync): plain decoding, MTP k=1 and k=3 under async scheduling, MTP k=3 without it (what the
+overlap is worth); ngram_k3 / ngram_k3_sync measure the n-gram proposer, which must see each step's
+tokens on the host (under async scheduling it runs one step at a time). Per engine, batch 1 and batch 32 of distinct random prompts (128 in, 128 out, greedy, ignore_eos;
 one warm-up round, then measured rounds of new prompts): ms per output token after the first, tokens per
 request step (1 + accepted drafts per verify step), the acceptance rate, and whether the greedy tokens
 equal plain decoding's (bf16 verify and decode steps run different kernels, so they may not everywhere).
@@ -70,7 +72,7 @@ def shape_weights(runner) -> None:
         if name.endswith(("o_proj.weight", "down_proj.weight", "w2_weight")):
             p.mul_(DAMP)
     proposer = runner.proposer
-    if proposer is None:
+    if getattr(proposer, "layer", None) is None:  # no MTP module (plain decoding, n-gram)
         return
     mtp = proposer.layer
     last = dict(model.model.layers[-1].named_parameters())
@@ -121,8 +123,19 @@ def run_round(engine, prompts: list[list[int]], output_len: int, tag: str) -> di
     }
 
 
-def measure(model_dir: Path, spec: dict | None, batches: list[int], input_len: int, output_len: int, rounds: int,
-            vocab: int, smoke: bool) -> dict:
+ENGINES = {  # name -> (speculative_config, async_scheduling)
+    "plain": (None, True),
+    "mtp_k1": ({"method": "mtp", "num_speculative_tokens": 1}, True),
+    "mtp_k3": ({"method": "mtp", "num_speculative_tokens": 3}, True),
+    "mtp_k3_sync": ({"method": "mtp", "num_speculative_tokens": 3}, False),
+    "ngram_k3": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}, True),
+    "ngram_k3_sync": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}, False),
+}
+DEFAULT_ENGINES = "plain,mtp_k1,mtp_k3,mtp_k3_sync"
+
+
+def measure(model_dir: Path, spec: dict | None, async_scheduling: bool, batches: list[int], input_len: int,
+            output_len: int, rounds: int, vocab: int, smoke: bool) -> dict:
     from keel.bench import random_prompts
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
@@ -131,7 +144,7 @@ def measure(model_dir: Path, spec: dict | None, batches: list[int], input_len: i
                    else {"profile": "cuda", "dtype": "bfloat16"})
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, async_scheduling=True,
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, async_scheduling=async_scheduling,
         max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), speculative_config=spec,
         seed=0, **device_args))
     out: dict = {"startup_s": time.perf_counter() - t0}
@@ -170,6 +183,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(_here / "results" / "h200-spec.json"))
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--smoke", action="store_true", help="a tiny model, a few tokens (CPU or GPU)")
+    ap.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, from {sorted(ENGINES)}")
     ns = ap.parse_args(argv)
     if ns.smoke:
         shape, layers, batches, input_len, output_len, rounds = SMOKE, SMOKE["num_hidden_layers"], [1, 4], 8, 12, 1
@@ -180,7 +194,7 @@ def main(argv=None) -> dict:
     model_dir = write_config(shape, layers)
     result: dict = {
         "benchmark": "h200_spec", "smoke": ns.smoke, "layers": layers, "input_len": input_len,
-        "output_len": output_len, "batches": batches, "damp": DAMP, "async_scheduling": True,
+        "output_len": output_len, "batches": batches, "damp": DAMP,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
     }
@@ -189,20 +203,25 @@ def main(argv=None) -> dict:
                                           cwd=_here, check=False).stdout.strip() or None
     except OSError:
         result["commit"] = None
-    engines = {"plain": None, "mtp_k1": {"method": "mtp", "num_speculative_tokens": 1},
-               "mtp_k3": {"method": "mtp", "num_speculative_tokens": 3}}
-    for name, spec in engines.items():
-        result[name] = measure(model_dir, spec, batches, input_len, output_len, rounds, shape["vocab_size"], ns.smoke)
+    names = [n.strip() for n in ns.engines.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or "plain" not in names:
+        raise SystemExit(f"--engines: unknown {unknown} (known: {sorted(ENGINES)}); 'plain' is required")
+    for name in names:
+        spec, async_scheduling = ENGINES[name]
+        result[name] = measure(model_dir, spec, async_scheduling, batches, input_len, output_len, rounds,
+                               shape["vocab_size"], ns.smoke)
+        result[name]["async_scheduling"] = async_scheduling
         print(name, {k: v for k, v in result[name].items() if not k.startswith("b")},
               {b: {k: v for k, v in result[name][f"b{b}"].items() if k != "_tokens"} for b in batches}, flush=True)
-    for name in ("mtp_k1", "mtp_k3"):
+    for name in [n for n in names if n != "plain"]:
         for b in batches:
             row = result[name][f"b{b}"]
             plain = result["plain"][f"b{b}"]
             row["speedup_vs_plain"] = plain["ms_per_output_token"] / row["ms_per_output_token"]
             pairs = [(x, y) for rx, ry in zip(row["_tokens"], plain["_tokens"]) for x, y in zip(rx, ry)]
             row["greedy_equal_to_plain"] = sum(x == y for x, y in pairs) / len(pairs)
-    for name in engines:
+    for name in names:
         for b in batches:
             result[name][f"b{b}"].pop("_tokens", None)
     out = Path(ns.out)

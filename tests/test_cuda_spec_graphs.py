@@ -59,12 +59,12 @@ def _llama(path, spec: bool, eager: bool) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(**args))
 
 
-def _deepseek(path, spec: bool, eager: bool) -> LLMEngine:
+def _deepseek(path, spec: bool, eager: bool, **kw) -> LLMEngine:
     args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 16,
             "max_model_len": 256,
             "plugins": ["platform-cuda", "attention-flash", "models-deepseek", "kernels-triton"],
             "platform": "cuda", "attention_backend": "triton_mla", "max_num_seqs": 8,
-            "gpu_memory_utilization": 0.3, "enforce_eager": eager, "seed": 0}
+            "gpu_memory_utilization": 0.3, "enforce_eager": eager, "seed": 0, **kw}
     if spec:
         args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": MTP_K}
     return LLMEngine.from_engine_args(EngineArgs(**args))
@@ -110,6 +110,20 @@ def test_mtp_verify_steps_replay_graphs(mtp_ckpt):
     assert graphs is not None and graphs.query_lens == [1, 1 + MTP_K]
     _assert_same(_greedy(engine, prompts, 16), base)
     assert graphs.replays_by_query_len[1 + MTP_K] > 0
+
+
+def test_mtp_async_scheduling_builds_verify_inputs_on_the_device(mtp_ckpt):
+    """Async scheduling is on by default here: MTP steps take the previous step's bonus token, drafts and
+    rejected count from the device (no host wait), and outputs equal synchronous MTP and plain decoding."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 37, 1, 20, 9)]
+    base = _greedy(_deepseek(mtp_ckpt, spec=False, eager=True), prompts, 16)
+    _assert_same(_greedy(_deepseek(mtp_ckpt, spec=True, eager=False, async_scheduling=False), prompts, 16), base)
+    engine = _deepseek(mtp_ckpt, spec=True, eager=False)
+    assert engine.core.async_scheduling
+    _assert_same(_greedy(engine, prompts, 16), base)
+    spec = engine.core.worker.runner.spec
+    assert spec.num_device_fixed > 0 and spec.num_host_waits == 0
 
 
 @pytest.mark.parametrize("model", ["llama", "deepseek"])

@@ -392,14 +392,7 @@ class Scheduler:
                 num_accepted = max(0, len(generated) - 1)
                 if running:  # a preempted request recomputes from 0 anyway
                     request.num_computed_tokens -= len(drafts) - num_accepted
-                stats.spec_decode_num_draft_tokens_total += len(drafts)
-                stats.spec_decode_num_accepted_tokens_total += num_accepted
-                stats.spec_decode_num_drafts_total += 1
-                per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-                if len(per_pos) < len(drafts):
-                    per_pos.extend([0] * (len(drafts) - len(per_pos)))
-                for pos in range(num_accepted):
-                    per_pos[pos] += 1
+                self._count_drafts(runner_output.num_verified_drafts.get(rid, len(drafts)), num_accepted)
                 request.spec_token_ids = []
 
             new_tokens: list[int] = []
@@ -445,6 +438,19 @@ class Scheduler:
             plan.start()
         self._fills_after_apply = []
         return outputs
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        if not num_drafts:
+            return
+        stats = self.stats
+        stats.spec_decode_num_draft_tokens_total += num_drafts
+        stats.spec_decode_num_accepted_tokens_total += num_accepted
+        stats.spec_decode_num_drafts_total += 1
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
         """Feed a committed token to the request's grammar. A grammar that has accepted its end stops the

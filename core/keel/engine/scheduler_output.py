@@ -94,6 +94,9 @@ class ModelRunnerOutput:
     )  # req_id -> (token ids, logprobs, ranks) per sampled token, lists for the front end
     # req_id -> draft tokens proposed for the next step (speculative decoding)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> drafts actually verified, where fewer than scheduled (placeholders beyond what a host
+    # proposer drafted count as rejected); for the draft counters only
+    num_verified_drafts: dict[str, int] = field(default_factory=dict)
     # req_id -> (first position, token ids, logprobs, ranks) for the prompt positions computed this
     # step; position p predicts prompt token p + 1. Recomputation after preemption repeats positions.
     prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]], list[list[int]]]] = field(

@@ -98,6 +98,7 @@ class SpecStepRunner:
         # The drafts each request verifies (-1: still on the device, in step N's launch).
         counted = np.zeros(n, dtype=np.int64)
         drafts: dict[int, list[int]] = {}
+        verified: dict[str, int] = {}
         for i, rid in enumerate(req_ids):
             d = so.scheduled_spec_decode_tokens.get(rid)
             if not d:
@@ -108,6 +109,7 @@ class SpecStepRunner:
                 continue
             known = launch.drafts_host[entries[i]][: len(d)] if launch.drafts_host is not None else []
             num_scheduled[i] -= len(d) - len(known)  # missing drafts count as rejected
+            verified[rid] = len(known)
             if known:
                 drafts[i] = known
         batch.ensure_len(int((batch.num_tokens[rows] + batch.num_in_flight[rows]).max()) + k + 2)
@@ -179,7 +181,8 @@ class SpecStepRunner:
         )
         hidden = r._forward(input_ids, positions, common, so)
 
-        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
+                                num_verified_drafts=verified)
         if hidden is not None and r._any_prompt_logprobs(states):
             r._prompt_logprobs(so, req_ids, states, step.query_start_loc.tolist(), hidden, out)
         if num_rows == 0:  # prefill chunks only: the proposer still sees them (its KV cache)
