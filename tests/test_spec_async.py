@@ -15,7 +15,7 @@ from keel import LLM, SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.testing.checkpoints import make_checkpoint
-from keel.testing.fidelity import assert_logprobs_close, finish_summary, run_requests, run_with_abort
+from keel.testing.fidelity import assert_spec_async_identical, run_requests, run_with_abort
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -46,20 +46,8 @@ MIXED = [
 
 
 def run_three(path, prompts, params, stagger=0, **kw):
-    """Plain decoding, spec decoding, spec decoding with async scheduling: identical outputs; returns the
-    async engine and its outputs."""
-    plain = run_requests(make_engine(path, False, False, **kw), prompts, params, stagger=stagger)
-    spec = run_requests(make_engine(path, True, False, **kw), prompts, params, stagger=stagger)
-    engine = make_engine(path, True, True, **kw)
-    assert engine.core.async_scheduling
-    got = run_requests(engine, prompts, params, stagger=stagger)
-    assert finish_summary(spec) == finish_summary(plain)
-    assert finish_summary(got) == finish_summary(plain)
-    assert_logprobs_close(got, plain)
-    m = engine.get_metrics()
-    assert m["spec_decode_num_accepted_tokens_total"] > 0
-    assert m["kv_cache_usage"] == 0.0 and not engine.has_unfinished_requests()
-    return engine, got
+    """Plain, speculative, speculative + async decoding: identical outputs (the async engine, its outputs)."""
+    return assert_spec_async_identical(lambda spec, a: make_engine(path, spec, a, **kw), prompts, params, stagger)
 
 
 def test_mixed_sampling_matches_sync_and_plain(ckpt):

@@ -101,6 +101,25 @@ def assert_logprobs_close(got: dict[str, Any], want: dict[str, Any], tol: float 
                 assert all(abs(da[t].logprob - db[t].logprob) < tol and da[t].rank == db[t].rank for t in da), rid
 
 
+def assert_spec_async_identical(make_engine: Any, prompts: Sequence[Sequence[int]], params: Any,
+                                stagger: int = 0) -> tuple[Any, dict[str, Any]]:
+    """`make_engine(spec, async_scheduling)` -> LLMEngine. Plain decoding, speculative decoding, and
+    speculative decoding with async scheduling give identical outputs (logprobs within 1e-4); the async
+    engine accepted drafts and freed every block. Returns the async engine and its outputs."""
+    plain = run_requests(make_engine(False, False), prompts, params, stagger=stagger)
+    spec = run_requests(make_engine(True, False), prompts, params, stagger=stagger)
+    engine = make_engine(True, True)
+    assert engine.core.async_scheduling
+    got = run_requests(engine, prompts, params, stagger=stagger)
+    assert finish_summary(spec) == finish_summary(plain)
+    assert finish_summary(got) == finish_summary(plain)
+    assert_logprobs_close(got, plain)
+    m = engine.get_metrics()
+    assert 0 < m["spec_decode_num_accepted_tokens_total"] <= m["spec_decode_num_draft_tokens_total"]
+    assert m["kv_cache_usage"] == 0.0 and not engine.has_unfinished_requests()
+    return engine, got
+
+
 def greedy_tokens_and_logprobs(engine: Any, prompts: Sequence[Sequence[int]],
                                max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens (ignore_eos) and each token's logprob per prompt, all submitted at once."""

@@ -15,7 +15,7 @@ from deepseek_test_utils import random_prompts, make_mtp_checkpoint
 from keel import SamplingParams
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
-from keel.testing.fidelity import assert_logprobs_close, finish_summary, run_requests, run_with_abort
+from keel.testing.fidelity import assert_spec_async_identical, run_requests, run_with_abort
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +35,9 @@ PROMPTS = random_prompts([5, 17, 9, 30, 3, 12], seed=11)
 
 
 def run_three(path, k, prompts, params, stagger=0, **kw):
-    """Plain decoding, MTP, MTP with async scheduling: identical outputs; returns the async engine and
-    its outputs."""
-    plain = run_requests(make_engine(path, None, False, **kw), prompts, params, stagger=stagger)
-    spec = run_requests(make_engine(path, k, False, **kw), prompts, params, stagger=stagger)
-    engine = make_engine(path, k, True, **kw)
-    assert engine.core.async_scheduling
-    got = run_requests(engine, prompts, params, stagger=stagger)
-    assert finish_summary(spec) == finish_summary(plain)
-    assert finish_summary(got) == finish_summary(plain)
-    assert_logprobs_close(got, plain)
-    m = engine.get_metrics()
-    assert 0 < m["spec_decode_num_accepted_tokens_total"] <= m["spec_decode_num_draft_tokens_total"]
-    assert m["kv_cache_usage"] == 0.0 and not engine.has_unfinished_requests()
-    return engine, got
+    """Plain decoding, MTP, MTP with async scheduling: identical outputs (the async engine, its outputs)."""
+    return assert_spec_async_identical(lambda spec, a: make_engine(path, k if spec else None, a, **kw), prompts,
+                                       params, stagger)
 
 
 @pytest.mark.parametrize("k", [1, 3])
