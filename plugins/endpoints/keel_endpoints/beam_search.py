@@ -8,24 +8,13 @@ prompt included, a final EOS not -- and sets a beam aside when it ends on EOS.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
+from keel.engine.beam_search import BeamSearchSequence as Beam
+from keel.engine.beam_search import get_beam_search_score
 from keel.engine.output_processor import RequestOutputKind
 from keel.engine.outputs import CompletionOutput, RequestOutput
 from keel.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class Beam:
-    tokens: list[int]
-    logprobs: list[dict[int, Any]] = field(default_factory=list)
-    cum_logprob: float = 0.0
-    finish_reason: str | None = None
-
-    def score(self, eos: int | None, length_penalty: float) -> float:
-        n = len(self.tokens) - (1 if self.tokens and self.tokens[-1] == eos else 0)
-        return self.cum_logprob / (n ** length_penalty)
 
 
 async def beam_search(engine: Any, prompt_ids: list[int], request_id: str, *, beam_width: int, max_tokens: int,
@@ -43,6 +32,9 @@ async def beam_search(engine: Any, prompt_ids: list[int], request_id: str, *, be
             last = out
         return last.outputs[0].logprobs[0]  # type: ignore[union-attr]
 
+    def score(beam: Beam) -> float:  # the offline LLM.beam_search's (vLLM's) length-penalized score
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, eos, length_penalty)
+
     live, done = [Beam(list(prompt_ids))], []
     for i in range(max_tokens):
         if not live:
@@ -57,10 +49,10 @@ async def beam_search(engine: Any, prompt_ids: list[int], request_id: str, *, be
                     done.append(child)
                 else:
                     grown.append(child)
-        live = sorted(grown, key=lambda b: b.score(eos, length_penalty), reverse=True)[:beam_width]
+        live = sorted(grown, key=score, reverse=True)[:beam_width]
     for beam in live:
         beam.finish_reason = "length"
-    best = sorted(done + live, key=lambda b: b.score(eos, length_penalty), reverse=True)[:beam_width]
+    best = sorted(done + live, key=score, reverse=True)[:beam_width]
     tok, n = engine.get_tokenizer(), len(prompt_ids)
     outputs = [CompletionOutput(k, tok.decode(b.tokens[n:]) if tok is not None else "", b.tokens[n:], b.cum_logprob,
                                 b.logprobs if with_logprobs else None, b.finish_reason) for k, b in enumerate(best)]
