@@ -25,32 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from h200_llama8b import _events_ms as _cuda_events_ms  # noqa: E402  (CUDA events, median of 20)
+
 E, H, INTER, TOP_K = 64, 2048, 1408, 6
 
 
-def _events_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    if not torch.cuda.is_available():  # --smoke: one wall-clock run
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1000
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def _events_ms(fn) -> float:
+    """The sibling benchmarks' CUDA-event median (h200_llama8b._events_ms); --smoke: one wall-clock run."""
+    if torch.cuda.is_available():
+        return _cuda_events_ms(fn)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1000
 
 
 def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int, top_k: int) -> dict:
