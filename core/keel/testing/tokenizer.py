@@ -195,3 +195,12 @@ def whitespace_ban(tokenizer) -> dict[str, float]:
     """An OpenAI `logit_bias` against every whitespace-only token. JSON modes allow free whitespace between
     tokens, which a random-weight model would otherwise pick until max_tokens."""
     return {str(i): -100.0 for i in range(len(tokenizer)) if tokenizer.decode([i]).isspace()}
+
+
+def make_tiny_model(path: Any, vocab_size: int = 512, **config: Any) -> Any:
+    """A tiny random Llama plus the local test tokenizer (with a ChatML template) in `path`."""
+    from keel.testing.checkpoints import make_checkpoint
+
+    make_checkpoint("llama", path, vocab_size=vocab_size, **config)
+    build_tokenizer(path, vocab_size=vocab_size)
+    return path

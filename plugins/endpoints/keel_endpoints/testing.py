@@ -17,6 +17,7 @@ from typing import Any
 from keel.config import EngineArgs
 from keel.engine.async_llm import AsyncLLM
 from keel.engine.outputs import CompletionOutput, RequestOutput
+from keel.testing.tokenizer import make_tiny_model  # noqa: F401  (re-exported for the server tests)
 from keel_endpoints.server import build_app
 
 
@@ -79,16 +80,6 @@ def serve_tiny_model(directory: Any, *, served_model_name: str = "tiny", api_key
     args = EngineArgs(model=str(path), profile="cpu", **engine_args)
     with serve_in_thread(args, api_key=api_key, served_model_name=served_model_name) as server:
         yield server
-
-
-def make_tiny_model(path: Any, vocab_size: int = 512, **config: Any) -> Any:
-    """A tiny random Llama plus the local test tokenizer (with a ChatML template) in `path`."""
-    from keel.testing.checkpoints import make_checkpoint
-    from keel.testing.tokenizer import build_tokenizer
-
-    make_checkpoint("llama", path, vocab_size=vocab_size, **config)
-    build_tokenizer(path, vocab_size=vocab_size)
-    return path
 
 
 class StubEngine:

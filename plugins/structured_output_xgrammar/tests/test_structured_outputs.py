@@ -19,8 +19,7 @@ from keel import LLM, SamplingParams
 from keel.plugins.loader import load_plugins
 from keel.structured_output.manager import select_backend
 
-pytest.importorskip("keel_endpoints")
-from keel_endpoints.testing import make_tiny_model
+from keel.testing.tokenizer import make_tiny_model
 
 SCHEMA = {
     "type": "object",
