@@ -15,7 +15,8 @@ Engines (the `cuda` profile: CUDA graphs, Triton kernels; `--engines`, default p
 mtp_k3_sync): plain decoding, MTP k=1 and k=3 under async scheduling, MTP k=3 without it (what the
 overlap is worth); ngram_k3 / ngram_k3_sync measure the n-gram proposer, which must see each step's
 tokens on the host (under async scheduling it runs one step at a time). Per engine, batch 1 and batch 32 of distinct random prompts (128 in, 128 out, greedy, ignore_eos;
-one warm-up round, then measured rounds of new prompts): ms per output token after the first, tokens per
+one warm-up round, then measured rounds of new prompts): ms per output token after the first, what each
+round ran lazily on the GPU (Triton compiles, graph captures: round 0 is the cold penalty), tokens per
 request step (1 + accepted drafts per verify step), the acceptance rate, and whether the greedy tokens
 equal plain decoding's (bf16 verify and decode steps run different kernels, so they may not everywhere).
 Results: a JSON file with device, versions and commit.
@@ -29,9 +30,11 @@ import importlib.util
 import json
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +42,7 @@ _here = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("h200_dsv2lite", _here / "h200_dsv2lite.py")
 _dsv2 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_dsv2)
+sys.path.insert(0, str(_here))  # h200_vs_vllm's LazyWork
 
 SMOKE = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -165,13 +169,25 @@ def measure(model_dir: Path, spec: dict | None, async_scheduling: bool, batches:
     out: dict = {"startup_s": time.perf_counter() - t0}
     try:
         shape_weights(engine.core.worker.runner, damp)
+        lazy = None
+        if torch.cuda.is_available() and not smoke:  # what each round runs lazily (the cold penalty)
+            from h200_vs_vllm import LazyWork
+            lazy = LazyWork(SimpleNamespace(llm_engine=engine))
+            out["lazy_work"] = {}
         seed = 1000
         for b in batches:
             runs = []
             for r in range(rounds + 1):  # round 0 warms up (new prompts every round: no prefix hits)
                 seed += 1
                 prompts = random_prompts(b, input_len, vocab, seed=seed)
+                if lazy is not None:
+                    lazy.start()
                 res = run_round(engine, prompts, output_len, f"b{b}r{r}")
+                if lazy is not None:
+                    report = lazy.report()
+                    out["lazy_work"][f"b{b}r{r}"] = {k: report[k] for k in (
+                        "triton_compiles", "triton_compile_s", "compiles_by_kernel", "graph_captures",
+                        "cuda_mallocs", "slowest_steps", "median_step_ms")}
                 if r:
                     runs.append(res)
             best = min(runs, key=lambda x: x["ms_per_output_token"])
