@@ -199,6 +199,8 @@ def measure(model_dir: Path, spec: dict | None, async_scheduling: bool, batches:
             out["device_fixed_requests"] = spec_runner.num_device_fixed
             out["host_waits"] = spec_runner.num_host_waits
         graphs = engine.core.worker.runner.cuda_graphs
+        drafts = engine.core.worker.runner.draft_graphs
+        out["draft_graph_replays"] = drafts.num_replays if drafts is not None else None
         out["graph_replays_by_query_len"] = dict(getattr(graphs, "replays_by_query_len", {}) or {})
     finally:
         engine.shutdown()

@@ -101,8 +101,12 @@ def test_mtp_verify_steps_replay_graphs(mtp_ckpt):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 37, 1, 20, 9)]
     base = _greedy(_deepseek(mtp_ckpt, spec=False, eager=True), prompts, 16)
-    eager = _greedy(_deepseek(mtp_ckpt, spec=True, eager=True), prompts, 16)
+    eager_engine = _deepseek(mtp_ckpt, spec=True, eager=True)
+    eager = _greedy(eager_engine, prompts, 16)
     _assert_same(eager, base)
+    key = "spec_decode_num_accepted_tokens_total"
+    eager_accepted = eager_engine.get_metrics()[key]
+    eager_engine.shutdown()
     engine = _deepseek(mtp_ckpt, spec=True, eager=False)
     runner = engine.core.worker.runner
     assert {layer.backend.name for layer in runner.attn_layers} == {"triton_mla"}
@@ -110,6 +114,9 @@ def test_mtp_verify_steps_replay_graphs(mtp_ckpt):
     assert graphs is not None and graphs.query_lens == [1, 1 + MTP_K]
     _assert_same(_greedy(engine, prompts, 16), base)
     assert graphs.replays_by_query_len[1 + MTP_K] > 0
+    # The drafts replayed their own graphs (worker/draft_graph.py) and drafted what the eager MTP drafted.
+    assert runner.draft_graphs is not None and runner.draft_graphs.num_replays > 0
+    assert engine.get_metrics()[key] == eager_accepted > 0
 
 
 def test_mtp_async_scheduling_builds_verify_inputs_on_the_device(mtp_ckpt):

@@ -90,6 +90,11 @@ class DraftProposer(Protocol):
     its overlap: the next step's inputs are built on the device. A proposer with `propose` only reads
     committed host tokens, so under async scheduling each step first waits for the previous one (vLLM's
     n-gram proposer has the same need).
+
+    An optional class attribute `cuda_graph_safe = True` says `propose_on_device` reads nothing but the
+    `DraftInput` device fields (and the lengths of its lists), allocates no host memory it hands to the
+    device, and never syncs: the runner then captures it as CUDA graphs next to the target's verify
+    graphs (`worker/draft_graph.py`).
     """
 
     def propose(self, batch: DraftInput) -> list[list[int]]:

@@ -101,6 +101,7 @@ class DecodeGraphRunner:
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
         self.replays_by_query_len: dict[int, int] = dict.fromkeys(self.query_lens, 0)
+        self.pool = None  # the graphs' memory pool, once captured
 
     @property
     def keys(self) -> list[GraphKey]:
@@ -108,12 +109,11 @@ class DecodeGraphRunner:
         is the largest; the others reuse it)."""
         return sorted(((q, b) for q in self.query_lens for b in self.sizes), key=lambda k: (-k[0] * k[1], -k[0]))
 
-    def _context(self, b: int, q: int = 1) -> ForwardContext:
-        """The forward context every replay of graph (q, b) sees: the builders' metadata over the static
-        buffers. Built once per graph, before capture; launch shapes may depend on (q, b) and
-        max_model_len, never on a step's actual lengths."""
+    def common(self, b: int, q: int = 1) -> CommonAttentionMetadata:
+        """The common metadata every replay of graph (q, b) sees, over the static buffers (also what a
+        draft graph reading this graph's output sees: `worker/draft_graph.py`)."""
         qsl_cpu = torch.from_numpy(self._qsl_np[q][: b + 1]).to(torch.int32)
-        common = CommonAttentionMetadata(
+        return CommonAttentionMetadata(
             query_start_loc=self.query_start_locs[q][: b + 1],
             query_start_loc_cpu=qsl_cpu,
             seq_lens=self.seq_lens[:b],
@@ -127,6 +127,12 @@ class DecodeGraphRunner:
             max_seq_len=self.max_model_len,
             block_size=self.block_size,
         )
+
+    def _context(self, b: int, q: int = 1) -> ForwardContext:
+        """The forward context every replay of graph (q, b) sees: the builders' metadata over the static
+        buffers. Built once per graph, before capture; launch shapes may depend on (q, b) and
+        max_model_len, never on a step's actual lengths."""
+        common = self.common(b, q)
         metas = [builder.build(common) for builder in self.builders]
         return ForwardContext(attn_metadata=[metas[i] for i in self.layer_builder], kv_caches=self.kv_caches,
                               num_actual_tokens=b * q)
@@ -147,6 +153,7 @@ class DecodeGraphRunner:
                 out = self.model(self.input_ids[:t], self.positions[:t], ctx)
             pool = graph.pool()
             self.graphs[(q, b)] = (graph, out)
+        self.pool = pool  # draft graphs share it
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (query lengths %s x batch sizes %s) in %.1f s", len(self.graphs),
                     self.query_lens, self.sizes, time.perf_counter() - start)

@@ -77,6 +77,7 @@ class ModelRunner:
         self._builders = list(builders.values())
         self._layer_builder = [list(builders).index(layer.backend) for layer in self.attn_layers]
         self.cuda_graphs = None  # a DecodeGraphRunner once capture_cuda_graphs ran
+        self.draft_graphs = None  # a DraftGraphRunner: the device proposer's drafts on verify graphs
         # A model with a pooler (SupportsPooling) serves pooling requests; a pooling-only one has no LM head.
         self.pooling_model = hasattr(model, "pool")
         from keel.worker.spec_step import SpecStepRunner
@@ -122,6 +123,7 @@ class ModelRunner:
         """Drop the cache tensors and the decode graphs captured over them (sleep mode); the worker's
         `initialize_kv_cache` allocates and captures them again."""
         self.cuda_graphs = None
+        self.draft_graphs = None
         self.kv_caches = []
 
     @property
@@ -157,6 +159,12 @@ class ModelRunner:
                                     self.block_size, sizes, max_model_len,
                                     **({"query_lens": query_lens} if query_lens != (1,) else {}))
         self.cuda_graphs.capture()
+        if len(query_lens) > 1 and getattr(self.proposer, "cuda_graph_safe", False):
+            from keel.worker.draft_graph import DraftGraphRunner
+
+            self.draft_graphs = DraftGraphRunner(self.proposer, self.cuda_graphs, self.kv_caches, self.block_size,
+                                                 max_model_len, query_lens[-1])
+            self.draft_graphs.capture()
         return True
 
     @torch.inference_mode()

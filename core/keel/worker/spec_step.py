@@ -200,7 +200,11 @@ class SpecStepRunner:
         emitted = torch.cat([sampled, sampled.new_zeros(1)])[t["layout"]]  # [n, 1 + k]
         rejected = torch.cat([t["counted"] - accepted * has, has.new_zeros(1)])
         last_tokens = emitted.gather(1, (num_emitted - 1).clamp(min=0)[:, None]).squeeze(1)
-        new_drafts = self._propose_device(states, t, hidden, positions, common, accepted * has, sampled)
+        # A verify step the target replayed as a graph, every request sampling: the drafts replay too.
+        draft_key = (r.cuda_graphs.graph_key(int(input_ids.shape[0]), common)
+                     if r.draft_graphs is not None and sampling_idx.shape[0] == n else None)
+        new_drafts = self._propose_device(states, t, hidden, positions, common, accepted * has, sampled,
+                                          draft_key)
         host_src = {"emitted": emitted, "num_emitted": num_emitted}
         if new_drafts is not None:
             host_src["drafts"] = new_drafts
@@ -299,12 +303,13 @@ class SpecStepRunner:
             logits = self.runner.token_bitmask(logits, *constraint.on_device(self.device))
         return self.runner.sampler(logits, meta)
 
-    def _propose_device(self, states, t, hidden, positions, common, accepted, sampled):
+    def _propose_device(self, states, t, hidden, positions, common, accepted, sampled, draft_key=None):
         """Drafts [n, k] on the device (None for a host proposer or a step that sampled nothing).
 
         accepted: [n] int64 accepted drafts (0 where nothing was sampled); sampled: [S] the logits rows'
-        samples. The proposer sees every computed position: rows up to each request's last accepted one
-        have their next token committed (a sample, or a prompt token)."""
+        samples; draft_key: the target graph this step replayed, when the drafts may replay theirs. The
+        proposer sees every computed position: rows up to each request's last accepted one have their
+        next token committed (a sample, or a prompt token)."""
         r = self.runner
         if not self.device_proposer or hidden is None:
             return None
@@ -313,6 +318,10 @@ class SpecStepRunner:
         next_tokens = t["next_tokens"]
         if sampled is not None:  # a sampling row's next token is its sample
             next_tokens.index_copy_(0, t["sample_rows"], sampled)
+        if draft_key is not None:  # worker/draft_graph.py
+            drafts = r.draft_graphs.run(draft_key, n, next_tokens, last_valid, t["num_blocks"])
+            if drafts is not None:
+                return drafts
         batch = DraftInput(
             req_ids=[s.req_id for s in states], token_ids=[s.token_ids for s in states],
             max_drafts=[0] * n, hidden_states=hidden, block_ids=[s.block_ids for s in states],

@@ -125,6 +125,8 @@ class DeepSeekMTPProposer:
     its MTP tensors do not match (strict: every tensor of the module consumed, every parameter filled).
     """
 
+    cuda_graph_safe = True  # propose_on_device: device fields only, no sync (DraftProposer)
+
     def __init__(self, ctx: ProposerContext) -> None:
         build: ModelBuildContext | None = ctx.build
         if build is None:
