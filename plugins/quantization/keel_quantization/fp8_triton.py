@@ -22,13 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.small_m_plan import SmallMPlan, fp8_plan
+from keel_quantization.splitk_reduce import SplitKOutput, split_range
+
 
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
-    M, N, K,
+    M, N, K, K_PER_SPLIT,  # split s (program_id 2) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
     stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
-    stride_cm, stride_cn,
+    stride_cs, stride_cm, stride_cn,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_A_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -39,10 +42,11 @@ def _fp8_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    k_start, k_end = split_range(tl.program_id(2), K, K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
-        mask_k = k < K
+        mask_k = k < k_end
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8 (or the model dtype)
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None] * stride_bk,
@@ -59,23 +63,16 @@ def _fp8_gemm_kernel(
             a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_ask, mask=mask_m, other=0.0)  # [BM]
             part = part * a_s[:, None]
         acc += part * b_s[None, :]
+    c_ptr += tl.program_id(2) * stride_cs  # one split: y itself; more: this split's float32 partials
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _tiles(m: int, group_k: int, k: int) -> tuple[int, int, int]:
+def _tiles(m: int, group_k: int, k: int) -> SmallMPlan:
     block_k = 128 if group_k >= k else min(128, group_k)
     if m <= 16:
-        return 16, 64, block_k
-    return (32, 64, block_k) if m <= 64 else (64, 128, block_k)
-
-
-def _weight_only_tiles(m: int, group_k: int, k: int) -> tuple[int, int, int]:
-    if m > 64:  # weight-only checkpoints at prefill sizes: compute-bound, wide tiles
-        return 64, 128, 128 if group_k >= k else min(128, group_k)
-    # memory-bound: 32 weight rows a program (Llama-8B's 4096-row layers: 128 programs for 132 SMs)
-    block_k = 256 if group_k >= k else min(256, group_k)
-    return (16 if m <= 16 else 32 if m <= 32 else 64), 32, block_k
+        return SmallMPlan("dot", 16, 64, block_k)
+    return SmallMPlan("dot", 32, 64, block_k) if m <= 64 else SmallMPlan("dot", 64, 128, block_k)
 
 
 def _check(a: torch.Tensor, a_groups: int | None, b_q: torch.Tensor, b_s: torch.Tensor, group_n: int,
@@ -89,28 +86,39 @@ def _check(a: torch.Tensor, a_groups: int | None, b_q: torch.Tensor, b_s: torch.
                          f"{tuple(b_q.shape)}, b_s {tuple(b_s.shape)}, groups ({group_n}, {group_k})")
 
 
-def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, tiles, out, num_stages=None) -> torch.Tensor:
+def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out) -> torch.Tensor:
     m, k = a.shape
     n = b_q.shape[0]
-    bm, bn, bk = tiles
+    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     if group_k < k and group_k % bk:
         raise ValueError(f"fp8_gemm: BLOCK_K {bk} must divide the scale group {group_k}")
     y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
     if m == 0:
         return y
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    dst = SplitKOutput(y, k, bk, plan.split_k)
+    (scs, scm, scn), options = dst.strides, plan.launch_options()
+    if plan.kernel == "gemv":
+        if a_s is not None:
+            raise ValueError("fp8_gemm: the gemv kernel is weight-only (no activation scales)")
+        from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
+
+        _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
+            a, b_q, b_s, dst.buf, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0), b_q.stride(1),
+            b_s.stride(0), b_s.stride(1), scs, scm, scn,
+            GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **options)
+        return dst.finish()
     has_a_scale = a_s is not None
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = a.device.type == "cpu" or bk < 32 or a.dtype == torch.float32
-    _fp8_gemm_kernel[grid](
-        a, a_s, b_q, b_s, y, m, n, k,
+    _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
+        a, a_s, b_q, b_s, dst.buf, m, n, k, dst.k_per_split,
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), b_q.stride(0), b_q.stride(1),
-        b_s.stride(0), b_s.stride(1), y.stride(0), y.stride(1),
+        b_s.stride(0), b_s.stride(1), scs, scm, scn,
         GROUP_N=group_n, GROUP_K=group_k, UPCAST_DOT=upcast, HAS_A_SCALE=has_a_scale,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **({} if num_stages is None else {"num_stages": num_stages}),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **options,
     )
-    return y
+    return dst.finish()
 
 
 def fp8_gemm(
@@ -128,7 +136,8 @@ def fp8_gemm(
         raise ValueError(f"fp8_gemm: a {tuple(a_q.shape)} has scales {tuple(a_s.shape)}")
     _check(a_q, a_s.shape[1], b_q, b_s, group_n, group_k, "fp8_gemm")
     m, k = a_q.shape
-    return _launch(a_q, a_s, b_q, b_s, group_n, group_k, out_dtype, tiles or _tiles(m, group_k, k), out)
+    plan = SmallMPlan("dot", *tiles) if tiles else _tiles(m, group_k, k)
+    return _launch(a_q, a_s, b_q, b_s, group_n, group_k, out_dtype, plan, out)
 
 
 def fp8_weight_only_gemm(
@@ -137,10 +146,12 @@ def fp8_weight_only_gemm(
     b_s: torch.Tensor,  # float32 [ceil(N / group_n), ceil(K / group_k)]
     group_n: int,
     group_k: int,
-    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); tests pick small ones
+    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K) of the dot kernel; tests pick small ones
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
+    plan: SmallMPlan | None = None,  # kernel, tiles, K split; default small_m_plan.fp8_plan (per shape)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     _check(x, None, b_q, b_s, group_n, group_k, "fp8_weight_only_gemm")
     m, k = x.shape
-    return _launch(x, None, b_q, b_s, group_n, group_k, x.dtype, tiles or _weight_only_tiles(m, group_k, k), out,
-                   num_stages=4)
+    if plan is None:
+        plan = SmallMPlan("dot", *tiles, num_stages=4) if tiles else fp8_plan(m, b_q.shape[0], k, group_k)
+    return _launch(x, None, b_q, b_s, group_n, group_k, x.dtype, plan, out)

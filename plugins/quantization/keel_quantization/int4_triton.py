@@ -6,8 +6,9 @@ materialized; each packed word is read once and unpacked to its 8 inputs in regi
 sit in their groups in order (`group_size`: AWQ, GPTQ without desc_act) a K tile lies in one group, so
 its scales and zeros are one row per tile: the tile multiplies (q - zero), exact in the activations'
 dtype, and the scale multiplies the tile's float32 partial product. Otherwise (desc_act) scales and
-zeros are gathered per input through g_idx, so GPTQ's activation order needs no reordering. Tiles are
-narrow in N for small M, so a decode step spreads each layer over all the SMs. Runs on CUDA; on the
+zeros are gathered per input through g_idx, so GPTQ's activation order needs no reordering. At decode
+sizes the plan (`small_m_plan.int4_plan`) may split K (float32 partials, then `splitk_reduce`) or run
+the GEMV kernel (`int4_gemv_triton`) instead, so a decode step spreads each layer over all the SMs. Runs on CUDA; on the
 CPU only under TRITON_INTERPRET=1 (tests, small shapes).
 """
 
@@ -17,12 +18,44 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.small_m_plan import SmallMPlan, int4_plan
+from keel_quantization.splitk_reduce import SplitKOutput, split_range
+
+
+@triton.jit
+def _int4_tile(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Float32 4-bit values [BLOCK_K, BLOCK_N] of inputs k0 .. k0 + BLOCK_K (0 past k_end and N)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # K is a multiple of 8
+    packed = tl.load(qw_ptr + words[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                     mask=(words[:, None] < k_end // 8) & mask_n[None, :], other=0)  # [BK / 8, BN] int32
+    q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BK / 8, 8, BN]: input 8 * word + nibble
+    return tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+
+
+@triton.jit
+def _tile_group(s_ptr, z_ptr, k0, offs_n, mask_n, stride_sg, stride_sn, GROUP: tl.constexpr):
+    """(scales, zeros) [BLOCK_N] float32 of the one group a tile starting at k0 lies in."""
+    sz = (k0 // GROUP) * stride_sg + offs_n * stride_sn
+    return (tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32),
+            tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _gathered_groups(s_ptr, z_ptr, g_ptr, offs_k, mask_k, offs_n, mask_n, stride_sg, stride_sn):
+    """(scales, zeros) [BLOCK_K, BLOCK_N] float32 per input through g_idx (0 outside K / N)."""
+    g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)  # [BK]
+    sz = g[:, None] * stride_sg + offs_n[None, :] * stride_sn
+    mask_kn = mask_k[:, None] & mask_n[None, :]
+    return (tl.load(s_ptr + sz, mask=mask_kn, other=0.0).to(tl.float32),
+            tl.load(z_ptr + sz, mask=mask_kn, other=0.0).to(tl.float32))
+
 
 @triton.jit
 def _int4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ym, stride_yn,
+    M, N, K, K_PER_SPLIT,  # split s (program_id 2) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ys, stride_ym, stride_yn,
     GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP and BLOCK_K divides GROUP; 0: read g_idx
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -32,30 +65,19 @@ def _int4_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
+    k_start, k_end = split_range(tl.program_id(2), K, K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-        words = k0 // 8 + offs_w  # K is a multiple of 8
-        packed = tl.load(qw_ptr + words[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                         mask=(words[:, None] < K // 8) & mask_n[None, :], other=0)  # [BK / 8, BN] int32
-        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK / 8, 8, BN]: input 8 * word + nibble
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        q = _int4_tile(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn, BLOCK_K, BLOCK_N)  # [BK, BN]
         if GROUP > 0:
-            sz = (k0 // GROUP) * stride_sg + offs_n * stride_sn  # [BN]: the tile's one group
-            s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)
+            s, z = _tile_group(s_ptr, z_ptr, k0, offs_n, mask_n, stride_sg, stride_sn, GROUP)  # [BN]
             w = q - z[None, :]  # [BK, BN] small integers: exact in any float dtype
         else:
-            g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)  # [BK]
-            sz = g[:, None] * stride_sg + offs_n[None, :] * stride_sn
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            s = tl.load(s_ptr + sz, mask=mask_kn, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sz, mask=mask_kn, other=0.0).to(tl.float32)
+            s, z = _gathered_groups(s_ptr, z_ptr, g_ptr, offs_k, mask_k, offs_n, mask_n, stride_sg, stride_sn)
             w = (q - z) * s  # [BK, BN], zero outside K / N
         if DOT_F32:
             part = tl.dot(x.to(tl.float32), w, input_precision="ieee")
@@ -64,15 +86,9 @@ def _int4_gemm_kernel(
         if GROUP > 0:
             part = part * s[None, :]
         acc += part
+    y_ptr += tl.program_id(2) * stride_ys  # one split: y itself; more: this split's float32 partials
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def _tiles(m: int, group: int) -> tuple[int, int, int]:
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 32 if m <= 32 else 64  # small M: 128 programs for a 4096-output layer
-    block_k = 128 if group == 0 else min(128, group)
-    return block_m, block_n, block_k
 
 
 def int4_gemm(
@@ -83,7 +99,8 @@ def int4_gemm(
     g_idx: torch.Tensor,  # int32 [K]
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
     group_size: int = 0,  # > 0: g_idx is k // group_size (inputs in order; a power of two >= 8, or K)
-    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); tests pick small ones
+    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K) of the dot kernel; tests pick small ones
+    plan: SmallMPlan | None = None,  # kernel, tiles, K split; default small_m_plan.int4_plan (per shape)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n = qweight.shape[1]
@@ -91,17 +108,24 @@ def int4_gemm(
         raise ValueError(f"int4_gemm: shapes do not fit: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
                          f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, g_idx {tuple(g_idx.shape)}")
     group = min(group_size, k)
-    block_m, block_n, block_k = tiles or _tiles(m, group)
-    if group and group < k and group % block_k:
-        raise ValueError(f"int4_gemm: BLOCK_K {block_k} must divide the group size {group}")
+    if plan is None:
+        plan = SmallMPlan("dot", *tiles) if tiles else int4_plan(m, n, k, group)
+    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
+    if (group and group < k and group % bk) or bk % 8:
+        raise ValueError(f"int4_gemm: BLOCK_K {bk} must be a multiple of 8 dividing the group size {group}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, g_idx, y, m, n, k,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=x.dtype == torch.float32,
-    )
-    return y
+    dst = SplitKOutput(y, k, bk, plan.split_k)
+    args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
+            qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
+    if plan.kernel == "gemv":
+        from keel_quantization.int4_gemv_triton import _int4_gemv_kernel
+
+        _int4_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
+            *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
+    else:
+        _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
+            *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,
+            **plan.launch_options())
+    return dst.finish()

@@ -1,7 +1,8 @@
 """The quantization plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, every
 kind of variant the launchers use: fused activation quantization (dynamic and static; bf16 and fp32
-inputs), the FP8 GEMM (W8A8; weight-only in bf16 and fp16) and the int4 GEMM (one scale row per tile, and
-gathered through g_idx). The interpreter accepts code the compiler rejects."""
+inputs), the FP8 GEMM (W8A8; weight-only in bf16 and fp16), the weight-only fp8 GEMV (per-row and block scales),
+the int4 GEMM and GEMV (one scale row per tile, and gathered through g_idx; float32 split-K partials)
+and the split-K reduce. The interpreter accepts code the compiler rejects."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from keel_quantization import fp8_quant_triton, fp8_triton, int4_triton
+    from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, int4_gemv_triton, int4_triton,
+                                   splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
@@ -35,23 +37,38 @@ SCRIPT = textwrap.dedent('''
                      {"STATIC": static, "GROUPS_PER_PROGRAM": 1 if static else 32, "BLOCK_G": 4096 if static else 128},
                      num_warps=4)
     strides = ("stride_am", "stride_ak", "stride_asm", "stride_ask", "stride_bn", "stride_bk", "stride_bsn",
-               "stride_bsk", "stride_cm", "stride_cn")
+               "stride_bsk", "stride_cs", "stride_cm", "stride_cn")
     for a_dt, has_a_scale, tiles, group_n, group_k in (("*fp8e4nv", True, (64, 128, 128), 128, 128),
                                                         ("*bf16", False, (16, 32, 256), 1, 4096),
                                                         ("*fp16", False, (32, 32, 128), 128, 128)):
         sig = {"a_ptr": a_dt, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
-               "c_ptr": "*bf16" if a_dt != "*fp16" else "*fp16", "M": i32, "N": i32, "K": i32,
+               "c_ptr": "*bf16" if a_dt != "*fp16" else "*fp16", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
                **{s: i32 for s in strides}}
         compile_(fp8_triton._fp8_gemm_kernel, sig,
                  {"GROUP_N": group_n, "GROUP_K": group_k, "UPCAST_DOT": False, "HAS_A_SCALE": has_a_scale,
                   "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2]}, num_stages=4)
+    gemv_strides = ("stride_xm", "stride_xk", "stride_bn", "stride_bk", "stride_bsn", "stride_bsk", "stride_cs",
+                    "stride_cm", "stride_cn")
+    for c_dt, group_n, group_k, tiles in (("*fp32", 1, 4096, (1, 16, 512)), ("*bf16", 128, 128, (4, 8, 128))):
+        sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": c_dt, "M": i32, "N": i32, "K": i32,
+               "K_PER_SPLIT": i32, **{s: i32 for s in gemv_strides}}
+        compile_(fp8_gemv_triton._fp8_gemv_kernel, sig, {"GROUP_N": group_n, "GROUP_K": group_k,
+                                                         "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2]})
+    for y_dt in ("*bf16", "*fp16"):
+        sig = {"ws_ptr": "*fp32", "y_ptr": y_dt, "M": i32, "N": i32, "SPLITS": i32,
+               **{s: i32 for s in ("stride_ws", "stride_wm", "stride_ym", "stride_yn")}}
+        compile_(splitk_reduce._splitk_reduce_kernel, sig, {"BLOCK": 1024})
     sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
-           "y_ptr": "*bf16", "M": i32, "N": i32, "K": i32,
+           "y_ptr": "*bf16", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
            **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn",
-                               "stride_ym", "stride_yn")}}
+                               "stride_ys", "stride_ym", "stride_yn")}}
     for group, tiles in ((128, (16, 32, 128)), (0, (64, 64, 128))):
         compile_(int4_triton._int4_gemm_kernel, sig, {"GROUP": group, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
                                                       "BLOCK_K": tiles[2], "DOT_F32": False})
+        compile_(int4_triton._int4_gemm_kernel, {**sig, "y_ptr": "*fp32"},
+                 {"GROUP": group, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "DOT_F32": False})
+        compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
+                 {"GROUP": group, "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 128})
     print("compiled")
 ''')
 

@@ -1,0 +1,189 @@
+"""Decode-size weight-only GEMMs on one GPU: every candidate plan (kernel, tiles, K split) of the fp8 and
+int4 GEMMs per Llama-3-8B layer shape and M, against bf16 cuBLAS and the bytes floor.
+
+    python benchmarks/h200_quant_small_m.py --out benchmarks/results/h200-quant-small-m.json
+    (or: python benchmarks/h200_quant.py --cases small-m)
+
+Families: "fp8_row" (per-row / per-tensor scales: vLLM "fp8" per-tensor Llama), "fp8_block" (128x128 block
+scales), "int4_g128" (GPTQ / AWQ, group 128 in order). Candidates (`candidates`): the shipped default
+(`small_m_plan`), the tensor-core "dot" kernel over a few tiles x K splits 1-8, and the "gemv" kernel
+(M <= 8) over a few tiles x K splits 1-4. Each is timed as CUDA-graph replays over weight copies larger
+than L2 (h200_quant.graph_us), so neither launch cost nor cache hits flatter it. Per row: each
+candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, and "floor_us" = weight bytes
+over the copy bandwidth. Then per family and M the plan with the least total time over the four layers
+("best_per_bucket": what small_m_plan's tables take), printed and written. Meant to finish in < 3
+minutes on an H200 (compiles dominate: `compile_count` bounds them); `--budget-s` stops adding
+candidates past it, keeping what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+_here = Path(__file__).resolve().parent
+MS = (1, 2, 4, 8, 16, 32, 64)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+FAMILIES = ("fp8_row", "fp8_block", "int4_g128")
+DOT_TILES = {"fp8_row": [(32, 256), (64, 128), (16, 256)], "fp8_block": [(32, 128), (64, 128)],
+             "int4_g128": [(32, 128), (64, 128), (16, 128)]}
+GEMV_TILES = {"fp8_row": [(4, 512), (8, 512), (16, 256), (32, 128), (8, 128), (4, 256)],
+              "fp8_block": [(8, 128), (16, 128), (32, 128)],
+              "int4_g128": [(16, 128), (32, 128), (64, 64), (32, 64), (16, 64), (8, 128)]}
+DOT_SPLITS = (1, 2, 4, 8)
+GEMV_SPLITS = (1, 2, 4)
+GEMV_MAX_M = 8
+GEMV_MAX_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K float32 products a 4-warp program holds
+
+
+def _pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+def candidates(family: str, m: int) -> dict:
+    """label -> SmallMPlan (None: the shipped default) for one family and M."""
+    from keel_quantization.small_m_plan import SmallMPlan, _block_m
+
+    out: dict = {"default": None}
+    for bn, bk in DOT_TILES[family]:
+        for split in DOT_SPLITS:
+            p = SmallMPlan("dot", _block_m(m), bn, bk, split, num_stages=4 if family != "int4_g128" else None)
+            out[f"dot {p.block_m}x{bn}x{bk} s{split}"] = p
+    if m <= GEMV_MAX_M:
+        for bn, bk in GEMV_TILES[family]:
+            if _pow2(m) * bn * bk > GEMV_MAX_ELEMENTS:
+                continue
+            for split in GEMV_SPLITS:
+                out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
+    return out
+
+
+def compile_count(family: str) -> int:
+    """Distinct kernels the family's candidates compile (the split is a runtime argument)."""
+    return len({(p.kernel, p.block_m, p.block_n, p.block_k, p.num_stages)
+                for m in MS for p in candidates(family, m).values() if p is not None})
+
+
+def _weights(family: str, n: int, k: int, gen: torch.Generator) -> tuple[list, int]:
+    """(copies of one layer's quantized weight, bytes of one copy): > 256 MiB of copies, never from L2."""
+    from keel_quantization import fp8_math
+
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
+    nbytes = n * k // 2 if family == "int4_g128" else n * k
+    copies = max(2, -(-(256 << 20) // nbytes))
+    if family == "fp8_row":
+        q, s = fp8_math.quantize_per_row(w)
+        return [(q.clone(), s.reshape(-1, 1).clone()) for _ in range(copies)], nbytes
+    if family == "fp8_block":
+        q, s = fp8_math.quantize_blocks(w, (128, 128))
+        return [(q.clone(), s.clone()) for _ in range(copies)], nbytes
+    words = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), device="cuda", generator=gen, dtype=torch.int64)
+    scales = torch.rand(k // 128, n, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
+    zeros = torch.full_like(scales, 8.0)
+    g_idx = torch.arange(k, device="cuda", dtype=torch.int32) // 128
+    return [(words.to(torch.int32), scales.clone(), zeros.clone(), g_idx) for _ in range(copies)], nbytes
+
+
+def _fn(family: str, x: torch.Tensor, weights: list, plan):
+    from keel_quantization.fp8_triton import fp8_weight_only_gemm
+    from keel_quantization.int4_triton import int4_gemm
+
+    k = x.shape[1]
+    if family == "int4_g128":
+        return lambda i: int4_gemm(x, *weights[i], group_size=128, plan=plan)
+    group = (1, k) if family == "fp8_row" else (128, 128)
+    return lambda i: fp8_weight_only_gemm(x, *weights[i], *group, plan=plan)
+
+
+def sweep(families: list[str], copy_bw_gbps: float, budget_s: float) -> dict:
+    quant = _sibling("h200_quant")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    start = time.perf_counter()
+    rows, skipped = [], 0
+    for f, family in enumerate(families):
+        family_budget = start + budget_s * (f + 1) / len(families)  # each family its share of the budget
+        for layer, (n, k) in SHAPES.items():
+            weights, nbytes = _weights(family, n, k, gen)
+            dense = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+                     for _ in range(max(2, -(-(256 << 20) // (2 * n * k))))]
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+                row = {"family": family, "layer": layer, "n": n, "k": k, "m": m, "weight_bytes": nbytes,
+                       "floor_us": nbytes / copy_bw_gbps / 1e3,
+                       "bf16_cublas_us": quant.graph_us(lambda i: x @ dense[i].T, len(dense)), "us": {}}
+                for label, plan in candidates(family, m).items():
+                    if time.perf_counter() > family_budget and label != "default":
+                        skipped += 1
+                        continue
+                    row["us"][label] = quant.graph_us(_fn(family, x, weights, plan), len(weights))
+                best = min(row["us"], key=row["us"].get)
+                row.update(best=best, best_us=row["us"][best], best_TBps=nbytes / row["us"][best] / 1e6,
+                           default_TBps=nbytes / row["us"]["default"] / 1e6)
+                rows.append(row)
+                print("small-m", json.dumps({kk: (round(v, 2) if isinstance(v, float) else v)
+                                             for kk, v in row.items() if kk != "us"}), flush=True)
+            del weights, dense
+            torch.cuda.empty_cache()
+    return {"rows": rows, "best_per_bucket": best_per_bucket(rows), "skipped_over_budget": skipped,
+            "sweep_s": time.perf_counter() - start}
+
+
+def best_per_bucket(rows: list[dict]) -> dict:
+    """family -> M -> the label with the least total us over the layers that measured it on all of them."""
+    out: dict = {}
+    for family in {r["family"] for r in rows}:
+        for m in sorted({r["m"] for r in rows if r["family"] == family}):
+            group = [r for r in rows if r["family"] == family and r["m"] == m]
+            labels = set.intersection(*(set(r["us"]) for r in group))
+            total = {lb: sum(r["us"][lb] for r in group) for lb in labels}
+            best = min(total, key=total.get)
+            floor = sum(r["floor_us"] for r in group)
+            plan = candidates(family, m).get(best)
+            out.setdefault(family, {})[str(m)] = {
+                "best": best, "plan": None if plan is None else dataclasses.asdict(plan), "total_us": total[best], "default_total_us": total["default"],
+                "bf16_cublas_total_us": sum(r["bf16_cublas_us"] for r in group), "floor_total_us": floor,
+                "best_over_floor": total[best] / floor}
+    return out
+
+
+TABLE_KEYS = {"fp8_row": "fp8_row", "fp8_block": "fp8_block", "int4_g128": "int4"}
+
+
+def tables(best: dict) -> dict:
+    """best_per_bucket -> small_m_plan.use_tables' argument (family -> ((largest M, plan or None), ...))."""
+    from keel_quantization.small_m_plan import SmallMPlan
+
+    return {TABLE_KEYS[family]: tuple((int(m), None if b["plan"] is None else SmallMPlan(**b["plan"]))
+                                      for m, b in buckets.items())
+            for family, buckets in best.items()}
+
+
+def _sibling(name: str):
+    from keel.testing.scripts import load_script
+
+    return load_script(_here / f"{name}.py")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/h200-quant-small-m.json")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ns = ap.parse_args()
+    import triton
+
+    copy_bw = _sibling("h200_llama8b").ceilings()["copy_bw_GBps"]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_bw_GBps": copy_bw, **sweep(ns.families, copy_bw, ns.budget_s)}
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(result, indent=1, default=float))
+    print(json.dumps(result["best_per_bucket"], indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()

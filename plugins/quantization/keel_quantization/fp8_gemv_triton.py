@@ -1,0 +1,49 @@
+"""Weight-only FP8 GEMV for a few rows (decode at M <= 4-8): no tensor cores, no MMA padding of M.
+
+y[m, n] = sum over K groups g of (sum_{k in g} x[m, k] * w_q[n, k]) * w_s[n // GROUP_N, g]. A program owns
+BLOCK_N weight rows of one K split and every M row (BLOCK_M >= M): each step loads a [BLOCK_N, BLOCK_K]
+fp8 tile (contiguous along K: wide vector loads), widens it to float32 and multiply-adds it with the
+[BLOCK_M, BLOCK_K] activations; the tile's scale multiplies its float32 row sums. The grid is
+(N / BLOCK_N, splits, M / BLOCK_M) and writes y (one split) or the float32 partials `splitk_reduce` sums.
+Launched through `fp8_triton.fp8_weight_only_gemm` with a "gemv" `SmallMPlan`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from keel_quantization.splitk_reduce import split_range
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, b_ptr, bs_ptr, c_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_bn, stride_bk, stride_bsn, stride_bsk, stride_cs, stride_cm, stride_cn,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < k_end
+        w = tl.load(b_ptr + offs_n[:, None] * stride_bn + k[None, :] * stride_bk,
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
+        b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + (k0 // GROUP_K) * stride_bsk,
+                      mask=mask_n, other=0.0)  # [BN]: the tile lies in one K group
+        acc += part * b_s[None, :]
+    c_ptr += pid_s * stride_cs
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])

@@ -1,0 +1,89 @@
+"""How a weight-only GEMM (fp8 or int4) runs at decode sizes: which kernel, its tiles, its K split.
+
+Decode GEMMs are memory-bound on the weight: what matters is enough programs in flight to cover every SM
+with loads (132 on an H200), even when N / BLOCK_N is small (4096 outputs / 32 = 128 programs). Two
+structures serve small M, each optionally split along K (fp32 partials per split, then one reduce launch
+that sums them in a fixed order -- deterministic, and nothing to zero, so CUDA graphs capture both):
+- "dot": the tensor-core GEMM (each weight tile widened / dequantized in registers, then tl.dot), any M.
+- "gemv": no tensor cores; every M row (BLOCK_M >= M, a few) multiplies the widened tile in float32 and
+  sums over K, so a program reads wide, contiguous weight rows and spends no MMA padding on M = 1.
+
+`fp8_plan` / `int4_plan` are pure functions of the GEMM's shape (M, N, K, scale group): the plan is
+fixed per CUDA-graph bucket (M is static there), never decided per step from data.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+KERNELS = ("dot", "gemv")
+
+
+@dataclass(frozen=True)
+class SmallMPlan:
+    kernel: str  # "dot" | "gemv"
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # K splits requested (fewer where K has fewer BLOCK_K tiles)
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"SmallMPlan: kernel {self.kernel!r} is not one of {KERNELS}")
+        if self.split_k < 1 or min(self.block_m, self.block_n, self.block_k) < 1:
+            raise ValueError(f"SmallMPlan: tiles and split_k must be >= 1: {self}")
+
+    def launch_options(self) -> dict:
+        """Triton launch options (num_warps, num_stages where set)."""
+        return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
+
+
+# family -> ((largest M, plan), ...) ascending: the measured plan of each M bucket (benchmarks/
+# h200_quant_small_m.py's best_per_bucket); an M past the last bucket, or a family not here, takes the
+# built-in default below. Families: "fp8_row" (one scale group over K), "fp8_block", "int4".
+TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {}  # None: the default wins that bucket
+
+
+def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]]) -> None:
+    """Replace the measured tables (benchmarks try a sweep's plans in the engine; tests); called before
+    any layer runs: plans are cached per shape."""
+    TABLES.clear()
+    TABLES.update({f: tuple(sorted(rows, key=lambda r: r[0])) for f, rows in tables.items()})
+    fp8_plan.cache_clear()
+    int4_plan.cache_clear()
+
+
+def _measured(family: str, m: int, group: int) -> SmallMPlan | None:
+    for max_m, plan in TABLES.get(family, ()):
+        if m <= max_m:  # a K tile must lie in one scale group
+            return plan if plan is not None and (group == 0 or group % plan.block_k == 0) else None
+    return None
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+@functools.cache
+def fp8_plan(m: int, n: int, k: int, group_k: int) -> SmallMPlan:
+    """The weight-only fp8 GEMM's plan for x [m, k] @ w[n, k]^T with scale groups of group_k inputs."""
+    measured = _measured("fp8_row", m, 0) if group_k >= k else _measured("fp8_block", m, group_k)
+    if measured is not None:
+        return measured
+    if m > 64:  # weight-only checkpoints at prefill sizes: compute-bound, wide tiles
+        return SmallMPlan("dot", 64, 128, 128 if group_k >= k else min(128, group_k), num_stages=4)
+    # memory-bound: 32 weight rows a program (Llama-8B's 4096-row layers: 128 programs for 132 SMs)
+    return SmallMPlan("dot", _block_m(m), 32, 256 if group_k >= k else min(256, group_k), num_stages=4)
+
+
+@functools.cache
+def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
+    """The int4 GEMM's plan for x [m, k] with `group` > 0 inputs per scale row in order (0: gathered)."""
+    measured = _measured("int4", m, group if group < k else 0)
+    if measured is not None:
+        return measured
+    block_n = 32 if m <= 32 else 64  # small M: 128 programs for a 4096-output layer
+    return SmallMPlan("dot", _block_m(m), block_n, 128 if group == 0 else min(128, group))

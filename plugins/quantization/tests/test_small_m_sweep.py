@@ -1,0 +1,69 @@
+"""The H200 sweep of the decode-size GEMM plans (benchmarks/h200_quant_small_m.py) cannot run here; its
+grid can be checked: every candidate is a plan the launchers accept for its family (block scales and int4
+groups of 128: K tiles inside a group), GEMV programs stay within their register budget, the compiles
+(the sweep's main cost) stay bounded, and the per-bucket choice sums over the layers."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from keel_quantization.small_m_plan import SmallMPlan
+
+from keel.testing.scripts import load_script
+
+SWEEP = Path(__file__).resolve().parents[3] / "benchmarks" / "h200_quant_small_m.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return load_script(SWEEP)
+
+
+@pytest.mark.parametrize("family", ["fp8_row", "fp8_block", "int4_g128"])
+def test_candidates_are_valid_plans_and_compiles_bounded(sweep, family):
+    for m in sweep.MS:
+        cands = sweep.candidates(family, m)
+        assert cands["default"] is None and len(cands) >= 8
+        for label, p in cands.items():
+            if p is None:
+                continue
+            assert isinstance(p, SmallMPlan)
+            if family != "fp8_row":
+                assert 128 % p.block_k == 0, label
+            if p.kernel == "gemv":
+                assert m <= sweep.GEMV_MAX_M and p.block_m >= m
+                assert p.block_m * p.block_n * p.block_k <= sweep.GEMV_MAX_ELEMENTS
+        assert {p.kernel for p in cands.values() if p} == ({"dot", "gemv"} if m <= sweep.GEMV_MAX_M else {"dot"})
+    assert sweep.compile_count(family) <= 30
+
+
+def test_best_per_bucket_sums_over_the_layers(sweep):
+    a, b = "dot 16x32x256 s2", "gemv 1x16x256 s4"
+    rows = [{"family": "fp8_row", "m": 1, "floor_us": 1.0, "bf16_cublas_us": 3.0, "us": {"default": 4.0, a: 1.0, b: 3.0}},
+            {"family": "fp8_row", "m": 1, "floor_us": 2.0, "bf16_cublas_us": 5.0, "us": {"default": 5.0, a: 9.0, b: 3.0}},
+            {"family": "fp8_row", "m": 1, "floor_us": 1.0, "bf16_cublas_us": 1.0, "us": {"default": 1.0, b: 1.0}}]
+    best = sweep.best_per_bucket(rows)["fp8_row"]["1"]
+    assert best["best"] == b and best["total_us"] == 7.0 and best["default_total_us"] == 10.0  # a not on all
+    assert best["best_over_floor"] == 7.0 / 4.0
+    assert best["plan"] == dataclasses.asdict(SmallMPlan("gemv", 1, 16, 256, 4))
+
+
+def test_a_sweeps_best_plans_become_the_tables(sweep):
+    from keel_quantization import small_m_plan
+
+    dot = SmallMPlan("dot", 16, 64, 128, 4)
+    best = {"fp8_row": {"1": {"plan": None}, "16": {"plan": dataclasses.asdict(dot)}},
+            "int4_g128": {"1": {"plan": dataclasses.asdict(SmallMPlan("gemv", 1, 32, 128, 2))}}}
+    builtin = small_m_plan.fp8_plan(1, 4096, 4096, 4096)
+    try:
+        small_m_plan.use_tables(sweep.tables(best))
+        assert small_m_plan.fp8_plan(1, 4096, 4096, 4096) == builtin  # the default won M = 1
+        assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) == dot
+        assert small_m_plan.fp8_plan(17, 4096, 4096, 4096) != dot  # past the last bucket: built-in
+        assert small_m_plan.int4_plan(1, 4096, 4096, 128).kernel == "gemv"
+        assert small_m_plan.int4_plan(1, 4096, 4096, 64).kernel == "dot"  # BLOCK_K 128 does not fit group 64
+    finally:
+        small_m_plan.use_tables({})
+    assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) != dot

@@ -1,0 +1,64 @@
+"""Every decode-size GEMM plan the H200 sweep times (benchmarks/h200_quant_small_m.py: dot / gemv kernels,
+tiles, K splits) compiled on a GPU (skipped without one) against float64 on the operands it multiplies,
+bf16 activations, NaN-poisoned outputs: weight-only fp8 with per-row and 128x128 block scales (partial
+edge blocks), int4 with group 128 in order; M 1-64. A candidate the sweep could pick is a correct one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.testing.scripts import load_script
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+fp8_math = pytest.importorskip("keel_quantization.fp8_math")
+SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_quant_small_m.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return load_script(SWEEP)
+
+
+def _operands(family: str, n: int, k: int, gen: torch.Generator):
+    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
+    if family == "fp8_row":
+        q, s = fp8_math.quantize_per_row(w)
+        return (q, s.reshape(-1, 1)), q.double() * s.double()[:, None]
+    if family == "fp8_block":
+        q, s = fp8_math.quantize_blocks(w, (128, 128))
+        return (q, s), fp8_math.dequantize(q, s, (128, 128), torch.float64)
+    words = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), device="cuda", generator=gen, dtype=torch.int64)
+    words = words.to(torch.int32)
+    scales = torch.rand(k // 128, n, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    zeros = torch.randint(0, 16, scales.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    g_idx = torch.arange(k, device="cuda", dtype=torch.int32) // 128
+    shifts = torch.arange(8, device="cuda", dtype=torch.int32) * 4
+    q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n).double()  # [K, N]
+    deq = ((q - zeros.double()[g_idx.long()]) * scales.double()[g_idx.long()]).T  # [N, K]
+    return (words, scales, zeros, g_idx), deq
+
+
+@pytest.mark.parametrize("family", ["fp8_row", "fp8_block", "int4_g128"])
+def test_every_swept_plan_matches_float64(sweep, family):
+    from keel_quantization.fp8_triton import fp8_weight_only_gemm
+    from keel_quantization.int4_triton import int4_gemm
+
+    if family != "int4_g128" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 weights need sm89+")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 200, 1280  # a partial N tile / block; 10 K groups of 128
+    weights, deq = _operands(family, n, k, gen)
+    for m in sweep.MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        ref = x.double() @ deq.T
+        for label, plan in sweep.candidates(family, m).items():
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            if family == "int4_g128":
+                int4_gemm(x, *weights, out=out, group_size=128, plan=plan)
+            else:
+                fp8_weight_only_gemm(x, *weights, *((1, k) if family == "fp8_row" else (128, 128)), out=out,
+                                     plan=plan)
+            torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=2e-2, msg=f"{family} M={m} {label}")
