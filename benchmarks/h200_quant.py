@@ -1,6 +1,7 @@
 """Quantized serving on one GPU: FP8 (per-tensor, block) and GPTQ int4, random weights, the issue's figures.
 
     python benchmarks/h200_quant.py --out benchmarks/results/h200-quant.json [--cases ...] [--num-prompts 1000]
+        [--plans sweep|small-m.json]  (engine cases with a small-m sweep's decode GEMM plans)
 
 Cases (each in its own process, so each engine has the whole GPU; weights are dummy -- drawn and
 quantized on the device by `load_format="dummy"` into the checkpoint config's quantized layout):
@@ -15,6 +16,9 @@ quantized on the device by `load_format="dummy"` into the checkpoint config's qu
                        (weight-only Triton, activation quantization + _scaled_mm / Triton W8A8), the
                        GPTQ int4 GEMM and bf16 cuBLAS, CUDA-graph replays over weight copies larger than
                        L2: the data behind fp8_native.WEIGHT_ONLY_MAX_M and the GEMMs' tiles
+  small-m              no engine: h200_quant_small_m's sweep -- every candidate plan (dot / gemv kernel, tiles,
+                       K split) of the weight-only fp8 (per-row, block) and int4 GEMMs per shape and M 1-64,
+                       against bf16 cuBLAS and the bytes floor; the best plan per M bucket (small_m_plan's tables)
 Per engine case: offline throughput on `num_prompts` distinct 128-token prompts x 128 output tokens
 (greedy, ignore_eos, max_num_seqs 256), round 1 (the first run after start) and round 2 (new prompts,
 a warm engine), and batch-1 decode (128-token prompt, 128 output tokens) per output token against the
@@ -73,6 +77,7 @@ TILE_MS = (1, 16, 32)
 WEIGHT_ONLY_TILES = [(bn, bk) for bn in (16, 32, 64) for bk in (128, 256, 512)]
 INT4_TILES = [(bn, bk) for bn in (16, 32, 64) for bk in (64, 128)]
 THROUGHPUT_TARGET = 30000
+SMALL_M = "small-m"
 
 
 def decode_step_bytes(model: torch.nn.Module, top_k: int, num_experts: int) -> int:
@@ -87,10 +92,19 @@ def decode_step_bytes(model: torch.nn.Module, top_k: int, num_experts: int) -> i
     return int(total)
 
 
-def run_case(name: str, num_prompts: int, out: Path) -> None:
+def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) -> None:
     from keel.bench import random_prompts, run_latency, run_throughput
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
+
+    used_plans = None
+    if plans is not None:  # the decode-size GEMM plans of a small-m sweep instead of the shipped tables
+        from keel_quantization import small_m_plan
+
+        best = json.loads(plans.read_text())
+        best = best.get("cases", {}).get(SMALL_M, best)["best_per_bucket"]
+        small_m_plan.use_tables(_sibling("h200_quant_small_m").tables(best))
+        used_plans = {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
 
     arch, shape, qcfg, throughput, _ = CASES[name]
     if arch == "llama":
@@ -109,7 +123,8 @@ def run_case(name: str, num_prompts: int, out: Path) -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), profile="cuda", load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
         max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85))
-    result: dict = {"case": name, "quantization_config": qcfg, "startup_s": time.perf_counter() - start}
+    result: dict = {"case": name, "quantization_config": qcfg, "startup_s": time.perf_counter() - start,
+                    "small_m_plans": used_plans or "shipped"}
     model = engine.core.worker.runner.model
     methods = {type(getattr(m, "quant_method", None)).__name__ for m in model.modules()
                if getattr(m, "quant_method", None) is not None}
@@ -221,16 +236,24 @@ def run_gemms(out: Path, tiles: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200-quant.json")
-    ap.add_argument("--cases", nargs="*", default=[*CASES, GEMMS, GEMM_TILES], choices=[*CASES, GEMMS, GEMM_TILES])
+    ap.add_argument("--cases", nargs="*", default=[*CASES, GEMMS, GEMM_TILES],
+                    choices=[*CASES, GEMMS, GEMM_TILES, SMALL_M])
     ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--plans", help="engine cases use these decode-size GEMM plans: a small-m result JSON, or "
+                    "'sweep': this run's small-m case (list it before the engine cases); default: the shipped ones")
+    ap.add_argument("--plans-json", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--case-out", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.case:
-        if ns.case in (GEMMS, GEMM_TILES):
+        if ns.case == SMALL_M:
+            small_m = _sibling("h200_quant_small_m")
+            r = small_m.sweep(list(small_m.FAMILIES), _llama8b.ceilings()["copy_bw_GBps"], 150.0)
+            Path(ns.case_out).write_text(json.dumps({"case": SMALL_M, **r}, default=float))
+        elif ns.case in (GEMMS, GEMM_TILES):
             run_gemms(Path(ns.case_out), ns.case == GEMM_TILES)
         else:
-            run_case(ns.case, ns.num_prompts, Path(ns.case_out))
+            run_case(ns.case, ns.num_prompts, Path(ns.case_out), ns.plans_json and Path(ns.plans_json))
         return
     import triton
 
@@ -247,15 +270,18 @@ def main() -> None:
     for name in ns.cases:
         tmp = Path(tempfile.mkdtemp()) / f"{name}.json"
         case_start = time.perf_counter()
+        swept = "best_per_bucket" in result["cases"].get(SMALL_M, {})
+        plans = out if ns.plans == "sweep" and swept else ns.plans
+        plans = [] if plans in (None, "sweep") or name in (GEMMS, GEMM_TILES, SMALL_M) else ["--plans-json", str(plans)]
         proc = subprocess.run([sys.executable, __file__, "--case", name, "--case-out", str(tmp),
-                               "--num-prompts", str(ns.num_prompts)], check=False)
+                               "--num-prompts", str(ns.num_prompts), *plans], check=False)
         case_wall_s = time.perf_counter() - case_start
         if proc.returncode or not tmp.exists():
             result["cases"][name] = {"error": f"exit {proc.returncode}", "case_wall_s": case_wall_s}
             continue
         r = json.loads(tmp.read_text())
         r["case_wall_s"] = case_wall_s
-        if name in (GEMMS, GEMM_TILES):
+        if name in (GEMMS, GEMM_TILES, SMALL_M):
             result["cases"][name] = r
             out.write_text(json.dumps(result, indent=2, default=float))  # after every case: a cut-off run keeps them
             continue

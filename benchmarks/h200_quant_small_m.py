@@ -115,7 +115,7 @@ def sweep(families: list[str], copy_bw_gbps: float, budget_s: float) -> dict:
                 x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
                 row = {"family": family, "layer": layer, "n": n, "k": k, "m": m, "weight_bytes": nbytes,
                        "floor_us": nbytes / copy_bw_gbps / 1e3,
-                       "bf16_cublas_us": quant.graph_us(lambda i: x @ dense[i].T, len(dense)), "us": {}}
+                       "bf16_cublas_us": quant.graph_us(lambda i, x=x, d=dense: x @ d[i].T, len(dense)), "us": {}}
                 for label, plan in candidates(family, m).items():
                     if time.perf_counter() > family_budget and label != "default":
                         skipped += 1
