@@ -9,8 +9,9 @@ scales), "int4_g128" (GPTQ / AWQ, group 128 in order). Candidates (`candidates`)
 (`small_m_plan`), the tensor-core "dot" kernel over a few tiles x K splits 1-8, and the "gemv" kernel
 (M <= 8) over a few tiles x K splits 1-4. Each is timed as CUDA-graph replays over weight copies larger
 than L2 (h200_quant.graph_us), so neither launch cost nor cache hits flatter it. Per row: each
-candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, and "floor_us" = weight bytes
-over the copy bandwidth. Then per family and M the plan with the least total time over the four layers
+candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, fp8's W8A8 path ("w8a8_us":
+activation quantization + _scaled_mm / Triton block GEMM, what fp8_native runs past WEIGHT_ONLY_MAX_M),
+and "floor_us" = weight bytes over the copy bandwidth. Then per family and M the plan with the least total time over the four layers
 ("best_per_bucket": what small_m_plan's tables take), printed and written. Meant to finish in < 3
 minutes on an H200 (compiles dominate: `compile_count` bounds them); `--budget-s` stops adding
 candidates past it, keeping what was measured.
@@ -50,10 +51,11 @@ def candidates(family: str, m: int) -> dict:
     from keel_quantization.small_m_plan import SmallMPlan, _block_m
 
     out: dict = {"default": None}
-    for bn, bk in DOT_TILES[family]:
-        for split in DOT_SPLITS:
-            p = SmallMPlan("dot", _block_m(m), bn, bk, split, num_stages=4 if family != "int4_g128" else None)
-            out[f"dot {p.block_m}x{bn}x{bk} s{split}"] = p
+    stages = 4 if family != "int4_g128" else None
+    for bm in sorted({16, _block_m(m)}):  # M > 16 in M tiles of 16 too: smaller tiles, more programs
+        for bn, bk in DOT_TILES[family]:
+            for split in DOT_SPLITS:
+                out[f"dot {bm}x{bn}x{bk} s{split}"] = SmallMPlan("dot", bm, bn, bk, split, num_stages=stages)
     if m <= GEMV_MAX_M:
         for bn, bk in GEMV_TILES[family]:
             if _pow2(m) * bn * bk > GEMV_MAX_ELEMENTS:
@@ -100,6 +102,15 @@ def _fn(family: str, x: torch.Tensor, weights: list, plan):
     return lambda i: fp8_weight_only_gemm(x, *weights[i], *group, plan=plan)
 
 
+def _w8a8_fn(family: str, x: torch.Tensor, weights: list):
+    from keel_quantization.fp8_native import native_linear
+
+    if family == "fp8_row":
+        return lambda i: native_linear("scaled_mm", x, weights[i][0], weights[i][1].reshape(-1), "dynamic_token",
+                                       None, None, None)
+    return lambda i: native_linear("triton", x, *weights[i], "dynamic_group", (128, 128), None, None)
+
+
 def sweep(families: list[str], copy_bw_gbps: float, budget_s: float) -> dict:
     quant = _sibling("h200_quant")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -116,6 +127,8 @@ def sweep(families: list[str], copy_bw_gbps: float, budget_s: float) -> dict:
                 row = {"family": family, "layer": layer, "n": n, "k": k, "m": m, "weight_bytes": nbytes,
                        "floor_us": nbytes / copy_bw_gbps / 1e3,
                        "bf16_cublas_us": quant.graph_us(lambda i, x=x, d=dense: x @ d[i].T, len(dense)), "us": {}}
+                if family != "int4_g128":  # the W8A8 path fp8_native takes past WEIGHT_ONLY_MAX_M
+                    row["w8a8_us"] = quant.graph_us(_w8a8_fn(family, x, weights), len(weights))
                 for label, plan in candidates(family, m).items():
                     if time.perf_counter() > family_budget and label != "default":
                         skipped += 1
@@ -147,6 +160,7 @@ def best_per_bucket(rows: list[dict]) -> dict:
             out.setdefault(family, {})[str(m)] = {
                 "best": best, "plan": None if plan is None else dataclasses.asdict(plan), "total_us": total[best], "default_total_us": total["default"],
                 "bf16_cublas_total_us": sum(r["bf16_cublas_us"] for r in group), "floor_total_us": floor,
+                "w8a8_total_us": sum(r.get("w8a8_us", float("nan")) for r in group),
                 "best_over_floor": total[best] / floor}
     return out
 

@@ -3,7 +3,8 @@
 y[m, n] = sum over K groups g of (sum_{k in g} x[m, k] * w_q[n, k]) * w_s[n // GROUP_N, g]. A program owns
 BLOCK_N weight rows of one K split and every M row (BLOCK_M >= M): each step loads a [BLOCK_N, BLOCK_K]
 fp8 tile (contiguous along K: wide vector loads), widens it to float32 and multiply-adds it with the
-[BLOCK_M, BLOCK_K] activations; the tile's scale multiplies its float32 row sums. The grid is
+[BLOCK_M, BLOCK_K] activations, scaled per row (the tile lies in one K group); the products sum over K
+once, after the loop. The grid is
 (N / BLOCK_N, splits, M / BLOCK_M) and writes y (one split) or the float32 partials `splitk_reduce` sums.
 Launched through `fp8_triton.fp8_weight_only_gemm` with a "gemv" `SmallMPlan`.
 """
@@ -26,24 +27,37 @@ def _fp8_gemv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M 1: [1], broadcast over K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # products accumulate elementwise and are summed over K once after the loop: no cross-thread
+    # reduction per tile (one M row: a 2-D accumulator)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < k_end
         w = tl.load(b_ptr + offs_n[:, None] * stride_bn + k[None, :] * stride_bk,
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BN, BK]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
         b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + (k0 // GROUP_K) * stride_bsk,
                       mask=mask_n, other=0.0)  # [BN]: the tile lies in one K group
-        acc += part * b_s[None, :]
+        w = w * b_s[:, None]
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + offs_m * stride_xm + k * stride_xk, mask=mask_m & mask_k, other=0.0)  # [BK]
+            acc += w * x.to(tl.float32)[None, :]
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+            acc += x[:, None, :] * w[None, :, :]
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+    else:
+        out = tl.sum(acc, axis=2)  # [BM, BN]
     c_ptr += pid_s * stride_cs
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, out.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])

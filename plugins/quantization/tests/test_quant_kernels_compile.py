@@ -67,8 +67,9 @@ SCRIPT = textwrap.dedent('''
                                                       "BLOCK_K": tiles[2], "DOT_F32": False})
         compile_(int4_triton._int4_gemm_kernel, {**sig, "y_ptr": "*fp32"},
                  {"GROUP": group, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "DOT_F32": False})
-        compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
-                 {"GROUP": group, "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 128})
+        for block_m in (1, 4):  # one row: the 2-D accumulator
+            compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
+                     {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128})
     print("compiled")
 ''')
 
