@@ -126,6 +126,17 @@ def candidates(tokens: int) -> list[MoETileConfig]:
     return sorted(keep, key=lambda c: (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages))
 
 
+def best_pairs(per_gemm: dict[str, dict[MoETileConfig, float]]) -> list[tuple[float, MoETileConfig, MoETileConfig]]:
+    """Per block_m both GEMMs ran with, (summed ms, w13 config, w2 config) of the fastest of each: one call's
+    GEMMs share block_m (the sorted rows are padded once)."""
+    pairs = []
+    for bm in sorted({c.block_m for c in per_gemm["w13"]} & {c.block_m for c in per_gemm["w2"]}):
+        c13 = min((c for c in per_gemm["w13"] if c.block_m == bm), key=per_gemm["w13"].get)
+        c2 = min((c for c in per_gemm["w2"] if c.block_m == bm), key=per_gemm["w2"].get)
+        pairs.append((per_gemm["w13"][c13] + per_gemm["w2"][c2], c13, c2))
+    return pairs
+
+
 class Bench:
     """Inputs of both GEMMs for `layers` distinct weight copies, and graph-timed launches per config."""
 
@@ -232,12 +243,7 @@ def main() -> None:
                 ms = bench.time_ms(g, cfg, inp, ref)
                 if ms is not None:
                     per_gemm[g][cfg] = ms
-        # one block_m for both GEMMs: the best pair
-        pairs = []
-        for bm in sorted({c.block_m for c in per_gemm["w13"]} & {c.block_m for c in per_gemm["w2"]}):
-            c13 = min((c for c in per_gemm["w13"] if c.block_m == bm), key=per_gemm["w13"].get)
-            c2 = min((c for c in per_gemm["w2"] if c.block_m == bm), key=per_gemm["w2"].get)
-            pairs.append((per_gemm["w13"][c13] + per_gemm["w2"][c2], c13, c2))
+        pairs = best_pairs(per_gemm)
         if not pairs:
             print(f"M={tokens}: no config ran; default tiles")
             for g in GEMMS:

@@ -20,12 +20,13 @@ from keel.layers.fused_moe import fused_experts_torch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-COMPILE_SCRIPT = textwrap.dedent('''
+# Shared by the compile scripts: lower one `_fused_moe_kernel` variant of a DeepSeek-V2-Lite GEMM to sm_90.
+COMPILE_PRELUDE = textwrap.dedent('''
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from keel_kernels_triton.fused_moe import grouped_gemm as M, moe_sum as S
-    from keel_kernels_triton.fused_moe.tile_config import default_moe_tile_config
+    from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, default_moe_tile_config
 
     H200_SMEM = 232448  # bytes of shared memory one block may opt into on sm_90
     def compile_(fn, sig, consts, warps=4, stages=3):
@@ -35,7 +36,31 @@ COMPILE_SCRIPT = textwrap.dedent('''
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
-             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K")
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA")
+    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1):
+        c_ty = "fp32" if c.split_k > 1 else ty
+        sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
+               "b_desc": f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
+               "c_ptr": f"*{c_ty}", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
+               "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr",
+               "num_valid_tokens": "i32", "num_m_blocks": "i32"}
+        sig.update({s: "i32" for s in ("stride_am", "stride_ak", "stride_as", "stride_be", "stride_bn",
+                                       "stride_bk", "stride_cm", "stride_cn", "stride_cs")})
+        sig.update({name: "constexpr" for name in names})
+        per_split = -(-k // c.split_k)
+        k_slice = -(-per_split // c.block_k) * c.block_k  # as invoke_fused_moe_kernel
+        consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=not w13,
+                      MUL_ROUTED_WEIGHT=not w13, DOT_PRECISION="ieee" if ty == "fp32" else "tf32",
+                      UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
+                      BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=group_m,
+                      EVEN_K=c.split_k == 1 and k % c.block_k == 0, USE_DOT=c.kernel == "dot",
+                      WEIGHT_TMA=c.weight_tma)
+        if not c.weight_tma:
+            consts["b_desc"] = None
+        compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
+''')
+
+COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
     for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         seen = set()
         for tokens in (1, 16, 64, 256, 4096):  # DeepSeek-V2-Lite: both GEMMs, every heuristic regime
@@ -46,24 +71,9 @@ COMPILE_SCRIPT = textwrap.dedent('''
                 if (c, w13, a_splits) in seen:
                     continue
                 seen.add((c, w13, a_splits))
-                c_ty = "fp32" if c.split_k > 1 else ty
-                sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}", "c_ptr": f"*{c_ty}",
-                       "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
-                       "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr", "num_valid_tokens": "i32",
-                       "num_m_blocks": "i32"}
-                sig.update({s: "i32" for s in ("stride_am", "stride_ak", "stride_as", "stride_be", "stride_bn",
-                                               "stride_bk", "stride_cm", "stride_cn", "stride_cs")})
-                sig.update({name: "constexpr" for name in names})
-                per_split = -(-k // c.split_k)
-                k_slice = -(-per_split // c.block_k) * c.block_k  # as invoke_fused_moe_kernel
-                consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=not w13,
-                              MUL_ROUTED_WEIGHT=not w13, DOT_PRECISION="ieee" if ty == "fp32" else "tf32",
-                              UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
-                              BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=1,
-                              EVEN_K=c.split_k == 1 and k % c.block_k == 0)
-                compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
+                compile_gemm(c, n, k, w13, a_splits, ty)
                 if tokens == 4096 and ty == "bf16":  # prefill sizes: the grouped program order too
-                    compile_(M._jitted(False), sig, {**consts, "GROUP_M": 8}, c.num_warps, c.num_stages)
+                    compile_gemm(c, n, k, w13, a_splits, ty, group_m=8)
         for splits in (1, 4):
             d_ty = "fp32" if splits > 1 else ty
             sum_sig = {"down_ptr": f"*{d_ty}", "out_ptr": f"*{ty}", "residual_ptr": f"*{ty}", "H": "i32",
@@ -76,11 +86,32 @@ COMPILE_SCRIPT = textwrap.dedent('''
     print("compiled")
 ''')
 
+# The decode-size variants (gemv loop, TMA weight tiles, split gemv), as benchmarks/h200_moe_decode_sweep.py
+# times them: the largest tiles of each kind, for both GEMMs (bf16).
+DECODE_COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
+    variants = [MoETileConfig(1, 16, 512, 4, 3, kernel="gemv"), MoETileConfig(8, 16, 128, 8, 3, kernel="gemv"),
+                MoETileConfig(2, 32, 256, 4, 1, kernel="gemv"),
+                MoETileConfig(2, 32, 256, 4, 3, kernel="gemv", weight_tma=True),
+                MoETileConfig(1, 32, 256, 4, 3, split_k=4, kernel="gemv"),
+                MoETileConfig(16, 64, 128, 4, 6, weight_tma=True), MoETileConfig(16, 32, 256, 4, 4, weight_tma=True),
+                MoETileConfig(64, 128, 128, 8, 3, weight_tma=True)]
+    for c in variants:
+        for n, k, w13 in ((2816, 2048, True), (2048, 1408, False)):
+            compile_gemm(c, n, k, w13, c.split_k if not w13 else 1, "bf16")
+    print("compiled")
+''')
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests below run the kernels compiled")
 def test_kernels_compile_for_sm90_within_shared_memory():
     pytest.importorskip("triton.backends.nvidia")
     run_sm90_compile_script(COMPILE_SCRIPT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests below run the kernels compiled")
+def test_decode_variants_compile_for_sm90_within_shared_memory():
+    pytest.importorskip("triton.backends.nvidia")
+    run_sm90_compile_script(DECODE_COMPILE_SCRIPT)
 
 
 def _inputs(tokens, hidden=256, inter=192, experts=64, top_k=6, seed=0, dtype=torch.bfloat16):
@@ -97,8 +128,11 @@ def _inputs(tokens, hidden=256, inter=192, experts=64, top_k=6, seed=0, dtype=to
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
 @pytest.mark.parametrize("cfg", [None, MoETileConfig(16, 32, 256, 4, 5), MoETileConfig(64, 128, 64, 8, 3),
-                                 MoETileConfig(16, 64, 64, 4, 4, split_k=3)],
-                         ids=["default", "m16k256", "m64n128", "small_m_split3"])
+                                 MoETileConfig(16, 64, 64, 4, 4, split_k=3),
+                                 MoETileConfig(1, 32, 256, 4, 3, kernel="gemv"),
+                                 MoETileConfig(2, 32, 256, 4, 3, kernel="gemv", weight_tma=True),
+                                 MoETileConfig(16, 64, 128, 4, 4, weight_tma=True)],
+                         ids=["default", "m16k256", "m64n128", "small_m_split3", "gemv_m1", "gemv_m2_tma", "dot_tma"])
 def test_cuda_bf16_matches_torch(tokens, cfg):
     x, w13, w2, w, ids = _inputs(tokens, seed=tokens)
     ref = fused_experts_torch(x.float(), w13.float(), w2.float(), w, ids)

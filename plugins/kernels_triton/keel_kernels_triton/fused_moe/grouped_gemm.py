@@ -45,6 +45,7 @@ FUSED_ACTIVATIONS = ("silu", "swish")
 def _fused_moe_kernel(
     a_ptr,
     b_ptr,
+    b_desc,  # WEIGHT_TMA: a TMA descriptor over b as [E * N, K] with [BLOCK_N, BLOCK_K] boxes; else None
     c_ptr,
     topk_weights_ptr,
     sorted_token_ids_ptr,
@@ -77,6 +78,8 @@ def _fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # 1: grid (M-blocks, N-blocks); > 1: 1-D grid, groups of GROUP_M M-blocks
     EVEN_K: tl.constexpr,  # K is whole BLOCK_K tiles and not split: the main loop loads without a K mask
+    USE_DOT: tl.constexpr,  # False: the GEMV form, products summed over K on CUDA cores (BLOCK_M may be < 16)
+    WEIGHT_TMA: tl.constexpr,  # weight tiles through b_desc (zero past K) instead of pointer loads
 ):
     # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight), or with
     # SPLIT_K > 1 the same over the K slice of program_id(2), into that slice's float32 partial.
@@ -106,7 +109,10 @@ def _fused_moe_kernel(
     b_ptrs = b_ptr + expert * stride_be + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
     # Only core builtins (tl.full, not tl.zeros / tl.cdiv): the jitted helpers of triton.language.standard
     # are bound to the mode (compiled or interpreted) triton was first imported in, which may not be ours.
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    else:  # per (row, k, n) partial sums, reduced over k once after the loop: no shuffles in the loop
+        acc3 = tl.full((BLOCK_M, BLOCK_K, BLOCK_N), 0.0, dtype=tl.float32)
     for k in range((K_SLICE + BLOCK_K - 1) // BLOCK_K):
         k_left = K - k_start - k * BLOCK_K  # <= 0 past K: the tile is all masked
         if EVEN_K:
@@ -134,16 +140,26 @@ def _fused_moe_kernel(
             a = (act * up).to(b_ptr.dtype.element_ty)
         else:
             a = gate.to(b_ptr.dtype.element_ty)
-        if EVEN_K:
+        if WEIGHT_TMA:
+            # rows of the next expert fill a ragged last N-block; its columns are never stored
+            b = tl.trans(b_desc.load([(expert * N).to(tl.int32) + pid_n * BLOCK_N, k_start + k * BLOCK_K]))
+        elif EVEN_K:
             b = tl.load(b_ptrs, mask=offs_n[None, :] < N, other=0.0)
         else:
             b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+        if not USE_DOT:  # exact float32 products of 16-bit operands, float32 sums (as the dot accumulates)
+            acc3 += a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        else:
+            if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if not USE_DOT:
+        # tl.reduce with standard's combine, not tl.sum (a jitted helper bound to the mode triton was first
+        # imported in; see routing.py)
+        acc = tl.reduce(acc3, 1, tl.standard._sum_combine)  # [BLOCK_M, BLOCK_N]
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + tl.where(token_mask, offs_token, 0), mask=token_mask, other=0.0)
         acc = acc * w[:, None]
@@ -207,8 +223,9 @@ def invoke_fused_moe_kernel(
     k_slice = -(-per_split // config.block_k) * config.block_k  # whole BLOCK_K tiles per slice
     grid_n = -(-n // config.block_n)
     grid = (grid_m, grid_n, split) if config.group_m == 1 else (grid_m * grid_n, 1, split)
+    b_desc = _weight_descriptor(b, config) if config.weight_tma else None
     kernel[grid](
-        a, b, c, topk_weights if topk_weights is not None else c2, sorted_ids, expert_ids, total,
+        a, b, b_desc, c, topk_weights if topk_weights is not None else c2, sorted_ids, expert_ids, total,
         n, k, rows, grid_m,
         a2.stride(0), a2.stride(1), a.stride(0) if a.dim() == 3 else 0,
         b.stride(0), b.stride(1), b.stride(2),
@@ -227,9 +244,20 @@ def invoke_fused_moe_kernel(
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         EVEN_K=(split == 1 and k % config.block_k == 0) if even_k is None else even_k,
+        USE_DOT=config.kernel == "dot",
+        WEIGHT_TMA=config.weight_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _weight_descriptor(b: torch.Tensor, config: MoETileConfig) -> Any:  # b: [E, N, K], K contiguous
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
+
+    e, n, k = b.shape
+    if b.stride(2) != 1 or b.stride(0) != n * b.stride(1):
+        raise ValueError(f"weight TMA needs [E, N, K] weights with rows packed, got strides {b.stride()}")
+    return TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [config.block_n, config.block_k])
 
 
 def fused_experts_triton(

@@ -43,6 +43,11 @@ _JSON_KEYS = {"block_m": "BLOCK_SIZE_M", "block_n": "BLOCK_SIZE_N", "block_k": "
 _SPLIT_KEY = "SPLIT_K"  # optional: absent means the small-M rule decides
 _GROUP_KEY = "GROUP_SIZE_M"  # optional (vLLM's key): absent means 1, M-blocks fastest over a 2-D grid
 _FUSED_ACT_KEY = "FUSED_ACT"  # optional, w2 files: false runs silu_and_mul as its own kernel first
+_KERNEL_KEY = "KERNEL"  # optional: the main loop's form, one of KERNELS; absent means "dot"
+_WEIGHT_TMA_KEY = "WEIGHT_TMA"  # optional: true loads weight tiles through a Hopper TMA descriptor
+# "dot": tensor-core tiles (BLOCK_M >= 16); "gemv": rows times weight tiles summed over K on CUDA cores,
+# for 1-2 rows per expert, where BLOCK_M 1-8 pads no rows and many short-N programs stream the weights.
+KERNELS = ("dot", "gemv")
 # Steps of at most this many tokens take the small-M (split-K) path unless a tuned entry says otherwise:
 # at top-6 of 64 experts a 16-token step still leaves most experts with one or two rows.
 SMALL_M_MAX_TOKENS = 16
@@ -62,7 +67,9 @@ class MoETileConfig:
     grid with M-blocks fastest reads the activations once per N-block). `fused_act` (w2 GEMMs): False runs
     the gated activation as its own kernel first -- at prefill sizes the A-load activation recomputes
     silu once per N-block and halves the main loop's rate (H200, DSV2-Lite, 8192 tokens: 1.80 ms fused vs
-    0.69 + 0.18 ms, `benchmarks/h200_moe_prefill.py`)."""
+    0.69 + 0.18 ms, `benchmarks/h200_moe_prefill.py`). `kernel` "gemv" (KERNELS) runs the main loop without
+    tensor cores, so `block_m` may be 1-16 (decode: one or two rows per expert). `weight_tma`: weight tiles
+    come through a TMA descriptor (Hopper and newer; block_n and block_k of at most 256)."""
 
     block_m: int
     block_n: int
@@ -72,14 +79,23 @@ class MoETileConfig:
     split_k: int | None = 1
     group_m: int = 1
     fused_act: bool = True
+    kernel: str = "dot"
+    weight_tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise MoETileConfigError(f"{name} must be a positive power of two, got {v!r}")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
+        if self.kernel not in KERNELS:
+            raise MoETileConfigError(f"kernel ({_KERNEL_KEY}) must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "dot" and (self.block_m < 16 or self.block_n < 16 or self.block_k < 16):
             raise MoETileConfigError(f"tl.dot needs tiles of at least 16, got {self}")
+        if self.kernel == "gemv" and (self.block_m > 16 or self.block_n < 16 or self.block_k < 16):
+            raise MoETileConfigError(f"gemv tiles take block_m <= 16 and block_n, block_k >= 16, got {self}")
+        if not isinstance(self.weight_tma, bool) or (self.weight_tma and max(self.block_n, self.block_k) > 256):
+            raise MoETileConfigError(f"weight_tma ({_WEIGHT_TMA_KEY}) must be a bool and TMA boxes at most 256 "
+                                     f"wide, got {self}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise MoETileConfigError(f"num_stages must be a positive int, got {self.num_stages!r}")
         if self.split_k is not None and (not isinstance(self.split_k, int) or not 1 <= self.split_k <= 64):
@@ -97,6 +113,10 @@ class MoETileConfig:
             body[_GROUP_KEY] = self.group_m
         if not self.fused_act:
             body[_FUSED_ACT_KEY] = False
+        if self.kernel != "dot":
+            body[_KERNEL_KEY] = self.kernel
+        if self.weight_tma:
+            body[_WEIGHT_TMA_KEY] = True
         return body
 
     @classmethod
@@ -104,11 +124,13 @@ class MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY})
+        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY}
+        unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - optional)
         if unknown:
             raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
         return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY),
-                   group_m=entry.get(_GROUP_KEY, 1), fused_act=entry.get(_FUSED_ACT_KEY, True))
+                   group_m=entry.get(_GROUP_KEY, 1), fused_act=entry.get(_FUSED_ACT_KEY, True),
+                   kernel=entry.get(_KERNEL_KEY, "dot"), weight_tma=entry.get(_WEIGHT_TMA_KEY, False))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
@@ -144,7 +166,15 @@ def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path,
     for d in dirs:
         if (d / name).is_file():
             return read_tile_config_file(d / name)
-    return {}
+    # No file for this expert count (e.g. shared experts fused into the routed GEMM as extra experts): the
+    # same GEMM shape tuned for the nearest expert count -- tiles depend on rows per expert and N, K.
+    near = []
+    for d in dirs:
+        for path in d.glob(config_file_name(0, n, k, device_name).replace("E=0,", "E=*,", 1)):
+            e = path.name.split(",", 1)[0].removeprefix("E=")
+            if e.isdigit():
+                near.append((abs(int(e) - num_experts), int(e), path))
+    return read_tile_config_file(min(near)[2]) if near else {}
 
 
 def pick_for_tokens(configs: dict[int, MoETileConfig], num_tokens: int) -> MoETileConfig:
@@ -238,8 +268,8 @@ def get_moe_tile_configs(
     e, n13, k13 = w13_shape
     c13 = get_moe_tile_config(num_tokens, e, n13, k13, top_k, dtype, device, interpret)
     c2 = get_moe_tile_config(num_tokens, e, w2_shape[1], w2_shape[2], top_k, dtype, device, interpret)
-    if c2.block_m != c13.block_m:
-        c2 = dataclasses.replace(c2, block_m=c13.block_m)
+    if c2.block_m != c13.block_m:  # below 16 rows only the gemv loop runs
+        c2 = dataclasses.replace(c2, block_m=c13.block_m, kernel="gemv" if c13.block_m < 16 else c2.kernel)
     return c13, c2
 
 
