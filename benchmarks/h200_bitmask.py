@@ -13,8 +13,11 @@ On one device (Llama-3-8B shape, vocab 128256, bf16, random weights):
      (`constrained_step_ms`: each step is launched before the previous one's tokens are on the host; the
      bitmask is filled while the forward runs), and the former path for comparison (a constrained
      request skips the step after each of its tokens: `every_other_step`). `overhead_fraction` =
-     constrained / plain - 1 per step in which every request advances one token (target < 5%). Also the
-     engine's own host fill time per step and how long the runner waited for it before sampling. The
+     constrained / plain - 1 per step in which every request advances one token (target < 5%). Each run
+     has a `breakdown` (benchmarks/bitmask_timeline.py: the engine loop's parts, when the fill starts
+     after its step's launch, how long the fill thread waits for the GIL to wake, the fill job and the
+     library's batch fill in it, how long sampling waited); `constrained_default_switch_interval` is the
+     constrained run at CPython's default 5 ms GIL switch interval (the engine lowers it). The
      grammar library sees a synthetic vocabulary of the model's size (the engine's tokenizer is a small
      local one; xgrammar's fill cost depends on the vocabulary size and the grammar state);
   2. device_ms: what a constrained step adds on the device -- the bitmask's host-to-device copy from
@@ -36,6 +39,7 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -87,24 +91,15 @@ def _use_synthetic_vocabulary(vocab: int) -> None:
     backend.XGrammarBackend.__init__ = init
 
 
-def _timed(store: list[float], fn):
-    def wrapped(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            store.append((time.perf_counter() - t) * 1e3)
-    return wrapped
-
-
 def engine_steps(ns, device: str) -> dict:
     """ms per decode step of one engine at `batch` requests, none vs every one JSON-schema constrained."""
+    from bitmask_timeline import StepTimeline  # benchmarks/ is on sys.path when this script runs
+
     from keel.bench import random_prompts
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
     from keel.engine.output_processor import RequestOutputKind
     from keel.engine.sampling_params import SamplingParams
-    from keel.structured_output.manager import GrammarBitmask
 
     model_dir, vocab = _model_dir(ns)
     _use_synthetic_vocabulary(vocab)
@@ -117,12 +112,7 @@ def engine_steps(ns, device: str) -> dict:
         max_num_seqs=ns.batch, max_num_batched_tokens=8192, seed=0,
         **({} if device == "cpu" else {"gpu_memory_utilization": 0.6})))
     core = engine.core
-    manager = core.scheduler.structured_output
-    fills: list[float] = []
-    waits: list[float] = []
-    manager._fill_rows = _timed(fills, manager._fill_rows)  # the engine's fills, on its fill thread
-    result_fn = GrammarBitmask.result
-    GrammarBitmask.result = _timed(waits, result_fn)  # the runner's wait for a bitmask before sampling
+    timeline = StepTimeline().attach(engine)  # the step's breakdown: main thread, fill thread, runner
     counter = iter(range(1 << 30))
 
     def run(constrained: bool, seed: int) -> dict:
@@ -147,8 +137,7 @@ def engine_steps(ns, device: str) -> dict:
         for _ in range(ns.warm_steps):
             step()
         running = sum(1 for r in ids if r in core.scheduler.requests)
-        fills.clear()
-        waits.clear()
+        timeline.clear()
         t = time.perf_counter()
         new = sum(step() for _ in range(ns.steps))
         elapsed_ms = (time.perf_counter() - t) * 1e3
@@ -158,24 +147,32 @@ def engine_steps(ns, device: str) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
         tokens_per_step = new / ns.steps
+        breakdown = timeline.summary()
         return {"ms_per_step": elapsed_ms / ns.steps, "tokens_per_step": tokens_per_step,
                 # the time in which every running request advances by one token
                 "ms_per_token_step": elapsed_ms / ns.steps * running / max(tokens_per_step, 1e-9),
                 "running_at_start": running, "finished_during": finished,
-                "host_fill_ms": statistics.median(fills) if fills else None,
-                "runner_wait_ms": statistics.median(waits) if waits else None}
+                "switch_interval_ms": sys.getswitchinterval() * 1e3, "breakdown": breakdown,
+                # the fill thread's whole job per step, and how long sampling waited for it
+                "host_fill_ms": breakdown.get("fill_job_ms"), "runner_wait_ms": breakdown.get("runner_wait_ms")}
 
     out = {"plain": run(False, 1)}
     out["constrained"] = run(True, 2)
+    engine_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # CPython's default: how long the fill thread may wait for the GIL
+    out["constrained_default_switch_interval"] = run(True, 4)
+    sys.setswitchinterval(engine_interval)
     core.scheduler.constrained_in_flight = False  # the former path: skip the step after each token
     out["every_other_step"] = run(True, 3)
     core.scheduler.constrained_in_flight = True
-    GrammarBitmask.result = result_fn
+    timeline.detach()
     engine.shutdown()
     plain = out["plain"]["ms_per_token_step"]
     out["plain_step_ms"] = plain
     out["constrained_step_ms"] = out["constrained"]["ms_per_token_step"]
     out["overhead_fraction"] = out["constrained_step_ms"] / plain - 1
+    out["default_switch_interval_overhead_fraction"] = (
+        out["constrained_default_switch_interval"]["ms_per_token_step"] / plain - 1)
     out["every_other_step_overhead_fraction"] = out["every_other_step"]["ms_per_token_step"] / plain - 1
     return out
 
@@ -331,6 +328,9 @@ def main() -> None:
           f"{eng['constrained_step_ms']:.3f} ms ({100 * eng['overhead_fraction']:+.2f}%, target < 5%); the "
           f"every-other-step path {100 * eng['every_other_step_overhead_fraction']:+.2f}%; device cost alone "
           f"{100 * result['device_fraction']:.2f}% of the plain step", flush=True)
+    parts = eng["constrained"]["breakdown"]
+    print("constrained step breakdown (median ms): " + ", ".join(
+        f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms")), flush=True)
     print(json.dumps(result, indent=2))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_llama8b import _events_ms  # noqa: E402  (graph-replay timing: CUDA events, median)
-from h200_moe_tiles import copy_bandwidth_GBps  # noqa: E402
+from h200_llama8b import _events_ms
+from h200_moe_tiles import copy_bandwidth_GBps
 
 CAPTURE_MAX_SEQ = 4096
 BLOCK = 16

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_llama8b import _events_ms as _cuda_events_ms  # noqa: E402  (CUDA events, median of 20)
+from h200_llama8b import _events_ms as _cuda_events_ms
 
 E, H, INTER, TOP_K = 64, 2048, 1408, 6
 

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import h200_vs_vllm as vs  # noqa: E402  (shapes, limits, config writer)
-from h200_dsv2lite import _guarded, profile_kernels  # noqa: E402
+import h200_vs_vllm as vs
+from h200_dsv2lite import _guarded, profile_kernels
 
 
 def make_engine(model_dir: str, dummy: bool):

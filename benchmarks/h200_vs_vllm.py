@@ -246,15 +246,15 @@ def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose
 
         llm = LLM(model=model_dir, dtype="bfloat16", load_format=load_format, skip_tokenizer_init=True, seed=0,
                   **LIMITS)
-        wrap = lambda ids: TokensPrompt(prompt_token_ids=ids)  # noqa: E731
-        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)  # noqa: E731
+        wrap = lambda ids: TokensPrompt(prompt_token_ids=ids)
+        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
     else:
         from keel import LLM, SamplingParams
 
         llm = LLM(model=model_dir, profile=os.environ.get("KEEL_PROFILE", "cuda"), dtype="bfloat16",
                   load_format=load_format, skip_tokenizer_init=True, seed=0, **LIMITS)
-        wrap = lambda ids: {"prompt_token_ids": ids}  # noqa: E731
-        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+        wrap = lambda ids: {"prompt_token_ids": ids}
+        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     init_s = time.perf_counter() - t0
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
     lazy = LazyWork(llm) if diagnose and engine == "keel" else None

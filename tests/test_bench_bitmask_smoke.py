@@ -22,11 +22,16 @@ def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
                    capture_output=True, text=True)
     result = json.loads(out.read_text())
     engine = result["engine"]
-    for run in ("plain", "constrained", "every_other_step"):
+    for run in ("plain", "constrained", "constrained_default_switch_interval", "every_other_step"):
         assert engine[run]["ms_per_step"] > 0 and engine[run]["running_at_start"] == result["batch"]
     # Constrained requests advance every step; the former path skips the step after each token.
     assert engine["constrained"]["tokens_per_step"] == result["batch"]
     assert engine["every_other_step"]["tokens_per_step"] < result["batch"]
     assert engine["constrained"]["host_fill_ms"] is not None and engine["plain"]["host_fill_ms"] is None
+    # The breakdown the GPU run reports: main thread, fill thread, runner.
+    parts = engine["constrained"]["breakdown"]
+    for key in ("schedule_ms", "launch_ms", "tokens_wait_ms", "apply_ms", "advance_ms", "output_ms",
+                "start_after_launch_ms", "wake_ms", "fill_job_ms", "batch_fill_ms", "runner_wait_ms"):
+        assert parts[key] >= 0 or key == "start_after_launch_ms", key
     for key in ("overhead_fraction", "device_ms_torch_reference", "host_fill_ms", "decode_step_ms"):
         assert key in result or key in engine

@@ -266,3 +266,21 @@ def test_drafts_are_cut_to_the_grammar_and_every_verify_row_is_masked():
     assert allowed_rows(so) == [("c", {EOS}), ("c", None)]  # past the grammar's end: unconstrained
     outs = s.update_from_output(so, ModelRunnerOutput(req_ids=["c"], sampled_token_ids=[[EOS, 11]]))
     assert outs[0].new_token_ids == [EOS] and outs[0].finish_reason == "stop"  # nothing after the end
+
+
+def test_the_manager_lowers_the_gil_switch_interval_while_it_lives():
+    """The fill thread must not wait CPython's default 5 ms for the GIL each time it wakes or its batch
+    fill returns while the engine loop runs Python; shutdown restores the process's setting."""
+    import sys
+
+    from keel.structured_output.manager import FILL_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        manager = StructuredOutputManager(lambda: FakeBackend, lambda: BackendContext(None, VOCAB, EOS), VOCAB)
+        assert sys.getswitchinterval() == pytest.approx(FILL_SWITCH_INTERVAL_S)
+        manager.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)

@@ -1,0 +1,205 @@
+"""Where a constrained decode step's host time goes: instrumentation for benchmarks/h200_bitmask.py.
+
+`StepTimeline.attach(engine)` wraps (on the instances, nothing in the library changes) the engine loop's
+parts and the structured-output manager's fill, and records per step:
+
+- main thread (the engine loop, holding the GIL while it runs Python): `schedule_ms`, `launch_ms`
+  (execute_model_async: prepare inputs, launch the forward; waits first for the previous step's fill if
+  its sampling is still pending), `tokens_wait_ms` (get_output: the previous step's tokens),
+  `apply_ms` (update_from_output, of which `advance_ms` feeds the committed tokens to the grammars),
+  `output_ms` (LLMEngine.step around the core step: output processing);
+- the fill thread: `start_after_launch_ms` (when the fill was started, from the launch of its step),
+  `wake_ms` (started -> running on the fill thread: the thread waits for the GIL), `fill_job_ms` (the
+  whole job), `batch_fill_ms` (the library's batch fill call inside it, GIL released; returning needs
+  the GIL again), `fill_end_after_launch_ms`;
+- the runner: `runner_wait_ms` (how long sampling waited for the bitmask) and
+  `wait_begin_after_launch_ms`.
+
+`summary()` gives the median of each over the recorded steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+
+def _now_ms() -> float:
+    return time.perf_counter() * 1e3
+
+
+class StepTimeline:
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = defaultdict(list)
+        self._marks: dict[int, dict[str, float]] = {}  # id(GrammarBitmask) -> timestamps (ms)
+        self._restore: list = []
+        self._plans: list = []
+
+    def clear(self) -> None:
+        self.samples.clear()
+        self._marks.clear()
+        self._plans.clear()
+
+    def _add(self, name: str, value: float) -> None:
+        self.samples[name].append(value)
+
+    def _mark(self, plan, name: str) -> None:
+        self._marks.setdefault(id(plan), {})[name] = _now_ms()
+
+    def _wrap(self, obj, attr: str, make) -> None:
+        original = getattr(obj, attr)
+        setattr(obj, attr, make(original))
+        self._restore.append((obj, attr, original))
+
+    @staticmethod
+    def _timer(record):
+        """A wrapper maker: each call's wall time (ms) goes to `record`."""
+        def make(fn):
+            def wrapped(*args, **kwargs):
+                t = _now_ms()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    record(_now_ms() - t)
+            return wrapped
+        return make
+
+    def _timed(self, name: str):
+        return self._timer(lambda ms: self._add(name, ms))
+
+    def attach(self, engine) -> StepTimeline:
+        from keel.structured_output.manager import GrammarBitmask
+
+        core = engine.core
+        scheduler, manager = core.scheduler, core.scheduler.structured_output
+        self._wrap(scheduler, "schedule", self._timed("schedule_ms"))
+        self._wrap(scheduler, "update_from_output", self._timed("apply_ms"))
+        self._wrap_advance(scheduler)
+        self._wrap_launch(core.executor)
+        self._wrap_output(engine)
+        self._wrap_plans(manager)
+        self._wrap_handle(GrammarBitmask)
+        return self
+
+    def _wrap_nested(self, outer, outer_attr: str, inner, inner_attr: str, report) -> None:
+        """Time every `inner` call made during one `outer` call; `report(outer_ms, [inner_ms, ...])`."""
+        inner_ms: list[float] = []
+
+        def make_outer(fn):
+            def wrapped(*args, **kwargs):
+                inner_ms.clear()
+                t = _now_ms()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    report(_now_ms() - t, list(inner_ms))
+            return wrapped
+        self._wrap(inner, inner_attr, self._timer(inner_ms.append))
+        self._wrap(outer, outer_attr, make_outer)
+
+    def _wrap_advance(self, scheduler) -> None:
+        """advance_ms: the grammar accepts of one update_from_output, summed."""
+        def report(_, inner: list[float]) -> None:
+            if inner:
+                self._add("advance_ms", sum(inner))
+        self._wrap_nested(scheduler, "update_from_output", scheduler, "_advance_grammar", report)
+
+    def _wrap_launch(self, executor) -> None:
+        def make(fn):
+            def wrapped(scheduler_output):
+                t = _now_ms()
+                pending = fn(scheduler_output)
+                end = _now_ms()
+                self._add("launch_ms", end - t)
+                if scheduler_output.grammar_bitmask is not None:
+                    self._marks.setdefault(id(scheduler_output.grammar_bitmask), {})["launch"] = end
+                    self._plans.append(scheduler_output.grammar_bitmask)
+                get_output = pending.get_output
+
+                def timed_get_output():
+                    t0 = _now_ms()
+                    try:
+                        return get_output()
+                    finally:
+                        self._add("tokens_wait_ms", _now_ms() - t0)
+                pending.get_output = timed_get_output
+                return pending
+            return wrapped
+        self._wrap(executor, "execute_model_async", make)
+
+    def _wrap_output(self, engine) -> None:
+        """engine_step_ms, and output_ms: LLMEngine.step less the engine core's step in it."""
+        def report(total: float, inner: list[float]) -> None:
+            self._add("engine_step_ms", total)
+            self._add("output_ms", total - sum(inner))
+        self._wrap_nested(engine, "step", engine.core, "step", report)
+
+    def _wrap_plans(self, manager) -> None:
+        """Each planned bitmask's fill job, timed on the fill thread; the backend's batch fill inside it."""
+        def make_plan(fn):
+            def wrapped(*args, **kwargs):
+                plan = fn(*args, **kwargs)
+                fill = plan._fill
+
+                def timed_fill():
+                    self._mark(plan, "fill_begin")
+                    try:
+                        return fill()
+                    finally:
+                        self._mark(plan, "fill_end")
+                plan._fill = timed_fill
+                return plan
+            return wrapped
+        self._wrap(manager, "plan_bitmask", make_plan)
+        backend = manager._get_backend()
+        if hasattr(backend, "fill_bitmasks"):
+            self._wrap(backend, "fill_bitmasks", self._timed("batch_fill_ms"))
+
+    def _wrap_handle(self, cls) -> None:
+        def make_start(fn):
+            def wrapped(plan):
+                if plan._fill is not None and plan._future is None:
+                    self._mark(plan, "start")
+                return fn(plan)
+            return wrapped
+
+        def make_result(fn):
+            def wrapped(plan):
+                if plan.done():
+                    return fn(plan)
+                self._mark(plan, "wait_begin")
+                try:
+                    return fn(plan)
+                finally:
+                    self._mark(plan, "wait_end")
+            return wrapped
+        self._wrap(cls, "start", make_start)
+        self._wrap(cls, "result", make_result)
+
+    def detach(self) -> None:
+        for obj, attr, original in reversed(self._restore):
+            setattr(obj, attr, original)
+        self._restore.clear()
+
+    def summary(self) -> dict[str, float | None]:
+        derived: dict[str, list[float]] = defaultdict(list)
+        for plan in self._plans:
+            m = self._marks.get(id(plan), {})
+            launch = m.get("launch")
+            if launch is None:
+                continue
+            if "start" in m:
+                derived["start_after_launch_ms"].append(m["start"] - launch)
+                if "fill_begin" in m:
+                    derived["wake_ms"].append(m["fill_begin"] - m["start"])
+            if "fill_begin" in m and "fill_end" in m:
+                derived["fill_job_ms"].append(m["fill_end"] - m["fill_begin"])
+                derived["fill_end_after_launch_ms"].append(m["fill_end"] - launch)
+            wait = m.get("wait_end", 0.0) - m.get("wait_begin", 0.0)
+            derived["runner_wait_ms"].append(wait)
+            if "wait_begin" in m:
+                derived["wait_begin_after_launch_ms"].append(m["wait_begin"] - launch)
+        out = {name: statistics.median(values) for name, values in {**self.samples, **derived}.items() if values}
+        out["steps_with_bitmask"] = len(self._plans)
+        return out
