@@ -55,7 +55,9 @@ def test_generate_streams_deltas_from_the_core_thread(model_dir):
 
 
 def test_slow_consumer_gets_merged_deltas(model_dir):
-    engine, _core = scripted(model_dir)
+    # Steps of 10 ms: the first delta is read before the core has run all six (at 0 ms a loaded machine
+    # let the core finish first, and the first output held every token); all are done within the sleep.
+    engine, _core = scripted(model_dir, step_time=0.01)
 
     async def run():
         gen = engine.generate("Hello", SamplingParams(max_tokens=6), "a", output_kind=RequestOutputKind.DELTA)
