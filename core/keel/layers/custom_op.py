@@ -33,9 +33,14 @@ the native layers):
         nope part is neither read nor copied. cos/sin_cache: [cache_len, R] float32 (halves repeated).
     silu_and_mul(x) -> out
         x: [..., 2 * d]; out: [..., d] = silu(x[..., :d]) * x[..., d:].
+    router_gemm(x, weight) -> router_logits
+        A MoE router gate (e.g. DeepSeek's `MoEGate`): x [n, H] any float; weight [E, H] float32; logits
+        [n, E] float32 = `F.linear(x.float(), weight)` with float32 products and sums (no TF32), in any
+        summation order. No host sync.
     select_experts(router_logits, routing, e_score_correction_bias) -> (topk_weights, topk_ids)
         `keel.layers.fused_moe.router.select_experts`: router_logits [n, E] float; routing a RoutingConfig;
-        bias [E] or None; weights [n, top_k] float32, ids [n, top_k] int32 or int64. Exactly tied scores
+        bias [E] or None; weights [n, R] float32, ids [n, R] int32 or int64 with R = routing.num_routes
+        (top_k, then the fused shared experts: ids E .. E + S - 1, weight 1.0). Exactly tied scores
         may pick another (equally valid) expert. Must not sync the host (decode steps are graph-captured).
     fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, residual) -> out
         `keel.layers.fused_moe.torch_ref.fused_experts_torch` (+ residual when not None): hidden [n, H];
@@ -63,7 +68,7 @@ import torch
 logger = logging.getLogger("keel.custom_op")
 
 CUSTOM_OP_NAMES: tuple[str, ...] = (
-    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "silu_and_mul", "select_experts",
+    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "silu_and_mul", "router_gemm", "select_experts",
     "fused_experts", "apply_token_bitmask",
 )
 

@@ -1,5 +1,5 @@
 """keel plugin `kernels-triton`: fused Triton kernels registered under the `custom_op` kind -- the
-elementwise ops of norms, rope and activations, the fused MoE (routing, alignment, grouped GEMMs) and the
+elementwise ops of norms, rope and activations, the fused MoE (router logits, routing, alignment, grouped GEMMs) and the
 structured-output token bitmask.
 
 Only the manifest lives here; discovery imports this module, so it must not import torch or triton.
@@ -26,12 +26,13 @@ def manifest() -> PluginManifest:
                 "rotary_embedding": f"{_OPS}:TritonRotaryEmbedding",
                 "mla_rope": f"{_OPS}:TritonMLARope",
                 "silu_and_mul": f"{_OPS}:TritonSiluAndMul",
+                "router_gemm": f"{_MOE_OPS}:TritonRouterGemm",
                 "select_experts": f"{_MOE_OPS}:TritonSelectExperts",
                 "fused_experts": f"{_MOE_OPS}:TritonFusedExperts",
                 "apply_token_bitmask": "keel_kernels_triton.token_bitmask:TritonApplyTokenBitmask",
             }
         },
         description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, MLA's q/k rope, "
-                    "SiluAndMul; MoE routing and fused experts (grouped GEMMs with tuned tiles); the "
+                    "SiluAndMul; MoE router logits, routing and fused experts (grouped GEMMs with tuned tiles); the "
                     "structured-output token bitmask.",
     )

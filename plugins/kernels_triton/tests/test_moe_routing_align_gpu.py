@@ -20,7 +20,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from keel_kernels_triton.fused_moe import align as A, routing as R
+    from keel_kernels_triton.fused_moe import align as A, router_gemm as G, routing as R
 
     def compile_(fn, sig, consts):
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
@@ -28,17 +28,25 @@ COMPILE_SCRIPT = textwrap.dedent('''
 
     route = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
              "stride_logits": "i32", "routed_scaling_factor": "fp32"}
-    route.update({k: "constexpr" for k in ("GROUP_SIZE", "NUM_GROUPS", "TOPK_GROUP", "TOP_K", "SOFTMAX",
-                                           "HAS_BIAS", "GROUPED", "RENORMALIZE", "BLOCK_G", "BLOCK_EG", "BLOCK_K")})
-    variants = [  # V2-Lite greedy, V2 group-limited (non-power-of-2 groups), V3 noaux_tc
-        (64, 1, 1, 6, True, False, False, False, 1, 64, 8),
-        (15, 4, 2, 6, True, False, True, True, 4, 16, 8),
-        (32, 8, 4, 8, False, True, True, True, 8, 32, 8),
+    names = ("GROUP_SIZE", "NUM_GROUPS", "TOPK_GROUP", "TOP_K", "SOFTMAX", "HAS_BIAS", "GROUPED", "RENORMALIZE",
+             "NUM_SHARED", "BLOCK_G", "BLOCK_EG", "BLOCK_K")
+    route.update({k: "constexpr" for k in names})
+    variants = [  # V2-Lite greedy (+ its 2 fused shared experts), V2 group-limited (non-power-of-2 groups),
+        # V3 noaux_tc (+ 1 fused shared expert)
+        (64, 1, 1, 6, True, False, False, False, 0, 1, 64, 8),
+        (64, 1, 1, 6, True, False, False, False, 2, 1, 64, 8),
+        (15, 4, 2, 6, True, False, True, True, 0, 4, 16, 8),
+        (32, 8, 4, 8, False, True, True, True, 1, 8, 32, 8),
     ]
     for v in variants:
-        consts = dict(zip(("GROUP_SIZE", "NUM_GROUPS", "TOPK_GROUP", "TOP_K", "SOFTMAX", "HAS_BIAS", "GROUPED",
-                           "RENORMALIZE", "BLOCK_G", "BLOCK_EG", "BLOCK_K"), v))
-        compile_(R._jitted(False), route, consts)
+        compile_(R._jitted(False), route, dict(zip(names, v)))
+    gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "num_tokens": "i32", "stride_x": "i32"}
+    gemm.update({k: "constexpr" for k in ("E", "K", "USE_DOT", "BLOCK_T", "BLOCK_E", "BLOCK_K")})
+    for tokens, experts, k in ((1, 64, 2048), (8, 64, 2048), (256, 64, 2048), (8192, 64, 2048), (4, 256, 7168),
+                               (300, 256, 7168)):
+        launch = G.router_gemm_launch(tokens, experts, k)
+        launch.pop("num_warps")
+        compile_(G._jitted(False), gemm, {"E": experts, "K": k, **launch})
     for ids_ty in ("*i32", "*i64"):
         align = {"ids_ptr": ids_ty, "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "total_ptr": "*i32",
                  "num_pairs": "i32", "max_padded": "i32", "NUM_EXPERTS": "constexpr", "BLOCK_M": "constexpr",

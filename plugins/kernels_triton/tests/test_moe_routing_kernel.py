@@ -160,3 +160,27 @@ def test_bound_layer_routes_with_the_kernel(interpret, monkeypatch):
     assert bind_moe_ops(layer) == {"select_experts": 1, "fused_experts": 1}
     torch.testing.assert_close(layer(x, logits, bias), ref, atol=1e-5, rtol=1e-5)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("cfg,with_bias", [
+    (RoutingConfig(num_experts=64, top_k=6, num_fused_shared_experts=2, routed_scaling_factor=1.5), False),
+    (RoutingConfig(num_experts=60, top_k=4, num_fused_shared_experts=3, use_grouped_topk=True, num_expert_group=4,
+                   topk_group=2, renormalize=True, routed_scaling_factor=16.0), False),
+    (RoutingConfig(num_experts=32, top_k=8, num_fused_shared_experts=1, scoring_func="sigmoid",
+                   use_grouped_topk=True, num_expert_group=8, topk_group=4, renormalize=True,
+                   routed_scaling_factor=2.5), True),  # V3's one shared expert
+], ids=["v2-greedy", "v2-grouped", "v3"])
+def test_fused_shared_experts_are_appended_with_weight_one(interpret, cfg, with_bias):
+    for tokens in (1, 5):
+        _check(cfg, tokens, seed=tokens + cfg.num_fused_shared_experts, with_bias=with_bias)
+    logits = torch.randn(3, cfg.num_experts)
+    bias = torch.randn(cfg.num_experts) * 0.3 if with_bias else None
+    poisoned = (torch.full((3, cfg.num_routes), float("nan")), torch.full((3, cfg.num_routes), -7, dtype=torch.int32))
+    w, ids = select_experts_triton(logits, cfg, bias, out=poisoned)
+    shared = torch.arange(cfg.num_experts, cfg.num_experts + cfg.num_fused_shared_experts)
+    assert torch.equal(ids[:, cfg.top_k:].long(), shared.expand(3, -1))
+    assert torch.equal(w[:, cfg.top_k:], torch.ones(3, cfg.num_fused_shared_experts))  # not scaled
+    routed = RoutingConfig(**{**cfg.__dict__, "num_fused_shared_experts": 0})
+    ref_w, ref_ids = select_experts(logits, routed, bias)
+    assert torch.equal(ids[:, :cfg.top_k].long(), ref_ids)
+    torch.testing.assert_close(w[:, :cfg.top_k], ref_w, atol=1e-6, rtol=1e-6)

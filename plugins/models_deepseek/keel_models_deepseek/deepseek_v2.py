@@ -2,7 +2,8 @@
 
 Parameter names match HF checkpoints except for the stacked ones: dense `gate_proj`/`up_proj` ->
 `gate_up_proj`, and per-expert `experts.{e}.{gate,up,down}_proj` -> `experts.w13_weight` / `w2_weight`
-(shard id = (expert id, "w1" | "w3" | "w2")). Checkpoint layers at index >= num_hidden_layers are
+(shard id = (expert id, "w1" | "w3" | "w2")); with fused shared experts (`moe.shared_experts_fusion`)
+`shared_experts.{gate,up,down}_proj` go into the same stacked parameters. Checkpoint layers at index >= num_hidden_layers are
 DeepSeek-V3's multi-token-prediction modules; they are skipped here (MTP is served separately).
 """
 
@@ -24,7 +25,12 @@ from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, 
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import load_mapped_weights
 from keel_models_deepseek.attention import DeepseekV2MLAAttention
-from keel_models_deepseek.moe import DeepseekV2MLP, DeepseekV2MoE
+from keel_models_deepseek.moe import (
+    DeepseekV2MLP,
+    DeepseekV2MoE,
+    log_shared_experts_fusion,
+    shared_experts_fusion,
+)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -89,6 +95,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, build: ModelBuildContext) -> None:
         super().__init__()
         self.config = config = build.hf_config
+        self.shared_experts_fusion = shared_experts_fusion(config, build)
+        log_shared_experts_fusion(self.shared_experts_fusion)
         self.model = DeepseekV2Model(build, self.version)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -123,8 +131,10 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def stacked_params_mapping(self) -> list[tuple[str, str, Any]]:
         # Expert rows first: the dense ".gate_proj" row would otherwise claim expert tensors too.
+        shared = FusedMoE.make_shared_expert_params_mapping() if self.shared_experts_fusion.num_fused else []
         return [
             *FusedMoE.make_expert_params_mapping(self.config.n_routed_experts or 0),
+            *shared,
             (".gate_up_proj", ".gate_proj", 0),
             (".gate_up_proj", ".up_proj", 1),
         ]

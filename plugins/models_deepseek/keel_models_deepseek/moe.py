@@ -4,10 +4,23 @@ Routing follows the HF config: V2 scores with softmax, greedy or `group_limited_
 with sigmoid plus `e_score_correction_bias`, group-limited (`noaux_tc`). `norm_topk_prob` renormalizes
 the top-k weights and `routed_scaling_factor` multiplies them, for both (transformers 5.x ignores
 `norm_topk_prob` for V2; with it set, keel follows vLLM and DeepSeek's own code and renormalizes).
+
+The router's logits are the `router_gemm` custom op where one is bound (kernels-triton: float32 sums of
+the 16-bit activations, no `x.float()` copy), else `F.linear(x.float(), weight)`.
+
+Shared experts are fused into the routed experts where the layout allows (`shared_experts_fusion`, decided
+once per model build): the shared MLP of intermediate S * I becomes S more experts of the `FusedMoE` layer,
+always routed with weight 1.0, so the grouped GEMM reads their weights and the 3 kernels of a separate MLP
+disappear. Otherwise (expert parallelism, attention DP, quantized checkpoints) the shared MLP runs on its
+own and its output is added in the routed experts' combine.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +38,8 @@ from keel.layers.fused_moe import FusedMoE, FusedMoEParallelConfig, RoutingConfi
 from keel.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import default_weight_loader, set_weight_attrs
+
+logger = logging.getLogger("keel.models.deepseek")
 
 
 class DeepseekV2MLP(nn.Module):
@@ -50,7 +65,12 @@ class DeepseekV2MLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """Router weight [num_experts, hidden] (kept in float32, as HF does) and V3's correction bias."""
+    """Router weight [num_experts, hidden] (kept in float32, as HF does) and V3's correction bias.
+
+    `custom_ops`: the worker may bind a `router_gemm` kernel (see `keel.layers.custom_op`)."""
+
+    custom_ops: ClassVar[tuple[str, ...]] = ("router_gemm",)
+    bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def __init__(self, num_experts: int, hidden_size: int, with_bias: bool) -> None:
         super().__init__()
@@ -65,10 +85,45 @@ class MoEGate(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden] -> [num_tokens, E] float32
+        gemm = self.bound_ops.get("router_gemm")
+        if gemm is not None:
+            return gemm(x, self.weight)
         return F.linear(x.float(), self.weight)
 
 
-def routing_config(config: Any, version: int) -> RoutingConfig:
+@dataclass(frozen=True)
+class SharedExpertsFusion:
+    """Whether a model's MoE blocks fuse their shared experts into the routed experts, and why (logged)."""
+
+    num_fused: int  # fused shared experts per MoE block (0: the shared MLP runs separately)
+    reason: str
+
+
+def shared_experts_fusion(config: Any, build: ModelBuildContext) -> SharedExpertsFusion:
+    """Decided once per model build, the same for every MoE block (the checkpoint mapping depends on it).
+
+    Fused: the routed experts are unquantized and split over TP only (each rank holds every expert, so the
+    shared experts' intermediate slice is this rank's TP slice, as in the separate MLP). Not fused: expert
+    parallelism or attention DP (shared experts run on every rank, routed ones on one), quantized
+    checkpoints (the shared MLP's quantized linear layout is not the experts'), no shared experts."""
+    n_shared = getattr(config, "n_shared_experts", None) or 0
+    if not n_shared:
+        return SharedExpertsFusion(0, "the model has no shared experts")
+    if build.enable_expert_parallel or build.dp_size > 1:
+        return SharedExpertsFusion(0, "expert parallelism / attention DP: the shared MLP runs on every rank")
+    if build.quant_method is not None:
+        return SharedExpertsFusion(0, "quantized checkpoint: the shared MLP keeps its quantized linear layers")
+    return SharedExpertsFusion(n_shared, f"{n_shared} shared expert(s) ride in the routed grouped GEMM as "
+                                         f"experts {config.n_routed_experts}..{config.n_routed_experts + n_shared - 1}")
+
+
+def log_shared_experts_fusion(fusion: SharedExpertsFusion) -> None:
+    """Called once by the model: which MoE path this build takes."""
+    logger.info("DeepSeek MoE shared experts: %s (%s)", "fused" if fusion.num_fused else "separate MLP",
+                fusion.reason)
+
+
+def routing_config(config: Any, version: int, num_fused_shared_experts: int = 0) -> RoutingConfig:
     """The RoutingConfig of a DeepSeek V2 (`version=2`) or V3 (`version=3`) HF config."""
     num_experts = config.n_routed_experts
     common = {
@@ -76,6 +131,7 @@ def routing_config(config: Any, version: int) -> RoutingConfig:
         "top_k": config.num_experts_per_tok,
         "renormalize": bool(getattr(config, "norm_topk_prob", False)),
         "routed_scaling_factor": float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+        "num_fused_shared_experts": num_fused_shared_experts,
     }
     if version == 3:
         return RoutingConfig(
@@ -108,7 +164,8 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, config: Any, build: ModelBuildContext, version: int, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
-        routing = routing_config(config, version)
+        fused = shared_experts_fusion(config, build).num_fused
+        routing = routing_config(config, version, fused)
         act = getattr(config, "hidden_act", "silu")
         self.gate = MoEGate(config.n_routed_experts, hidden, with_bias=version == 3)
         self.experts = FusedMoE(
@@ -128,7 +185,7 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = (
             DeepseekV2MLP(hidden, config.moe_intermediate_size * n_shared, act, build, f"{prefix}.shared_experts",
                           reduce_results=False)
-            if n_shared
+            if n_shared and not fused
             else None
         )
 

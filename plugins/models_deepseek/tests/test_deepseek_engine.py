@@ -19,7 +19,7 @@ from keel.testing.fidelity import assert_matches_hf, run_requests
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 CHECKPOINTS = {
-    "v2": (2, {}),
+    "v2": (2, {"n_shared_experts": 2}),  # fused as experts 8 and 9 (V3: one, expert 8)
     "v3": (3, {"q_lora_rank": 48, "rope_parameters": DEEPSEEK_YARN, "num_hidden_layers": 3,
                "routed_scaling_factor": 2.5}),
 }
@@ -52,6 +52,8 @@ def test_batch_submitted_together(checkpoints, name):
     engine = make_engine(path)
     backends = {layer.backend.name for layer in engine.core.worker.runner.attn_layers}
     assert backends == {"torch_mla"}  # chosen by "auto" because torch_paged declines MLA
+    model = engine.core.worker.runner.model
+    assert model.shared_experts_fusion.num_fused == {"v2": 2, "v3": 1}[name]  # the fused path is what is checked
     check_against_hf(path, prompts, run(engine, prompts, GREEDY), 8)
 
 
@@ -89,11 +91,13 @@ def test_prefix_cache_hits_compute_only_new_tokens(checkpoints):
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch, name):
     """kernels-triton's MoE ops bound as on CUDA (the CPU platform forced to bind custom ops)."""
-    from keel_kernels_triton.fused_moe.ops import TritonFusedExperts
+    # On before kernels-triton's elementwise kernels are first imported (jitted at import): run alone,
+    # this test is the first to import them.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from keel_kernels_triton.fused_moe.ops import TritonFusedExperts, TritonRouterGemm, TritonSelectExperts
     from keel_kernels_triton.ops import TritonMLARope
     from keel_platform_cpu.platform import CpuPlatform
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(CpuPlatform, "use_custom_ops", lambda self: True)
     path = checkpoints[name]
     prompts = random_prompts([6, 3], seed=5)
@@ -102,6 +106,9 @@ def test_interpreted_triton_moe_end_to_end(checkpoints, monkeypatch, name):
                          plugins=["platform-cpu", "attention-torch", "models-deepseek", "kernels-triton"])
     moe = [m for m in engine.core.worker.runner.model.modules() if hasattr(m, "w13_weight")]
     assert moe and all(isinstance(m.bound_ops.get("fused_experts"), TritonFusedExperts) for m in moe)
+    assert all(isinstance(m.bound_ops.get("select_experts"), TritonSelectExperts) for m in moe)
+    gates = [m for m in engine.core.worker.runner.model.modules() if type(m).__name__ == "MoEGate"]
+    assert gates and all(isinstance(m.bound_ops.get("router_gemm"), TritonRouterGemm) for m in gates)
     # MLA's q / k rope runs the fused kernel too (q_nope handed on as a view, nothing concatenated)
     attn = engine.core.worker.runner.attn_layers
     assert attn and all(isinstance(m.bound_ops.get("mla_rope"), TritonMLARope) for m in attn)

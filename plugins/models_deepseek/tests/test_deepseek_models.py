@@ -22,6 +22,7 @@ from deepseek_test_utils import (
 from keel_models_deepseek import manifest
 from keel_models_deepseek.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, is_moe_layer
 from keel_models_deepseek.deepseek_v3 import DeepseekV3ForCausalLM
+from keel_models_deepseek.moe import shared_experts_fusion
 
 from keel.kv_cache.spec import MLALatentSpec
 from keel.models.capabilities import model_capabilities
@@ -30,7 +31,7 @@ from keel.models.weights import WeightLoadError
 from keel.plugins.loader import load_plugins
 
 CASES = {
-    "v2-greedy-no-qlora": (2, {}),
+    "v2-greedy-no-qlora": (2, {"n_shared_experts": 2}),  # two fused shared experts, as DeepSeek-V2-Lite
     "v2-qlora-yarn-grouped": (
         2,
         {"q_lora_rank": 48, "rope_parameters": DEEPSEEK_YARN, "topk_method": "group_limited_greedy",
@@ -146,3 +147,24 @@ def test_bfloat16_error_is_no_worse_than_transformers_own(tmp_path):
     ours = prefill_logits(model, prompts)
     assert torch.isfinite(ours).all()
     assert (ours - exact).abs().mean() < 2 * hf_err
+
+
+def test_shared_experts_fusion_is_decided_at_build_and_logged(tmp_path, caplog):
+    import dataclasses
+
+    path = make_deepseek_checkpoint(2, tmp_path / "v2", n_shared_experts=2)
+    with caplog.at_level("INFO", logger="keel.models.deepseek"):
+        model = load_keel(DeepseekV2ForCausalLM, path)
+    assert "shared experts: fused" in caplog.text
+    moe = model.model.layers[1].mlp
+    cfg_top_k = model.config.num_experts_per_tok
+    assert moe.shared_experts is None and moe.experts.num_fused_shared_experts == 2
+    assert moe.experts.w13_weight.shape[0] == 8 + 2 and moe.experts.routing.num_routes == cfg_top_k + 2
+    build = build_context(path)
+    cfg = build.hf_config
+    assert shared_experts_fusion(cfg, build).num_fused == 2
+    for kept in (dataclasses.replace(build, enable_expert_parallel=True, tp_size=2),
+                 dataclasses.replace(build, dp_size=2), dataclasses.replace(build, quant_method=object())):
+        assert shared_experts_fusion(cfg, kept).num_fused == 0
+    cfg.n_shared_experts = 0
+    assert "no shared experts" in shared_experts_fusion(cfg, build).reason

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.layers.fused_moe import FusedMoE, RoutingConfig, fused_experts_torch, moe_align_block_size_torch
+from keel.layers.fused_moe import (
+    FusedMoE,
+    FusedMoEParallelConfig,
+    RoutingConfig,
+    fused_experts_torch,
+    moe_align_block_size_torch,
+)
 from keel.models.weights import WeightLoadError, load_mapped_weights
 
 
@@ -94,3 +100,55 @@ def test_bound_ops_replace_routing_and_experts():
     layer.bound_ops = {"select_experts": route, "fused_experts": experts}
     torch.testing.assert_close(layer(x, logits, residual=res), ref)
     assert calls == [("route", True, None), ("experts", True, "silu")]
+
+
+def _shared_checkpoint(shared, hidden=16, inter=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {"mlp.shared_experts.gate_proj.weight": torch.randn(shared * inter, hidden, generator=g),
+            "mlp.shared_experts.up_proj.weight": torch.randn(shared * inter, hidden, generator=g),
+            "mlp.shared_experts.down_proj.weight": torch.randn(hidden, shared * inter, generator=g)}
+
+
+def _shared_mlp(ckpt, x):  # the separate shared MLP: down(silu(gate x) * up x)
+    gate, up = x @ ckpt["mlp.shared_experts.gate_proj.weight"].t(), x @ ckpt["mlp.shared_experts.up_proj.weight"].t()
+    return (torch.nn.functional.silu(gate) * up) @ ckpt["mlp.shared_experts.down_proj.weight"].t()
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_fused_shared_experts_equal_routed_plus_shared_mlp(shared, tp_size):
+    """Shared experts stored as experts E.. E+S-1 (intermediate split by index, each TP rank its slice of
+    each) give the routed experts plus the separate shared MLP; ranks' partial outputs sum to it."""
+    experts, hidden, inter = 4, 16, 8
+    routing = RoutingConfig(num_experts=experts, top_k=2, renormalize=True, routed_scaling_factor=2.5)
+    fused_routing = RoutingConfig(**{**routing.__dict__, "num_fused_shared_experts": shared})
+    ckpt = {**_per_expert_checkpoint(), **_shared_checkpoint(shared)}
+    mapping = FusedMoE.make_expert_params_mapping(experts) + FusedMoE.make_shared_expert_params_mapping()
+    x = torch.randn(5, hidden)
+    logits = torch.randn(5, experts)
+    plain = _Block(FusedMoE(experts, hidden, inter, routing, prefix="mlp.experts"))
+    load_mapped_weights(plain, _per_expert_checkpoint().items(), FusedMoE.make_expert_params_mapping(experts))
+    want = plain.mlp.experts(x, logits) + _shared_mlp(ckpt, x)
+    total = torch.zeros_like(want)
+    for rank in range(tp_size):
+        layer = FusedMoE(experts, hidden, inter, fused_routing, prefix="mlp.experts",
+                         parallel=FusedMoEParallelConfig(tp_size=tp_size, tp_rank=rank))
+        assert layer.w13_weight.shape == (experts + shared, 2 * inter // tp_size, hidden)
+        block = _Block(layer)
+        loaded = load_mapped_weights(block, ckpt.items(), mapping)
+        assert loaded == {"mlp.experts.w13_weight", "mlp.experts.w2_weight"}  # shared shards counted
+        total += layer(x, logits)
+    torch.testing.assert_close(total, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_shared_experts_loading_is_strict():
+    fused = RoutingConfig(num_experts=4, top_k=2, num_fused_shared_experts=2)
+    mapping = FusedMoE.make_expert_params_mapping(4) + FusedMoE.make_shared_expert_params_mapping()
+    block = _Block(FusedMoE(4, 16, 8, fused, prefix="mlp.experts"))
+    loaded = load_mapped_weights(block, _per_expert_checkpoint().items(), mapping)
+    assert loaded == set()  # the shared shards never arrived
+    bad = {**_shared_checkpoint(1)}  # one shared expert's intermediate for a layer of two
+    with pytest.raises(WeightLoadError, match="shared experts"):
+        load_mapped_weights(block, bad.items(), mapping)
+    with pytest.raises(ValueError, match="fused shared experts need unquantized"):
+        FusedMoE(4, 16, 8, fused, parallel=FusedMoEParallelConfig(ep_size=2, ep_rank=0))

@@ -12,6 +12,14 @@ Routing and expert computation are custom ops (`select_experts`, `fused_experts`
 unbound runs the torch reference here (`select_experts`, `fused_experts_torch`). Which path runs is fixed
 at bind time, never decided per call.
 
+Fused shared experts (`routing.num_fused_shared_experts` S > 0; SGLang's "shared experts fusion"): the
+MoE block's always-on shared MLP is stored as S more experts after the routed ones (a shared MLP of
+intermediate S * I is S experts of I: SwiGLU acts per intermediate index and the down projection sums
+over them), routing appends them to every token with weight 1.0, and the grouped GEMM reads their
+weights beside the routed experts' -- no separate shared-MLP kernels. Their checkpoint tensors
+(`mlp.shared_experts.{gate,up,down}_proj`, `make_shared_expert_params_mapping`) are split by this layer's
+`weight_loader`. Unquantized experts without expert parallelism only (the model decides at build).
+
 Quantized experts: with a `quant_config` whose `get_moe_method` returns a `FusedMoEMethod`
 (`keel.quantization`), that method registers the expert parameters (`w13_weight` plus its scales, or
 int4 `w13_qweight`, ...) and computes the experts after routing, through the bound `fused_experts` op
@@ -67,6 +75,10 @@ class FusedMoE(nn.Module):
                                                           f"{what} moe_intermediate_size")
         if routing.num_experts != num_experts:
             raise ValueError(f"routing is for {routing.num_experts} experts, layer has {num_experts}")
+        self.num_fused_shared_experts = shared = routing.num_fused_shared_experts
+        if shared and (parallel.use_ep or quant_config is not None):
+            raise ValueError(f"{what} fused shared experts need unquantized experts without expert parallelism "
+                             f"(build the shared MLP separately)")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -79,9 +91,10 @@ class FusedMoE(nn.Module):
         if self.quant_method is not None:
             self.quant_method.create_weights(self, spec)
             return
-        self.w13_weight = nn.Parameter(torch.empty(e_local, 2 * i_part, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(e_local, hidden_size, i_part))
-        local = range(self.expert_start, self.expert_start + e_local)
+        # Fused shared experts are stored after the routed ones: local ids e_local .. e_local + shared - 1.
+        self.w13_weight = nn.Parameter(torch.empty(e_local + shared, 2 * i_part, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(e_local + shared, hidden_size, i_part))
+        local = [*range(self.expert_start, self.expert_start + e_local), *(("shared",) if shared else ())]
         for p, ids in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
             set_weight_attrs(
                 p,
@@ -110,11 +123,25 @@ class FusedMoE(nn.Module):
                 rows.append((f".experts.{param}", f".experts.{e}.{ckpt}.", (e, shard)))
         return rows
 
+    @staticmethod
+    def make_shared_expert_params_mapping(ckpt_prefix: str = "shared_experts") -> list[tuple[str, str, Any]]:
+        """Rows routing a shared MLP's checkpoint tensors (`{ckpt_prefix}.gate_proj` ...) into the stacked
+        parameters, shard id ("shared", "w1" | "w3" | "w2"); for layers with fused shared experts. List them
+        before any dense `.gate_proj` row."""
+        return [(f".experts.{param}", f".{ckpt_prefix}.{ckpt}.", ("shared", shard))
+                for ckpt, param, shard in (("gate_proj", "w13_", "w1"), ("up_proj", "w13_", "w3"),
+                                           ("down_proj", "w2_", "w2"))]
+
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Receives one expert's full checkpoint tensor; keeps this rank's part (nothing for another
         EP rank's expert: the tensor counts as consumed, so strict loading still sees every name)."""
         ok = isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in ("w1", "w2", "w3")
-        if not ok or not 0 <= shard_id[0] < self.num_experts or (shard_id[1] == "w2") != (param is self.w2_weight):
+        if ok and shard_id[0] == "shared" and self.num_fused_shared_experts:
+            ok = (shard_id[1] == "w2") == (param is self.w2_weight)
+            if ok:
+                return self._load_shared(param, loaded_weight, shard_id[1])
+        if not ok or not isinstance(shard_id[0], int) or not 0 <= shard_id[0] < self.num_experts \
+                or (shard_id[1] == "w2") != (param is self.w2_weight):
             raise WeightLoadError(
                 f"{self.prefix or 'FusedMoE'}: expert weights need a shard id (expert, 'w1'|'w2'|'w3') "
                 f"valid for this parameter, got {shard_id!r}"
@@ -123,15 +150,32 @@ class FusedMoE(nn.Module):
         local = expert - self.expert_start
         if not 0 <= local < self.local_num_experts:
             return
+        self._copy_expert(param, local, loaded_weight, shard, f"expert {expert}")
+
+    def _copy_expert(self, param: torch.Tensor, local: int, loaded_weight: torch.Tensor, shard: str,
+                     what: str) -> None:
+        """One expert's full tensor (w1 / w3 [intermediate, hidden], w2 [hidden, intermediate]) into local slot
+        `local`: this TP rank's slice of the intermediate dimension."""
         i, full, rank = self.intermediate_size_per_partition, self.intermediate_size, self.parallel.tp_rank
         if shard == "w2":  # [hidden, intermediate]: this rank's columns
-            check_shape(torch.empty(self.hidden_size, full, device="meta"), loaded_weight, f"expert {expert} w2")
+            check_shape(torch.empty(self.hidden_size, full, device="meta"), loaded_weight, f"{what} w2")
             src, dst = loaded_weight.narrow(1, rank * i, i), param.data[local]
         else:  # [intermediate, hidden]: this rank's rows, into the gate (w1) or up (w3) half
-            check_shape(torch.empty(full, self.hidden_size, device="meta"), loaded_weight, f"expert {expert} {shard}")
+            check_shape(torch.empty(full, self.hidden_size, device="meta"), loaded_weight, f"{what} {shard}")
             src = loaded_weight.narrow(0, rank * i, i)
             dst = param.data[local, :i] if shard == "w1" else param.data[local, i:]
         dst.copy_(src)
+
+    def _load_shared(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard: str) -> None:
+        """The shared MLP's full tensor (w1 / w3 [S * I, hidden], w2 [hidden, S * I]): intermediate indices
+        [s * I, (s + 1) * I) become fused shared expert s (SwiGLU is per index, down sums over them)."""
+        s_count, full = self.num_fused_shared_experts, self.intermediate_size
+        dim = 1 if shard == "w2" else 0
+        rows = (self.hidden_size, s_count * full) if dim else (s_count * full, self.hidden_size)
+        check_shape(torch.empty(rows, device="meta"), loaded_weight, f"shared experts {shard}")
+        for s in range(s_count):
+            self._copy_expert(param, self.local_num_experts + s, loaded_weight.narrow(dim, s * full, full), shard,
+                              f"shared expert {s}")
 
     def forward(
         self,
@@ -147,6 +191,9 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = route(router_logits, self.routing, e_score_correction_bias)
         else:
             topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
+        if topk_ids.shape[-1] != self.routing.num_routes:  # shapes only: no host sync
+            raise RuntimeError(f"{self.prefix or 'FusedMoE'}: routing returned {topk_ids.shape[-1]} routes per "
+                               f"token, expected top_k + fused shared experts = {self.routing.num_routes}")
         if self.parallel.use_ep:
             topk_weights, topk_ids = self._keep_local_routes(topk_weights, topk_ids)
         experts = self.bound_ops.get("fused_experts")
@@ -171,6 +218,7 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"experts={self.num_experts} ({self.local_num_experts} here), hidden={self.hidden_size}, "
+            f"experts={self.num_experts} ({self.local_num_experts} here) + {self.num_fused_shared_experts} "
+            f"fused shared, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, top_k={self.routing.top_k}, bound={sorted(self.bound_ops)}"
         )

@@ -12,6 +12,10 @@ Supported schemes:
   of their two best biased scores, experts chosen by biased score, weighted by the unbiased score.
 `renormalize` (HF `norm_topk_prob`) rescales the k weights to sum to one; `routed_scaling_factor`
 multiplies them afterwards.
+
+Fused shared experts (`num_fused_shared_experts` S > 0, SGLang's "shared experts fusion"): the layer stores
+S always-on experts after the routed ones, so every token's routes get S more columns, ids
+num_experts .. num_experts + S - 1 with weight 1.0 (never renormalized nor scaled).
 """
 
 from __future__ import annotations
@@ -37,8 +41,17 @@ class RoutingConfig:
     topk_group: int | None = None
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    num_fused_shared_experts: int = 0  # always-on experts stored after the routed ones (weight 1.0)
+
+    @property
+    def num_routes(self) -> int:
+        """Columns of the routing's output per token: top_k routed plus the fused shared experts."""
+        return self.top_k + self.num_fused_shared_experts
 
     def __post_init__(self) -> None:
+        if not isinstance(self.num_fused_shared_experts, int) or self.num_fused_shared_experts < 0:
+            raise RoutingConfigError(f"num_fused_shared_experts must be an int >= 0, got "
+                                     f"{self.num_fused_shared_experts!r}")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise RoutingConfigError(f"scoring_func must be 'softmax' or 'sigmoid', got {self.scoring_func!r}")
         if not 0 < self.top_k <= self.num_experts:
@@ -105,14 +118,28 @@ def grouped_topk(
     return _finish(weights, ids, cfg)
 
 
+def append_shared_experts(
+    weights: torch.Tensor,  # [num_tokens, top_k] float32
+    ids: torch.Tensor,  # [num_tokens, top_k] int
+    cfg: RoutingConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k + S]: the fused shared experts, weight 1.0
+    s = cfg.num_fused_shared_experts
+    if not s:
+        return weights, ids
+    n = ids.shape[0]
+    shared = torch.arange(cfg.num_experts, cfg.num_experts + s, dtype=ids.dtype, device=ids.device)
+    return (torch.cat([weights, weights.new_ones(n, s)], dim=1), torch.cat([ids, shared.expand(n, s)], dim=1))
+
+
 def select_experts(
     router_logits: torch.Tensor,  # [num_tokens, num_experts]
     cfg: RoutingConfig,
     e_score_correction_bias: torch.Tensor | None = None,  # [num_experts]
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int64
-    """The routing `cfg` describes; called by `FusedMoE.forward` every step."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, num_routes] float32, ids [.., num_routes] int64
+    """The routing `cfg` describes; called by `FusedMoE.forward` every step. `num_routes` is top_k plus
+    the fused shared experts (`RoutingConfig.num_routes`)."""
     if cfg.use_grouped_topk:
-        return grouped_topk(router_logits, cfg, e_score_correction_bias)
+        return append_shared_experts(*grouped_topk(router_logits, cfg, e_score_correction_bias), cfg)
     if e_score_correction_bias is not None:
         raise RoutingConfigError("e_score_correction_bias is only supported with group-limited routing")
-    return fused_topk(router_logits, cfg)
+    return append_shared_experts(*fused_topk(router_logits, cfg), cfg)

@@ -1,4 +1,4 @@
-"""The MoE `custom_op` providers of kernels-triton: `select_experts` and `fused_experts`.
+"""The MoE `custom_op` providers of kernels-triton: `router_gemm`, `select_experts` and `fused_experts`.
 
 Registered by the `kernels-triton` manifest; the worker instantiates each class once and binds the
 instance into every `FusedMoE` layer (contracts in `keel.layers.custom_op`). Compiled on CUDA, interpreted
@@ -13,8 +13,25 @@ from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel.layers.fused_moe.router import RoutingConfig
 from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton
 from keel_kernels_triton.fused_moe.quant_gemm import fused_experts_quant_triton, quant_kernel_supports
+from keel_kernels_triton.fused_moe.router_gemm import router_gemm_triton
 from keel_kernels_triton.fused_moe.routing import routing_triton_supported, select_experts_triton
 from keel_kernels_triton.support import TritonOp
+
+
+class TritonRouterGemm(TritonOp):
+    """`router_gemm(x, weight) -> logits`: float32 router logits from 16-bit activations in one launch,
+    without a float32 copy of the activations. Declines gates whose weight is not float32."""
+
+    def supports_layer(self, layer: torch.nn.Module) -> bool:
+        weight = getattr(layer, "weight", None)
+        return isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.dim() == 2
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        weight: torch.Tensor,  # [num_experts, hidden] float32
+    ) -> torch.Tensor:  # [num_tokens, num_experts] float32
+        return router_gemm_triton(x, weight)
 
 
 class TritonSelectExperts(TritonOp):
@@ -32,7 +49,7 @@ class TritonSelectExperts(TritonOp):
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
         routing: RoutingConfig,
         e_score_correction_bias: torch.Tensor | None,  # [num_experts]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int32
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids [num_tokens, routing.num_routes] float32 / int32
         return select_experts_triton(router_logits, routing, e_score_correction_bias)
 
 

@@ -11,6 +11,8 @@ step in float32:
   `choice` values (DeepSeek-V3); the `topk_group` best groups survive, the other experts drop to -inf.
 - top-k by repeated argmax, so ids come out in descending `choice` order like `torch.topk(sorted=True)`.
 - renormalize (w / (sum + 1e-20)) then multiply by `routed_scaling_factor`.
+- fused shared experts (`num_fused_shared_experts` S): columns TOP_K .. TOP_K + S - 1 get ids
+  num_experts + s, weight 1.0.
 
 Ties (equal `choice` values, or equal group scores) go to the lowest index. torch.topk does not document
 its tie order, so on exactly tied inputs the two paths may pick different (equally valid) experts; with
@@ -46,8 +48,8 @@ def _next_pow2(n: int) -> int:
 def _routing_kernel(
     logits_ptr,  # [num_tokens, num_experts] any float, unit stride over experts
     bias_ptr,  # [num_experts] float (read only when HAS_BIAS)
-    weights_ptr,  # [num_tokens, TOP_K] float32, written
-    ids_ptr,  # [num_tokens, TOP_K] int32, written
+    weights_ptr,  # [num_tokens, TOP_K + NUM_SHARED] float32, written
+    ids_ptr,  # [num_tokens, TOP_K + NUM_SHARED] int32, written
     stride_logits,
     routed_scaling_factor,
     GROUP_SIZE: tl.constexpr,  # experts per group (all experts when not grouped)
@@ -58,6 +60,7 @@ def _routing_kernel(
     HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    NUM_SHARED: tl.constexpr,  # fused shared experts: ids NUM_GROUPS * GROUP_SIZE + s, weight 1.0
     BLOCK_G: tl.constexpr,
     BLOCK_EG: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,6 +69,7 @@ def _routing_kernel(
     # tl.sum: those are jitted helpers bound to the mode (compiled or interpreted) triton was first imported
     # in, while tl.reduce is a builtin that the interpreter patches (and runs in numpy for these combines).
     t = tl.program_id(0).to(tl.int64)
+    ROUTES: tl.constexpr = TOP_K + NUM_SHARED  # columns of the outputs
     g = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
     j = tl.arange(0, BLOCK_EG)[None, :]  # [1, BLOCK_EG]
     valid = (g < NUM_GROUPS) & (j < GROUP_SIZE)
@@ -115,12 +119,15 @@ def _routing_kernel(
         s = tl.reduce(tl.reduce(tl.where(chosen, scores, 0.0), 1, tl.standard._sum_combine), 0,
                       tl.standard._sum_combine)
         w = tl.where(kid == i, s, w)
-        tl.store(ids_ptr + t * TOP_K + i, e.to(tl.int32))
+        tl.store(ids_ptr + t * ROUTES + i, e.to(tl.int32))
         choice = tl.where(chosen, neg_inf, choice)
     if RENORMALIZE:
         w = w / (tl.reduce(w, 0, tl.standard._sum_combine) + 1e-20)
     w = w * routed_scaling_factor
-    tl.store(weights_ptr + t * TOP_K + kid, w, mask=kid < TOP_K)
+    tl.store(weights_ptr + t * ROUTES + kid, w, mask=kid < TOP_K)
+    for s in tl.static_range(NUM_SHARED):
+        tl.store(ids_ptr + t * ROUTES + TOP_K + s, NUM_GROUPS * GROUP_SIZE + s)
+        tl.store(weights_ptr + t * ROUTES + TOP_K + s, 1.0)
 
 
 @functools.cache
@@ -150,8 +157,9 @@ def select_experts_triton(
     cfg: RoutingConfig,
     e_score_correction_bias: torch.Tensor | None = None,  # [num_experts]
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (weights, ids) to write instead of allocating
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int32
-    """`select_experts` in one kernel launch (ids are int32, as vLLM's fused routing returns them).
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, num_routes] float32, ids [.., num_routes] int32
+    """`select_experts` in one kernel launch (ids are int32, as vLLM's fused routing returns them); the
+    fused shared experts (`cfg.num_fused_shared_experts`) are appended in the same launch.
 
     The caller checks `routing_triton_supported(cfg)` and that Triton can run on the logits' device.
     """
@@ -162,11 +170,11 @@ def select_experts_triton(
         raise RoutingConfigError(f"router logits have {num_experts} experts, routing expects {cfg.num_experts}")
     device = router_logits.device
     if out is None:
-        weights = torch.empty(num_tokens, cfg.top_k, dtype=torch.float32, device=device)
-        ids = torch.empty(num_tokens, cfg.top_k, dtype=torch.int32, device=device)
+        weights = torch.empty(num_tokens, cfg.num_routes, dtype=torch.float32, device=device)
+        ids = torch.empty(num_tokens, cfg.num_routes, dtype=torch.int32, device=device)
     else:
         weights, ids = out
-        shape = (num_tokens, cfg.top_k)
+        shape = (num_tokens, cfg.num_routes)
         if weights.shape != shape or ids.shape != shape or not (weights.is_contiguous() and ids.is_contiguous()):
             raise ValueError(f"routing buffers must be contiguous {list(shape)}; got {list(weights.shape)}, "
                              f"{list(ids.shape)}")
@@ -193,6 +201,7 @@ def select_experts_triton(
         HAS_BIAS=has_bias,
         GROUPED=cfg.use_grouped_topk,
         RENORMALIZE=cfg.renormalize,
+        NUM_SHARED=cfg.num_fused_shared_experts,
         BLOCK_G=_next_pow2(groups),
         BLOCK_EG=_next_pow2(group_size),
         BLOCK_K=_next_pow2(cfg.top_k),

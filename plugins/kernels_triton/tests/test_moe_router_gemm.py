@@ -1,0 +1,85 @@
+"""The router-logits kernel (kernels-triton's fused_moe/router_gemm.py) against a float64 reference.
+
+Interpreted on the CPU (TRITON_INTERPRET=1), small odd shapes through both launch shapes (the reduction
+path up to SMALL_T tokens, tl.dot tiles above, large-step tiles past 512 tokens), outputs poisoned first;
+compiled for sm_90 in test_moe_routing_align_gpu.py, run on CUDA below where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from keel_kernels_triton.fused_moe.ops import TritonRouterGemm
+from keel_kernels_triton.fused_moe.router_gemm import SMALL_T, router_gemm_launch, router_gemm_triton
+
+from keel.layers.custom_op import bind_custom_ops
+from keel.plugins.loader import load_plugins
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _inputs(tokens, experts, k, dtype, seed, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    w = torch.randn(experts, k, generator=gen) / k**0.5
+    return x.to(device), w.to(device)
+
+
+def _check(tokens, experts, k, dtype, seed, device="cpu"):
+    x, w = _inputs(tokens, experts, k, dtype, seed, device)
+    out = torch.full((tokens, experts), float("nan"), device=device)
+    got = router_gemm_triton(x, w, out=out)
+    assert got is out
+    ref = x.double() @ w.double().t()
+    # float32 products of exact (widened) inputs, float32 sums: error ~ sqrt(k) ulps of the partial sums
+    torch.testing.assert_close(got.double(), ref, atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, SMALL_T, SMALL_T + 1, 37])
+@pytest.mark.parametrize("experts,k", [(64, 256), (7, 33), (60, 100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matches_float64_reference(interpret, tokens, experts, k, dtype):
+    _check(tokens, experts, k, dtype, seed=tokens * 7 + experts + k)
+
+
+def test_large_step_tiles_and_strided_x(interpret):
+    assert router_gemm_launch(600, 20, 40)["BLOCK_T"] == 64  # the prefill tile
+    _check(600, 20, 40, torch.bfloat16, seed=3)
+    x, w = _inputs(5, 12, 48, torch.bfloat16, seed=4)
+    wide = torch.cat([x, x], dim=1)[:, 48:]  # row stride 96
+    torch.testing.assert_close(router_gemm_triton(wide, w), x.float() @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_batch_and_user_errors(interpret):
+    assert router_gemm_triton(torch.randn(0, 16), torch.randn(8, 16)).shape == (0, 8)
+    with pytest.raises(ValueError, match="float32"):
+        router_gemm_triton(torch.randn(2, 16), torch.randn(8, 16).bfloat16())
+    with pytest.raises(ValueError, match="weight"):
+        router_gemm_triton(torch.randn(2, 16), torch.randn(8, 15))
+    with pytest.raises(ValueError, match="out"):
+        router_gemm_triton(torch.randn(2, 16), torch.randn(8, 16), out=torch.empty(2, 7))
+
+
+class _Gate(torch.nn.Module):
+    custom_ops = ("router_gemm",)
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16, dtype=dtype), requires_grad=False)
+
+
+def test_op_binds_float32_gates_only(interpret):
+    registry = load_plugins(["kernels-triton"]).registry("custom_op")
+    assert registry.get("router_gemm") is TritonRouterGemm
+    gate, low = _Gate(torch.float32), _Gate(torch.bfloat16)
+    assert bind_custom_ops(gate, registry, "cpu", torch.bfloat16) == {"router_gemm": 1}
+    assert bind_custom_ops(low, registry, "cpu", torch.bfloat16) == {}  # declined: not a float32 router
+    x = torch.randn(3, 16).bfloat16()
+    torch.testing.assert_close(gate.bound_ops["router_gemm"](x, gate.weight), x.float() @ gate.weight.t())
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 256, 2000])
+@pytest.mark.parametrize("experts,k", [(64, 2048), (256, 7168)])  # DeepSeek-V2-Lite, V3
+def test_cuda_matches_float64_reference(tokens, experts, k):
+    _check(tokens, experts, k, torch.bfloat16, seed=tokens, device="cuda")
