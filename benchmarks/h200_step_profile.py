@@ -3,7 +3,7 @@ batch of B running requests (CUDA graphs replayed), and of one full prefill step
 keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py), with the same engine limits.
 
     python benchmarks/h200_step_profile.py --arch dsv2lite|llama8b [--model-dir DIR] [--batch 256,64]
-        [--out FILE.json]
+        [--out FILE.json] [--disable-shared-experts-fusion]
 
 Per batch: the wall time of `engine.step()` (median of 30 consecutive decode steps, every request past
 its prompt), the GPU time the profiler saw per step (kernels, graph replays included), their difference
@@ -29,13 +29,13 @@ import h200_vs_vllm as vs
 from h200_dsv2lite import _guarded, profile_kernels
 
 
-def make_engine(model_dir: str, dummy: bool):
+def make_engine(model_dir: str, dummy: bool, **engine_args):
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs(
         model=model_dir, profile=os.environ.get("KEEL_PROFILE", "cuda"), dtype="bfloat16",
-        load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, seed=0, **vs.LIMITS))
+        load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, seed=0, **vs.LIMITS, **engine_args))
 
 
 def decode_profile(engine, batch: int, vocab: int, seed: int, mixed_window: bool = False) -> dict:
@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--mixed", default="256",
                     help="decode batches beside which mixed steps (prompts filling the token budget) are timed")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--disable-shared-experts-fusion", action="store_true",
+                    help="DeepSeek: the shared MLP runs on its own (the engine argument of that name)")
     a = ap.parse_args()
     mixed = {int(x) for x in a.mixed.split(",") if x}
     model_dir = a.model_dir
@@ -149,8 +151,9 @@ def main() -> None:
         vs.write_config(Path(model_dir), a.arch)
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
     t = time.perf_counter()
-    engine = make_engine(model_dir, dummy=a.model_dir is None)
-    result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint",
+    extra = {"disable_shared_experts_fusion": True} if a.disable_shared_experts_fusion else {}
+    engine = make_engine(model_dir, dummy=a.model_dir is None, **extra)
+    result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint", **extra,
               "limits": vs.LIMITS, "commit": os.environ.get("KEEL_COMMIT", "?"),
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
     try:

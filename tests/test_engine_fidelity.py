@@ -113,3 +113,8 @@ def test_outputs_identical_with_and_without_chunking_preemption_caching(checkpoi
     )
     for i in range(len(prompts)):
         assert base[str(i)].outputs[0].token_ids == stressed[str(i)].outputs[0].token_ids
+
+
+def test_shared_experts_fusion_flag_is_refused_without_moe_layers(checkpoints):
+    with pytest.raises(NotImplementedError, match="disable_shared_experts_fusion is set, but .* no MoE layers"):
+        make_engine(checkpoints["qwen2"], disable_shared_experts_fusion=True)

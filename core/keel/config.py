@@ -73,8 +73,14 @@ class ModelConfig:
     logits_processors: tuple[Any, ...] = ()
     # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: the vocabulary size.
     max_logprobs: int = 20
+    # MoE models with shared experts (DeepSeek) fuse them into the routed experts where the layout allows
+    # (SGLang's flag name); True keeps the shared MLP separate. A model without MoE layers refuses it.
+    disable_shared_experts_fusion: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_shared_experts_fusion, bool):
+            raise ConfigError(f"model.disable_shared_experts_fusion must be a boolean, got "
+                              f"{self.disable_shared_experts_fusion!r}")
         m = self.max_logprobs
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise ConfigError(f"model.max_logprobs must be an integer >= -1 (-1: the vocabulary size), got {m!r}")

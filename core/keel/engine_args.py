@@ -33,7 +33,7 @@ from keel.config import (
 _SECTION_OF = {
     **dict.fromkeys(("model", "tokenizer", "dtype", "seed", "max_model_len", "skip_tokenizer_init",
                      "trust_remote_code", "revision", "served_model_name", "load_format", "generation_config",
-                     "quantization", "logits_processors", "max_logprobs"),
+                     "quantization", "logits_processors", "max_logprobs", "disable_shared_experts_fusion"),
                     "model"),
     **dict.fromkeys(("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "num_kv_blocks",
                      "gpu_memory_utilization", "kv_cache_dtype"), "cache"),
@@ -172,6 +172,7 @@ class EngineArgs:
     # logits_processor plugin keys or qualified class names ("pkg.module:Class"), or classes
     logits_processors: list[str | type] | None = None
     max_logprobs: int | None = None  # most logprobs a request may ask for (20); -1: the vocabulary size
+    disable_shared_experts_fusion: bool | None = None  # MoE: keep shared experts out of the routed experts
     plugin_options: dict[str, Any] | None = None  # values of options plugins added to the CLI
 
     @classmethod

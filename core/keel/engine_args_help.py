@@ -50,6 +50,8 @@ HELP: dict[str, str] = {
     "scheduling_policy": "fcfs, or priority: waiting requests by their `priority` (lower first), then arrival",
     "logits_processors": "batch-level logits processors: logits_processor plugin keys or pkg.module:Class names",
     "max_logprobs": "most logprobs (and prompt_logprobs) a request may ask for; -1: the vocabulary size",
+    "disable_shared_experts_fusion": "MoE models with shared experts (DeepSeek): run the shared MLP on its "
+                                     "own instead of as extra experts of the routed grouped GEMM",
     "disable_log_stats": "do not log engine throughput and cache usage every 10 s",
     "enable_log_requests": "log every request's prompt and sampling parameters (--disable-log-requests: "
                            "off)",

@@ -38,7 +38,7 @@ class LLM:
     `seed` [0], `max_model_len` [max_position_embeddings], `skip_tokenizer_init`, `trust_remote_code`,
     `revision`, `served_model_name`, `load_format` ("auto" | "dummy"), `generation_config` ("auto" |
     "vllm" | a folder), `quantization` [the checkpoint's], `max_logprobs` [20], `logits_processors` (logits_processor plugin
-    keys, "pkg.module:Class" names or classes).
+    keys, "pkg.module:Class" names or classes), `disable_shared_experts_fusion` [False] (SGLang's).
     Cache: `block_size` [16], `enable_prefix_caching` [True], `kv_cache_memory_bytes`, `num_kv_blocks`,
     `gpu_memory_utilization` [0.9], `kv_cache_dtype` ["auto"].
     Scheduler: `max_num_seqs` [256], `max_num_batched_tokens`, `enable_chunked_prefill` [True],
@@ -69,6 +69,7 @@ class LLM:
         quantization: str | None = None,
         max_logprobs: int | None = None,
         logits_processors: list[str | type] | None = None,
+        disable_shared_experts_fusion: bool | None = None,
         block_size: int | None = None,
         enable_prefix_caching: bool | None = None,
         kv_cache_memory_bytes: int | None = None,

@@ -41,6 +41,8 @@ class ModelBuildContext:
     pp_size: int = 1
     pp_rank: int = 0
     kv_cache_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: the model dtype
+    # MoE models: keep shared experts as their own MLP (`ModelConfig.disable_shared_experts_fusion`)
+    disable_shared_experts_fusion: bool = False
 
     def backend_for(self, layer: Any, kv_cache_kind: str) -> Any:
         """Called by attention layers at construction: the backend class that will serve them."""

@@ -111,6 +111,8 @@ class Worker:
             raise NotImplementedError("speculative decoding with data_parallel_size > 1 is not supported yet")
         if self.config.parallel.enable_expert_parallel and not supports(model_cls, "moe"):
             raise NotImplementedError(f"enable_expert_parallel is set, but {arch} has no MoE layers to shard")
+        if mc.disable_shared_experts_fusion and not supports(model_cls, "moe"):
+            raise NotImplementedError(f"disable_shared_experts_fusion is set, but {arch} has no MoE layers")
         dtype = mc.torch_dtype
         block_size = self.config.cache.block_size
         quant = quantization_for_model(self.config, model_cls, self.platform, dtype)
@@ -122,6 +124,7 @@ class Worker:
             dp_size=dp.world_size, dp_rank=dp.rank_in_group,
             pp_size=pp.world_size, pp_rank=pp.rank_in_group,
             kv_cache_dtype=self.config.cache.torch_kv_cache_dtype(),
+            disable_shared_experts_fusion=mc.disable_shared_experts_fusion,
         )
         path = resolve_model_path(mc.model, mc.revision)
         model = load_model(model_cls, build, path, load_format=mc.load_format)

@@ -109,6 +109,8 @@ def shared_experts_fusion(config: Any, build: ModelBuildContext) -> SharedExpert
     n_shared = getattr(config, "n_shared_experts", None) or 0
     if not n_shared:
         return SharedExpertsFusion(0, "the model has no shared experts")
+    if build.disable_shared_experts_fusion:
+        return SharedExpertsFusion(0, "disable_shared_experts_fusion is set")
     if build.enable_expert_parallel or build.dp_size > 1:
         return SharedExpertsFusion(0, "expert parallelism / attention DP: the shared MLP runs on every rank")
     if build.quant_method is not None:

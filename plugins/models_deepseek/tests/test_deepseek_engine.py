@@ -125,3 +125,13 @@ def test_platform_requiring_fused_experts_without_a_provider_stops_startup(check
     monkeypatch.setattr(CpuPlatform, "required_custom_ops", lambda self: ("fused_experts",))
     with pytest.raises(MissingCustomOpError, match=r"'fused_experts' is required.*model\.layers\.1\.mlp\.experts"):
         make_engine(checkpoints["v2"], plugins=["platform-cpu", "attention-torch", "models-deepseek"])
+
+
+def test_shared_experts_kept_separate_when_fusion_is_disabled(checkpoints):
+    path = checkpoints["v2"]
+    engine = make_engine(path, disable_shared_experts_fusion=True)
+    model = engine.core.worker.runner.model
+    assert model.shared_experts_fusion.num_fused == 0
+    assert model.model.layers[1].mlp.shared_experts is not None
+    prompts = random_prompts([7, 12], seed=6)
+    check_against_hf(path, prompts, run(engine, prompts, GREEDY), 8)
