@@ -102,8 +102,13 @@ class TritonMLAImpl:
             self._prefill(q_c, q_pe, kv_cache, metadata, o_latent)
         if metadata.num_query_rows < o_latent.shape[0]:
             o_latent[metadata.num_query_rows :].zero_()  # padding rows: unspecified, but never garbage
-        # W_UV: [H, T, L] @ [H, L, V] -> [H, T, V]
-        return torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        # W_UV: [H, T, L] @ [H, L, V] -> [H, T, V], written through a transposed view of a contiguous
+        # [T, H, V] (cuBLAS takes the strides), so the layer's reshape to [T, H * V] copies nothing (it was
+        # a copy kernel per layer at every batch > 1).
+        out = torch.empty((q_nope.shape[0], self.num_heads, self.v_head_dim), dtype=o_latent.dtype,
+                          device=o_latent.device)
+        torch.bmm(o_latent.transpose(0, 1), self.w_uv_t, out=out.transpose(0, 1))
+        return out
 
     def _write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                md: TritonMLAMetadata) -> None:

@@ -110,6 +110,7 @@ def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, d
     num = common.num_actual_tokens
     ref = reference(q[:num], latents, context_lens, query_lens, w_uk, w_uv, layer.scale)
     assert out.shape == (q.shape[0], H, V)
+    assert out.is_contiguous()  # the layer's reshape to [T, H * V] is a view, not a copy kernel
     assert torch.isfinite(out).all()  # padding rows included
     torch.testing.assert_close(out[:num].double().cpu(), ref, atol=atol, rtol=0)
     written = cache.view(-1, L + R)[common.slot_mapping[:num]]
