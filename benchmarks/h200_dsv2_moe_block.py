@@ -14,6 +14,10 @@ distinct weight copies inside one CUDA graph; per-layer time = median replay / l
                 the tiles the engine looks up for E=66 (what a step runs now)
   fused_e64     the same with E=64's tuned tiles passed explicitly (a lookup falling back to E=64's file)
 
+The engine runs `fused` up to `FUSED_SHARED_MAX_TOKENS` tokens (keel/layers/fused_moe/layer.py, 32) and
+`router_gemm`'s shape past it (routed-only routing, the shared experts as dense GEMMs over the fused
+slots); the crossover of `fused` and `router_gemm` here is where that constant belongs.
+
 Printed per variant: ms per layer, speedup over `separate`, the largest deviation from `separate`'s output
 (bf16 rounding of a different summation order), and the tiles. The shared weights of `separate` are the
 fused experts 64 and 65 re-stacked, so outputs compare.

@@ -15,6 +15,7 @@ from keel.layers.fused_moe import (
     fused_experts_torch,
     moe_align_block_size_torch,
 )
+from keel.layers.fused_moe.layer import FUSED_SHARED_MAX_TOKENS
 from keel.models.weights import WeightLoadError, load_mapped_weights
 
 
@@ -116,16 +117,18 @@ def _shared_mlp(ckpt, x):  # the separate shared MLP: down(silu(gate x) * up x)
 
 @pytest.mark.parametrize("shared", [1, 2])
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_fused_shared_experts_equal_routed_plus_shared_mlp(shared, tp_size):
+@pytest.mark.parametrize("tokens", [5, FUSED_SHARED_MAX_TOKENS + 7])  # routed with the experts; dense
+def test_fused_shared_experts_equal_routed_plus_shared_mlp(shared, tp_size, tokens):
     """Shared experts stored as experts E.. E+S-1 (intermediate split by index, each TP rank its slice of
-    each) give the routed experts plus the separate shared MLP; ranks' partial outputs sum to it."""
+    each) give the routed experts plus the separate shared MLP, through the grouped experts (small steps)
+    or as dense GEMMs over the same slots (large steps); ranks' partial outputs sum to it."""
     experts, hidden, inter = 4, 16, 8
     routing = RoutingConfig(num_experts=experts, top_k=2, renormalize=True, routed_scaling_factor=2.5)
     fused_routing = RoutingConfig(**{**routing.__dict__, "num_fused_shared_experts": shared})
     ckpt = {**_per_expert_checkpoint(), **_shared_checkpoint(shared)}
     mapping = FusedMoE.make_expert_params_mapping(experts) + FusedMoE.make_shared_expert_params_mapping()
-    x = torch.randn(5, hidden)
-    logits = torch.randn(5, experts)
+    x = torch.randn(tokens, hidden)
+    logits = torch.randn(tokens, experts)
     plain = _Block(FusedMoE(experts, hidden, inter, routing, prefix="mlp.experts"))
     load_mapped_weights(plain, _per_expert_checkpoint().items(), FusedMoE.make_expert_params_mapping(experts))
     want = plain.mlp.experts(x, logits) + _shared_mlp(ckpt, x)

@@ -14,9 +14,9 @@ from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.testing.fidelity import assert_matches_hf, run_requests
 
-CASES = {
+CASES = {  # shared experts fused: two (V2) and one (V3)
     "v2_group_limited": (2, {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
-                             "routed_scaling_factor": 1.5}),  # HF ignores norm_topk_prob for V2
+                             "routed_scaling_factor": 1.5, "n_shared_experts": 2}),  # HF ignores norm_topk_prob
     "v3": (3, {"norm_topk_prob": True, "routed_scaling_factor": 2.5}),
 }
 
@@ -38,9 +38,10 @@ def test_engine_with_triton_routing_and_align(tmp_path, monkeypatch, name):
     monkeypatch.setattr(ops, "select_experts_triton", spy("route", ops.select_experts_triton))
     monkeypatch.setattr(align, "moe_align_block_size_triton", spy("align", align.moe_align_block_size_triton))
     args = EngineArgs(model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64,
-                      seed=0, max_num_batched_tokens=8,
+                      seed=0, max_num_batched_tokens=48,
                       plugins=["platform-cpu", "attention-torch", "models-deepseek", "kernels-triton"])
-    prompts = random_prompts([7, 3], seed=6)
+    # the 41-token first step runs the shared experts dense, the decode steps through the grouped GEMM
+    prompts = random_prompts([38, 3], seed=6)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     results = run_requests(LLMEngine.from_engine_args(args), prompts, params)
     assert calls["route"] > 0 and calls["align"] == calls["route"]  # every MoE call used both kernels

@@ -16,7 +16,10 @@ Fused shared experts (`routing.num_fused_shared_experts` S > 0; SGLang's "shared
 MoE block's always-on shared MLP is stored as S more experts after the routed ones (a shared MLP of
 intermediate S * I is S experts of I: SwiGLU acts per intermediate index and the down projection sums
 over them), routing appends them to every token with weight 1.0, and the grouped GEMM reads their
-weights beside the routed experts' -- no separate shared-MLP kernels. Their checkpoint tensors
+weights beside the routed experts' -- no separate shared-MLP kernels. That pays where the separate MLP is
+launch-bound: steps of at most `FUSED_SHARED_MAX_TOKENS` tokens. Larger steps route top_k only and run the
+shared experts as dense GEMMs over the same stored weights (one gate_up GEMM, the gated activation, one
+down GEMM per shared expert), their sum entering the combine as the residual. Their checkpoint tensors
 (`mlp.shared_experts.{gate,up,down}_proj`, `make_shared_expert_params_mapping`) are split by this layer's
 `weight_loader`. Unquantized experts without expert parallelism only (the model decides at build).
 
@@ -29,18 +32,26 @@ quantized in memory on either path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.fused_moe.parallel import FusedMoEParallelConfig
 from keel.layers.fused_moe.router import RoutingConfig, select_experts
 from keel.layers.fused_moe.torch_ref import fused_experts_torch
 from keel.models.weights import WeightLoadError, check_shape, set_weight_attrs, shard_size
 from keel.quantization import MoELayerSpec, moe_quant_method
+
+# Fused shared experts ride in the grouped GEMM up to this many tokens per step (decode graphs of small
+# batches); past it the grouped GEMM would compute their many rows at its lower prefill efficiency than
+# dense GEMMs, so they run dense. A function of the token count only: a CUDA graph replays its path.
+FUSED_SHARED_MAX_TOKENS = 32
 
 
 class FusedMoE(nn.Module):
@@ -79,6 +90,9 @@ class FusedMoE(nn.Module):
         if shared and (parallel.use_ep or quant_config is not None):
             raise ValueError(f"{what} fused shared experts need unquantized experts without expert parallelism "
                              f"(build the shared MLP separately)")
+        if shared:  # steps past FUSED_SHARED_MAX_TOKENS: routed-only routing, dense shared experts
+            self.routed_only = dataclasses.replace(routing, num_fused_shared_experts=0)
+            self.shared_act = get_act_and_mul_fn(activation)  # a child: the worker may bind its kernel
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -186,14 +200,19 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]; weighted sum of the chosen experts' outputs (+ residual)
         """`residual` (e.g. shared experts' output) may be added inside a bound kernel's combine step, saving
         a launch; the result equals `forward(hidden, router_logits, bias) + residual` on either path."""
+        dense_shared = bool(self.num_fused_shared_experts) and hidden.shape[0] > FUSED_SHARED_MAX_TOKENS
+        routing = self.routed_only if dense_shared else self.routing
         route = self.bound_ops.get("select_experts")
         if route is not None:
-            topk_weights, topk_ids = route(router_logits, self.routing, e_score_correction_bias)
+            topk_weights, topk_ids = route(router_logits, routing, e_score_correction_bias)
         else:
-            topk_weights, topk_ids = select_experts(router_logits, self.routing, e_score_correction_bias)
-        if topk_ids.shape[-1] != self.routing.num_routes:  # shapes only: no host sync
+            topk_weights, topk_ids = select_experts(router_logits, routing, e_score_correction_bias)
+        if topk_ids.shape[-1] != routing.num_routes:  # shapes only: no host sync
             raise RuntimeError(f"{self.prefix or 'FusedMoE'}: routing returned {topk_ids.shape[-1]} routes per "
-                               f"token, expected top_k + fused shared experts = {self.routing.num_routes}")
+                               f"token, expected top_k + fused shared experts = {routing.num_routes}")
+        if dense_shared:
+            shared = self._shared_experts_dense(hidden)
+            residual = shared if residual is None else shared + residual
         if self.parallel.use_ep:
             topk_weights, topk_ids = self._keep_local_routes(topk_weights, topk_ids)
         experts = self.bound_ops.get("fused_experts")
@@ -204,6 +223,17 @@ class FusedMoE(nn.Module):
                            residual)
         out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
         return out if residual is None else out + residual
+
+    def _shared_experts_dense(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The fused shared experts as dense GEMMs over their stored slots (steps past
+        FUSED_SHARED_MAX_TOKENS): this rank's partial sum, like the routed experts'."""
+        e, s, i = self.local_num_experts, self.num_fused_shared_experts, self.intermediate_size_per_partition
+        gate_up = F.linear(hidden, self.w13_weight[e:].reshape(s * 2 * i, self.hidden_size))  # [T, S * 2I]
+        act = self.shared_act(gate_up.view(-1, 2 * i)).view(hidden.shape[0], s, i)  # [T, S, I]
+        out = F.linear(act[:, 0], self.w2_weight[e])
+        for k in range(1, s):
+            out = torch.addmm(out, act[:, k], self.w2_weight[e + k].t())
+        return out
 
     def _keep_local_routes(
         self,
