@@ -177,6 +177,16 @@ def tables(best: dict) -> dict:
             for family, buckets in best.items()}
 
 
+def tables_literal(tables: dict) -> str:
+    """small_m_plan.TABLES as Python source (what gets committed once measured)."""
+    lines = ["TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {"]
+    for family, rows in tables.items():
+        lines.append(f"    {family!r}: (")
+        lines += [f"        ({m}, {plan!r})," for m, plan in rows]
+        lines.append("    ),")
+    return "\n".join([*lines, "}"])
+
+
 def _sibling(name: str):
     from keel.testing.scripts import load_script
 
@@ -188,7 +198,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/h200-quant-small-m.json")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--print-tables", metavar="RESULT_JSON",
+                    help="no GPU: print small_m_plan.TABLES for a sweep's result (this script's or h200_quant's)")
     ns = ap.parse_args()
+    if ns.print_tables:
+        r = json.loads(Path(ns.print_tables).read_text())
+        print(tables_literal(tables(r.get("cases", {}).get("small-m", r)["best_per_bucket"])))
+        return
     import triton
 
     copy_bw = _sibling("h200_llama8b").ceilings()["copy_bw_GBps"]

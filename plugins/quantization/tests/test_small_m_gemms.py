@@ -97,3 +97,37 @@ def test_default_plans_are_fixed_per_shape():
         SmallMPlan("mma", 16, 16, 16)
     with pytest.raises(ValueError, match="split_k must be >= 1"):
         SmallMPlan("dot", 16, 16, 16, split_k=0)
+
+
+def test_layers_take_the_measured_plans():
+    """Tables set (as the H200 sweep's best plans are): an fp8 layer's weight-only path and an int4 layer's
+    Triton backend run the GEMV / split-K plans of their M bucket and match their reference paths."""
+    from keel_quantization import small_m_plan
+    from keel_quantization.fp8_linear import Fp8Scheme
+    from keel_quantization.int4_linear import Int4LinearMethod
+    from test_fp8_native_paths import fp8_layer, run
+    from test_int4_linear import AWQ, load_all, quantized
+
+    from keel.layers.linear import ReplicatedLinear
+
+    gemv, split = SmallMPlan("gemv", 2, 16, 32, split_k=2), SmallMPlan("dot", 16, 16, 32, split_k=3)
+    try:
+        small_m_plan.use_tables({"fp8_row": ((2, gemv), (8, split)), "fp8_block": ((2, gemv), (8, split)),
+                                 "int4": ((2, gemv), (8, split))})
+        gen = torch.Generator().manual_seed(9)
+        for scheme in (Fp8Scheme("dynamic_token"), Fp8Scheme("dynamic_group", (32, 32), "weight_scale_inv")):
+            layer = fp8_layer(scheme, torch.float32)
+            dense = layer.quant_method.dequantize_weight(layer).float()
+            for m in (1, 2, 5):
+                x = torch.randn(m, 96, generator=gen)
+                want = torch.nn.functional.linear(x, dense, layer.bias.float())
+                torch.testing.assert_close(run(layer, x, "weight_only", 8), want, atol=1e-5, rtol=1e-5)
+        layer = ReplicatedLinear(64, 32, True, quant_config=Int4LinearMethod(AWQ, backend="triton"))
+        tensors, deq = quantized(AWQ, torch.randn(32, 64, generator=gen))
+        load_all(layer, tensors)
+        layer.quant_method.process_weights_after_loading(layer)
+        for m in (1, 2, 5):
+            x = torch.randn(m, 64, generator=gen)
+            torch.testing.assert_close(layer(x).double(), reference_linear(x, deq, layer.bias), rtol=1e-4, atol=1e-4)
+    finally:
+        small_m_plan.use_tables({})

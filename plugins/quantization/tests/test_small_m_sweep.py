@@ -67,3 +67,10 @@ def test_a_sweeps_best_plans_become_the_tables(sweep):
     finally:
         small_m_plan.use_tables({})
     assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) != dot
+
+
+def test_tables_print_as_the_source_small_m_plan_holds(sweep):
+    text = sweep.tables_literal({"fp8_row": ((1, SmallMPlan("gemv", 1, 8, 512, 2)), (64, None))})
+    assert text.startswith("TABLES: dict[") and text.endswith("}")
+    assert "    'fp8_row': (\n        (1, SmallMPlan(kernel='gemv', block_m=1, block_n=8, block_k=512, split_k=2," in text
+    assert "        (64, None),\n    )," in text
