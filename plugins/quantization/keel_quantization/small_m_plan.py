@@ -41,10 +41,27 @@ class SmallMPlan:
         return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
 
 
+def _dot(bm: int, bn: int, split: int, stages: int | None = 4) -> SmallMPlan:
+    return SmallMPlan("dot", bm, bn, 128, split, num_stages=stages)
+
+
 # family -> ((largest M, plan), ...) ascending: the measured plan of each M bucket (benchmarks/
-# h200_quant_small_m.py's best_per_bucket); an M past the last bucket, or a family not here, takes the
-# built-in default below. Families: "fp8_row" (one scale group over K), "fp8_block", "int4".
-TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {}  # None: the default wins that bucket
+# h200_quant_small_m.py's best_per_bucket: least total time over Llama-8B's qkv / o / gate_up / down);
+# an M past the last bucket, or a family not here, takes the built-in default below; None: the default
+# won that bucket. Families: "fp8_row" (one scale group over K), "fp8_block", "int4".
+# H200 at ee79a05 (benchmarks/results/h200-quant-small-m-ee79a05.json), us per four layers, default -> plan:
+# fp8_row M=1 113.6 -> 86.1 (gemv), M=2 114.3 -> 106.7; fp8_block M=1 128.8 -> 97.9, M 2-16 ~127 -> ~107,
+# M=32 218 -> 130; int4 M 1-16 246 -> 140-143, M=32 272 -> 180, M=64 348 -> 192. fp8_row M 4-64 were cut
+# by the sweep's budget on down_proj: they take the plans fp8_block measured (same kernel, K tiles of 128)
+# and fp8_row's own on the other three layers (qkv / o / gate_up: dot 16x64x128 s4 within 3% of the best).
+TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {
+    "fp8_row": ((1, SmallMPlan("gemv", 1, 8, 512)), (16, _dot(16, 64, 4)), (32, _dot(32, 64, 4)),
+                (64, _dot(64, 64, 4))),
+    "fp8_block": ((1, SmallMPlan("gemv", 1, 32, 128, 4)), (8, _dot(16, 64, 4)), (16, _dot(16, 32, 4)),
+                  (32, _dot(32, 64, 4)), (64, _dot(64, 64, 4))),
+    "int4": ((16, _dot(16, 64, 8, None)), (32, _dot(32, 64, 4, None)), (64, _dot(64, 64, 4, None))),
+}
+SHIPPED = dict(TABLES)
 
 
 def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]]) -> None:

@@ -90,6 +90,9 @@ def test_split_k_covers_k_on_the_tile_grid():
 
 def test_default_plans_are_fixed_per_shape():
     assert fp8_plan(1, 4096, 4096, 4096) is fp8_plan(1, 4096, 4096, 4096)  # chosen once per shape (graph bucket)
+    assert fp8_plan(1, 4096, 4096, 4096).kernel == "gemv" and fp8_plan(16, 4096, 4096, 4096).split_k == 4  # measured
+    assert fp8_plan(65, 4096, 4096, 4096).split_k == 1 and int4_plan(1, 4096, 4096, 128).split_k == 8
+    assert fp8_plan(1, 4096, 4096, 32).kernel == "dot"  # block 32: the measured K tile of 128 does not fit
     for m in (1, 2, 4, 8, 16, 32, 64, 65):
         assert fp8_plan(m, 4096, 14336, 128).block_k <= 128  # block scales: a K tile lies in one group
         assert int4_plan(m, 4096, 4096, 128).block_k <= 128
@@ -130,4 +133,4 @@ def test_layers_take_the_measured_plans():
             x = torch.randn(m, 64, generator=gen)
             torch.testing.assert_close(layer(x).double(), reference_linear(x, deq, layer.bias), rtol=1e-4, atol=1e-4)
     finally:
-        small_m_plan.use_tables({})
+        small_m_plan.use_tables(small_m_plan.SHIPPED)

@@ -56,17 +56,18 @@ def test_a_sweeps_best_plans_become_the_tables(sweep):
     dot = SmallMPlan("dot", 16, 64, 128, 4)
     best = {"fp8_row": {"1": {"plan": None}, "16": {"plan": dataclasses.asdict(dot)}},
             "int4_g128": {"1": {"plan": dataclasses.asdict(SmallMPlan("gemv", 1, 32, 128, 2))}}}
-    builtin = small_m_plan.fp8_plan(1, 4096, 4096, 4096)
     try:
+        small_m_plan.use_tables({})
+        builtin = small_m_plan.fp8_plan(1, 4096, 4096, 4096)  # no tables: the built-in tiles
         small_m_plan.use_tables(sweep.tables(best))
         assert small_m_plan.fp8_plan(1, 4096, 4096, 4096) == builtin  # the default won M = 1
         assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) == dot
-        assert small_m_plan.fp8_plan(17, 4096, 4096, 4096) != dot  # past the last bucket: built-in
+        assert small_m_plan.fp8_plan(17, 4096, 4096, 4096).split_k == 1  # past the last bucket: built-in
         assert small_m_plan.int4_plan(1, 4096, 4096, 128).kernel == "gemv"
         assert small_m_plan.int4_plan(1, 4096, 4096, 64).kernel == "dot"  # BLOCK_K 128 does not fit group 64
     finally:
-        small_m_plan.use_tables({})
-    assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) != dot
+        small_m_plan.use_tables(small_m_plan.SHIPPED)
+    assert small_m_plan.TABLES == small_m_plan.SHIPPED  # restored: the measured tables
 
 
 def test_tables_print_as_the_source_small_m_plan_holds(sweep):
