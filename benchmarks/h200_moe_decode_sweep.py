@@ -1,6 +1,7 @@
 """Sweep the fused-MoE grouped GEMM's decode-size variants on this GPU against the bandwidth floor.
 
     python benchmarks/h200_moe_decode_sweep.py --out DIR [--budget-s 200] [--layers 8]
+    python benchmarks/h200_moe_decode_sweep.py --out DIR --focus w2 --budget-s 45   # the down GEMM only
     python benchmarks/h200_moe_decode_sweep.py --smoke    # CPU, interpreted, tiny shapes: the script runs
 
 DeepSeek-V2-Lite shapes (E=64, hidden 2048, moe_intermediate 1408, top-6, bf16). For each GEMM (w13:
@@ -22,7 +23,15 @@ plugins/kernels_triton/keel_kernels_triton/fused_moe/configs/ to ship them.
 Split-K candidates are timed writing their float32 partials only; their consumers' extra reads show in the
 whole-call time.
 
-Prediction (before any run; at 4.3 TB/s copy bandwidth, 26 layers):
+`--focus w2` (DIR/h200-moe-decode-sweep-w2.json): the first run (at 09f535f, results in
+benchmarks/results/h200-moe-decode-sweep-09f535f.json) left w13 at copy bandwidth and w2 at 58-79% of it,
+so this times the down GEMM's options only -- TMA dot tiles by block_m and gemv tiles, each with silu in
+the A load and with "FUSED_ACT": false (silu_and_mul as its own kernel, timed with the GEMM) -- paired with
+a few w13 tiles per block_m. Prediction: the fused A load keeps the activation out of the pipelined
+(asynchronous) operand loads, so unfused wins from ~16 tokens (w2 ~70% -> ~85%, the extra launch ~2-3 us
+and its ~1-8 MB round trip cost less), while at 1-8 tokens the extra launch costs more than it saves.
+
+Prediction of the first run (before any run; at 4.3 TB/s copy bandwidth, 26 layers):
 - batch 1 (6 experts, 104 MB per layer): shipped ~50 us per layer (48% of the floor's rate). gemv with
   block_m 1, block_n 16-32, block_k 256 launches 6 x 88-176 programs for w13 and streams 64-128 KB each:
   ~80% of copy bandwidth, ~30 us per layer (-0.5 ms per decode step).
@@ -62,9 +71,40 @@ GEMV_TILES = [(16, 256, 3, False), (32, 256, 3, False), (32, 128, 3, False), (16
 GEMV_MAX_PRODUCT = 64 * 32 * 8
 
 
-def candidates(tokens: int, shipped, tile, smoke: bool = False) -> list:
-    """The configs timed at `tokens` (`tile` is MoETileConfig), the shipped one first; `smoke`: one of
-    each kind."""
+def w2_focus_candidates(gemm: str, tokens: int, tile) -> list:
+    """`--focus w2`: the down GEMM's options -- TMA dot tiles by block_m and gemv tiles, each with silu in
+    the A load and as its own kernel first ("FUSED_ACT": false) -- and, for the pairing, a few w13 tiles
+    per block_m (the first sweep's winners)."""
+    if gemm == "w13":
+        out = [tile(16, 128, 128, 4, 3, weight_tma=True), tile(16, 64, 256, 4, 3, weight_tma=True)]
+        if tokens >= 32:
+            out += [tile(32, 128, 128, 8, 3), tile(32, 128, 128, 8, 3, weight_tma=True)]
+        if tokens >= 128:
+            out += [tile(64, 128, 64, 4, 3, weight_tma=True), tile(64, 128, 64, 8, 4)]
+        if tokens <= 2:
+            out.append(tile(1, 16, 128, 4, 3, kernel="gemv"))
+        if 2 <= tokens <= 8:
+            out.append(tile(2, 16, 128, 4, 3, kernel="gemv"))
+        return out
+    dot = [(16, 128, 128, 4, 3), (16, 128, 128, 4, 4), (16, 256, 128, 8, 3), (16, 128, 64, 4, 4), (16, 64, 128, 4, 4)]
+    if tokens >= 32:
+        dot += [(32, 128, 64, 4, 3), (32, 128, 128, 8, 3), (32, 64, 128, 4, 4)]
+    if tokens >= 128:
+        dot += [(64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 256, 64, 8, 3), (64, 128, 128, 8, 3)]
+    gemv = []
+    if tokens <= 2:
+        gemv += [(1, 16, 128, 4, 3), (1, 16, 64, 4, 3), (1, 32, 64, 4, 3), (1, 16, 128, 4, 4)]
+    if 2 <= tokens <= 8:
+        gemv += [(2, 16, 128, 4, 3), (2, 32, 64, 4, 3), (2, 16, 64, 4, 3)]
+    return [c for fused in (True, False) for c in [tile(*d, weight_tma=True, fused_act=fused) for d in dot]
+            + [tile(*g, kernel="gemv", fused_act=fused) for g in gemv]]
+
+
+def candidates(tokens: int, shipped, tile, smoke: bool = False, gemm: str = "w13", focus: str = "all") -> list:
+    """The configs timed at `tokens` for `gemm` (`tile` is MoETileConfig), the shipped one first; `smoke`:
+    one of each kind; `focus` "w2": `w2_focus_candidates`."""
+    if focus == "w2":
+        return _unique(shipped, w2_focus_candidates(gemm, tokens, tile), smoke)
     dot = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 32, 256, 4, 4),
            (16, 64, 128, 4, 6)]
     if tokens >= 32:
@@ -79,9 +119,13 @@ def candidates(tokens: int, shipped, tile, smoke: bool = False) -> list:
                 out.append(tile(bm, bn, bk, warps, stages, kernel="gemv", weight_tma=tma))
     if tokens <= 2:
         out += [tile(1, 32, 256, 4, 3, split_k=s, kernel="gemv") for s in (2, 4)]
+    return _unique(shipped, out, smoke)
+
+
+def _unique(shipped, configs: list, smoke: bool) -> list:
     seen, kinds = [shipped], set()
-    for c in out:
-        kind = (c.kernel, c.weight_tma, (c.split_k or 1) > 1)
+    for c in configs:
+        kind = (c.kernel, c.weight_tma, (c.split_k or 1) > 1, c.fused_act)
         if c not in seen and not (smoke and kind in kinds):
             seen.append(c)
             kinds.add(kind)
@@ -94,6 +138,14 @@ class Sweep:
         from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton, invoke_fused_moe_kernel
 
         self.align, self.invoke, self.fused = moe_align_block_size, invoke_fused_moe_kernel, fused_experts_triton
+        if interpret:
+            from keel.layers.activation import get_act_and_mul_fn
+
+            self.silu_and_mul = get_act_and_mul_fn("silu")
+        else:
+            from keel_kernels_triton.ops import TritonSiluAndMul
+
+            self.silu_and_mul = TritonSiluAndMul()
         self.hidden, self.inter, self.experts, self.device = hidden, inter, experts, device
         self.gemms = {"w13": (2 * inter, hidden), "w2": (hidden, inter)}
         dtype = torch.float32 if interpret else torch.bfloat16
@@ -130,8 +182,10 @@ class Sweep:
         if gemm == "w13":
             self.invoke(inp["x"], self.w["w13"][layer], out, None, sorted_ids, expert_ids, total, TOP_K, cfg)
         else:
-            self.invoke(inp["gate_up"], self.w["w2"][layer], out, inp["weights"].reshape(-1), sorted_ids,
-                        expert_ids, total, 1, cfg, act_silu=True)
+            # FUSED_ACT false: silu(gate) * up by its own kernel first, as fused_experts_triton runs it
+            a = inp["gate_up"] if cfg.fused_act else self.silu_and_mul(inp["gate_up"])
+            self.invoke(a, self.w["w2"][layer], out, inp["weights"].reshape(-1), sorted_ids,
+                        expert_ids, total, 1, cfg, act_silu=cfg.fused_act)
         return out
 
     def output(self, gemm: str, cfg, inp: dict) -> torch.Tensor:
@@ -182,6 +236,7 @@ def run(args) -> dict:
     def write() -> dict:
         configs = {g: {str(m): c.to_json() for m, c in sorted(best_files[g].items())} for g in sweep.gemms}
         summary = {"device": device_name, "copy_bw_GBps": bw_GBps, "layers": args.layers, "commit": args.commit,
+                   "focus": args.focus,
                    "versions": {"torch": torch.__version__, "triton": _triton_version()},
                    "shape": {"experts": experts, "hidden": hidden, "moe_intermediate": inter, "top_k": TOP_K},
                    "results": sorted(results, key=lambda r: r["tokens"]), "configs": configs,
@@ -192,7 +247,7 @@ def run(args) -> dict:
             for g, (n, k) in sweep.gemms.items():
                 (args.out / config_file_name(experts, n, k, device_name.split(" (")[0])).write_text(
                     json.dumps(configs[g], indent=2) + "\n")
-            (args.out / "h200-moe-decode-sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (args.out / f"h200-moe-decode-sweep{'' if args.focus == 'all' else '-' + args.focus}.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
     for tokens in tokens_list:
@@ -208,7 +263,7 @@ def run(args) -> dict:
             ref = sweep.output(gemm, base, inp)
             scale = ref.abs().max().item()
             per[gemm], timed = {}, []
-            for cfg in candidates(tokens, base, MoETileConfig, interpret):
+            for cfg in candidates(tokens, base, MoETileConfig, interpret, gemm, args.focus):
                 key = (gemm, cfg)
                 if key in sweep.dead:
                     continue
@@ -277,6 +332,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop measuring new token counts after this")
     ap.add_argument("--layers", type=int, default=8, help="distinct weight copies per timed graph")
     ap.add_argument("--commit", default=os.environ.get("KEEL_COMMIT", ""), help="recorded in the results")
+    ap.add_argument("--focus", choices=("all", "w2"), default="all",
+                    help="w2: only the down GEMM's options (fused or separate silu; a few w13 tiles to pair with)")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreted, tiny shapes: check the script runs")
     args = ap.parse_args()
     if args.smoke:

@@ -145,6 +145,12 @@ def test_decode_sweep_candidates_cover_every_variant():
             assert {16, 32, 64} <= {c.block_m for c in found}
         smoke = sweep.candidates(tokens, shipped, MoETileConfig, smoke=True)
         assert len(smoke) <= 6 and {(c.kernel, c.weight_tma) for c in smoke} == kinds
+        # --focus w2: the down GEMM fused and unfused at every size, w13 tiles for each of its block_m
+        w2 = sweep.candidates(tokens, shipped, MoETileConfig, gemm="w2", focus="w2")
+        w13 = sweep.candidates(tokens, shipped, MoETileConfig, gemm="w13", focus="w2")
+        assert {c.fused_act for c in w2 if c.kernel == "dot"} == {True, False}
+        assert {c.block_m for c in w2} <= {c.block_m for c in w13}
+        assert all(c.fused_act for c in w13[1:])
 
 
 @pytest.mark.parametrize("block_m", [1, 2, 4, 8])

@@ -37,7 +37,7 @@ COMPILE_PRELUDE = textwrap.dedent('''
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
              "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA")
-    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1):
+    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None):
         c_ty = "fp32" if c.split_k > 1 else ty
         sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
                "b_desc": f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
@@ -49,7 +49,8 @@ COMPILE_PRELUDE = textwrap.dedent('''
         sig.update({name: "constexpr" for name in names})
         per_split = -(-k // c.split_k)
         k_slice = -(-per_split // c.block_k) * c.block_k  # as invoke_fused_moe_kernel
-        consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=not w13,
+        act_silu = (not w13) if act_silu is None else act_silu
+        consts = dict(K=k, A_ROW_DIV=6 if w13 else 1, A_SPLITS=a_splits, ACT_SILU=act_silu,
                       MUL_ROUTED_WEIGHT=not w13, DOT_PRECISION="ieee" if ty == "fp32" else "tf32",
                       UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=group_m,
@@ -98,6 +99,8 @@ DECODE_COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
     for c in variants:
         for n, k, w13 in ((2816, 2048, True), (2048, 1408, False)):
             compile_gemm(c, n, k, w13, c.split_k if not w13 else 1, "bf16")
+    for c in variants[2], variants[5]:  # down GEMMs after a separate silu_and_mul ("FUSED_ACT": false)
+        compile_gemm(c, 2048, 1408, False, 1, "bf16", act_silu=False)
     print("compiled")
 ''')
 
