@@ -176,11 +176,14 @@ def test_cuda_fused_silu_and_sum_round_like_torch():
 
 
 @needs_cuda
-@pytest.mark.parametrize("split", [1, 4])
-def test_cuda_graph_replay_with_fresh_routing(split):
+@pytest.mark.parametrize("tile", [MoETileConfig(16, 64, 64, 4, 4, 1), MoETileConfig(16, 64, 64, 4, 4, 4),
+                                  MoETileConfig(1, 16, 128, 4, 3, kernel="gemv"),
+                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, fused_act=False)],
+                         ids=["split1", "split4", "gemv", "tma_unfused"])
+def test_cuda_graph_replay_with_fresh_routing(tile):
     x, w13, w2, w, ids = _inputs(4)
     res = torch.randn_like(x)
-    tiles = (MoETileConfig(16, 64, 64, 4, 4, split),) * 2
+    tiles = (tile,) * 2
 
     def step():
         return fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=tiles)
