@@ -181,9 +181,11 @@ def test_async_scheduling_samples_constrained_requests_every_step(model_dir, llm
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_cuda_async_engine_with_the_fused_mask(model_dir):
+def test_cuda_async_engine_with_the_fused_mask(tmp_path):
     """On the GPU with kernels-triton the runner's mask is the fused kernel, the bitmask is pinned, and
-    async scheduling (on by default there) samples constrained requests every step, all valid."""
+    async scheduling (on by default there) samples constrained requests every step, all valid. The model
+    has head size 64: triton_flash serves 64 / 128 / 256 (the shared tiny model's 16 it refuses)."""
+    model_dir = make_tiny_model(tmp_path / "llama-h64", head_dim=64)
     gpu = make_llm(model_dir, plugins=["platform-cuda", "attention-flash", "kernels-triton", "models-llama",
                                        "structured-output-xgrammar"], platform="cuda",
                    attention_backend="triton_flash", block_size=16, gpu_memory_utilization=0.3)
