@@ -168,13 +168,15 @@ def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path,
             return read_tile_config_file(d / name)
     # No file for this expert count (e.g. shared experts fused into the routed GEMM as extra experts): the
     # same GEMM shape tuned for the nearest expert count -- tiles depend on rows per expert and N, K.
+    # Ties go to the earlier search directory (KEEL_MOE_TILE_CONFIG_DIR before the shipped files), then to
+    # the smaller expert count -- never to the path's spelling.
     near = []
-    for d in dirs:
+    for rank, d in enumerate(dirs):
         for path in d.glob(config_file_name(0, n, k, device_name).replace("E=0,", "E=*,", 1)):
             e = path.name.split(",", 1)[0].removeprefix("E=")
             if e.isdigit():
-                near.append((abs(int(e) - num_experts), int(e), path))
-    return read_tile_config_file(min(near)[2]) if near else {}
+                near.append((abs(int(e) - num_experts), rank, int(e), str(path)))
+    return read_tile_config_file(Path(min(near)[3])) if near else {}
 
 
 def pick_for_tokens(configs: dict[int, MoETileConfig], num_tokens: int) -> MoETileConfig:
