@@ -102,6 +102,7 @@ class DecodeGraphRunner:
         self.num_replays = 0
         self.replays_by_query_len: dict[int, int] = dict.fromkeys(self.query_lens, 0)
         self.pool = None  # the graphs' memory pool, once captured
+        self.last_key: GraphKey | None = None  # the graph the last `run` replayed (None: eager)
 
     @property
     def keys(self) -> list[GraphKey]:
@@ -207,11 +208,10 @@ class DecodeGraphRunner:
         """Called by the model runner every step; replays when the step is uniform with a captured query
         length and fits a bucket.
 
-        The returned tensor is the graph's output buffer: valid until the next `run`.
+        The returned tensor is the graph's output buffer: valid until the next `run`. `last_key` is the
+        graph this call replayed, None when the step runs eagerly (a draft graph follows it).
         """
-        if not self.graphs:
-            return None
-        key = self.graph_key(int(input_ids.shape[0]), common)
+        self.last_key = key = self.graph_key(int(input_ids.shape[0]), common) if self.graphs else None
         if key is None:
             return None
         self._stage(key, input_ids, positions, common)

@@ -201,7 +201,7 @@ class SpecStepRunner:
         rejected = torch.cat([t["counted"] - accepted * has, has.new_zeros(1)])
         last_tokens = emitted.gather(1, (num_emitted - 1).clamp(min=0)[:, None]).squeeze(1)
         # A verify step the target replayed as a graph, every request sampling: the drafts replay too.
-        draft_key = (r.cuda_graphs.graph_key(int(input_ids.shape[0]), common)
+        draft_key = (r.cuda_graphs.last_key
                      if r.draft_graphs is not None and sampling_idx.shape[0] == n else None)
         new_drafts = self._propose_device(states, t, hidden, positions, common, accepted * has, sampled,
                                           draft_key)
