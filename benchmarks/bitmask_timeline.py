@@ -6,10 +6,14 @@ parts and the structured-output manager's fill, and records per step:
 - main thread (the engine loop, holding the GIL while it runs Python): `schedule_ms`, `launch_ms`
   (execute_model_async: prepare inputs, launch the forward; waits first for the previous step's fill if
   its sampling is still pending), `tokens_wait_ms` (get_output: the previous step's tokens),
-  `apply_ms` (update_from_output, of which `advance_ms` feeds the committed tokens to the grammars),
+  `apply_ms` (update_from_output, of which `apply_grammar_ms` is the grammars' part: advancing them by
+  the committed tokens, or reading the outcome when the fill thread did),
   `output_ms` (LLMEngine.step around the core step: output processing);
-- the fill thread: `start_after_launch_ms` (when the fill was started, from the launch of its step),
-  `wake_ms` (started -> running on the fill thread: the thread waits for the GIL), `fill_job_ms` (the
+- the fill thread: `advance_ms` (the previous step's tokens on the host -> its grammars advanced by them),
+  `landed_to_filled_ms` (those tokens on the host -> this step's bitmask filled: the chain that must fit
+  in the forward), `start_after_launch_ms` (when the fill was started, from the launch of its step),
+  `wake_ms` (started -> running on the fill thread: queued behind the previous step's advance, which
+  waits for that step's tokens, and the wait for the GIL), `fill_job_ms` (the
   whole job), `batch_fill_ms` (the library's batch fill call inside it, GIL released; returning needs
   the GIL again), `fill_end_after_launch_ms`;
 - the runner: `runner_wait_ms` (how long sampling waited for the bitmask) and
@@ -35,11 +39,13 @@ class StepTimeline:
         self._marks: dict[int, dict[str, float]] = {}  # id(GrammarBitmask) -> timestamps (ms)
         self._restore: list = []
         self._plans: list = []
+        self._events: list[tuple[str, float]] = []  # the fill thread's jobs, in order: (what, when in ms)
 
     def clear(self) -> None:
         self.samples.clear()
         self._marks.clear()
         self._plans.clear()
+        self._events.clear()
 
     def _add(self, name: str, value: float) -> None:
         self.samples[name].append(value)
@@ -99,10 +105,11 @@ class StepTimeline:
         self._wrap(outer, outer_attr, make_outer)
 
     def _wrap_advance(self, scheduler) -> None:
-        """advance_ms: the grammar accepts of one update_from_output, summed."""
+        """apply_grammar_ms: the grammar work of one update_from_output, summed (the accepts, or reading the
+        fill thread's outcome when it advanced them)."""
         def report(_, inner: list[float]) -> None:
             if inner:
-                self._add("advance_ms", sum(inner))
+                self._add("apply_grammar_ms", sum(inner))
         self._wrap_nested(scheduler, "update_from_output", scheduler, "_advance_grammar", report)
 
     def _wrap_launch(self, executor) -> None:
@@ -148,10 +155,26 @@ class StepTimeline:
                         return fill()
                     finally:
                         self._mark(plan, "fill_end")
+                        self._events.append(("filled", _now_ms()))
                 plan._fill = timed_fill
                 return plan
             return wrapped
         self._wrap(manager, "plan_bitmask", make_plan)
+
+        def make_advance(fn):
+            def wrapped(req_ids, grammars, wait_sampled):
+                def timed_wait(timeout):
+                    tokens = wait_sampled(timeout)
+                    if tokens is not None:
+                        self._events.append(("landed", _now_ms()))
+                    return tokens
+                try:
+                    return fn(req_ids, grammars, timed_wait)
+                finally:
+                    self._events.append(("advanced", _now_ms()))
+            return wrapped
+        if hasattr(manager, "_advance"):
+            self._wrap(manager, "_advance", make_advance)
         backend = manager._get_backend()
         if hasattr(backend, "fill_bitmasks"):
             self._wrap(backend, "fill_bitmasks", self._timed("batch_fill_ms"))
@@ -200,6 +223,15 @@ class StepTimeline:
             derived["runner_wait_ms"].append(wait)
             if "wait_begin" in m:
                 derived["wait_begin_after_launch_ms"].append(m["wait_begin"] - launch)
+        landed = None
+        for what, t in list(self._events):
+            if what == "landed":
+                landed = t
+            elif what == "advanced" and landed is not None:
+                derived["advance_ms"].append(t - landed)
+            elif what == "filled" and landed is not None:  # the next step's fill, queued behind the advance
+                derived["landed_to_filled_ms"].append(t - landed)
+                landed = None
         out = {name: statistics.median(values) for name, values in {**self.samples, **derived}.items() if values}
         out["steps_with_bitmask"] = len(self._plans)
         return out

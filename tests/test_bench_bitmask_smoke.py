@@ -30,8 +30,9 @@ def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
     assert engine["constrained"]["host_fill_ms"] is not None and engine["plain"]["host_fill_ms"] is None
     # The breakdown the GPU run reports: main thread, fill thread, runner.
     parts = engine["constrained"]["breakdown"]
-    for key in ("schedule_ms", "launch_ms", "tokens_wait_ms", "apply_ms", "advance_ms", "output_ms",
-                "start_after_launch_ms", "wake_ms", "fill_job_ms", "batch_fill_ms", "runner_wait_ms"):
+    for key in ("schedule_ms", "launch_ms", "tokens_wait_ms", "apply_ms", "apply_grammar_ms", "output_ms",
+                "advance_ms", "landed_to_filled_ms", "start_after_launch_ms", "wake_ms", "fill_job_ms", "batch_fill_ms",
+                "runner_wait_ms"):
         assert parts[key] >= 0 or key == "start_after_launch_ms", key
     for key in ("overhead_fraction", "device_ms_torch_reference", "host_fill_ms", "decode_step_ms"):
         assert key in result or key in engine

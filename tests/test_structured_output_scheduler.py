@@ -213,6 +213,58 @@ def test_constrained_in_flight_schedules_every_step_and_fills_after_the_apply():
     assert "c" not in s.requests
 
 
+def test_launched_steps_advance_their_grammars_on_the_fill_thread_as_the_tokens_land():
+    """With the step's tokens handed over at launch (`launched`), the fill thread advances the grammars
+    as soon as the tokens are on the host -- not before -- so the next step's fill starts at schedule(),
+    queued behind that; update_from_output reads the outcome (the grammar's end stops the request even
+    when the next advance already ran) instead of advancing them again."""
+    import threading
+
+    s = make_scheduler(async_scheduling=True, constrained_in_flight=True)
+    add(s, "c", "4 5")
+    add(s, "free", None)
+    wait_ready(s, "c")
+    grammar = s.requests["c"].structured_output.grammar
+    tokens = iter([4, 5, EOS, 11])
+    outs: dict = {}
+    done = None  # (step, its tokens, "on the host" event)
+    steps = 0
+    while not outs.get("c") or not outs["c"].finished:
+        so = s.schedule()
+        steps += 1
+        if done is not None:  # a token in flight, yet the fill starts now: queued behind its advance
+            assert so.grammar_bitmask._future is not None
+            if not done[2].is_set():  # the token is not on the host yet: neither the advance nor the fill ran
+                time.sleep(0.05)
+                assert not so.grammar_bitmask.done() and grammar.pos == steps - 2
+        landed = threading.Event()
+        step_tokens = {"c": next(tokens), "free": 9}
+
+        def wait_sampled(timeout, landed=landed, step_tokens=step_tokens):
+            return step_tokens if landed.wait(timeout) else None
+
+        s.launched(so, wait_sampled)
+        if done is not None:
+            prev, prev_tokens, prev_landed = done
+            prev_landed.set()  # the previous step's tokens reach the host: advance, then this step's fill
+            expected = {4: {5}, 5: {EOS}, EOS: set(range(VOCAB))}[prev_tokens["c"]]
+            assert allowed(so, "c") == expected
+            if step_tokens["c"] == EOS:  # this step's token lands (and ends the grammar) before the apply
+                landed.set()             # of the previous one, which must not stop the request yet
+                deadline = time.monotonic() + 5
+                while not grammar.is_terminated():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            outs = {o.request_id: o for o in s.update_from_output(prev, ModelRunnerOutput(
+                req_ids=list(prev.num_scheduled_tokens),
+                sampled_token_ids=[[prev_tokens[r]] for r in prev.num_scheduled_tokens]))}
+            assert outs["c"].new_token_ids == [prev_tokens["c"]]
+            assert outs["c"].finished == (prev_tokens["c"] == EOS)
+        done = so, step_tokens, landed
+    assert outs["c"].finish_reason == "stop" and grammar.is_terminated()
+    assert steps == 4 and not s._advances.keys() - {id(done[0])}
+
+
 def test_bitmask_travels_to_another_process_filled():
     import pickle
 

@@ -184,7 +184,10 @@ class EngineCore:
         depth = self.max_in_flight
         if len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            self._in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+            pending = self.executor.execute_model_async(scheduler_output)
+            if self.constrained_in_flight:  # the runner is in this process: its grammars advance as tokens land
+                self.scheduler.launched(scheduler_output, pending.wait_sampled)
+            self._in_flight.append((scheduler_output, pending))
             launched = not scheduler_output.is_empty
         if not self._in_flight or (launched and len(self._in_flight) < depth):
             return []  # early in a burst: launch more steps before waiting for the oldest

@@ -33,7 +33,8 @@ import bisect
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 from keel.engine.core_output import EngineCoreOutput, SchedulerStats
 from keel.engine.request import EngineCoreRequest, Request, RequestStatus
@@ -85,6 +86,10 @@ class Scheduler:
         # step's bitmask is filled once update_from_output applied it (the fills waiting for that here).
         self.constrained_in_flight = constrained_in_flight
         self._fills_after_apply: list = []
+        # ... unless the engine core gave the launched step's tokens (`launched`): its constrained requests'
+        # grammars then advance on the fill thread as the tokens land, and the next fill queues behind.
+        self._advances: dict[int, Future] = {}  # id(SchedulerOutput) -> {req_id: (accepted, ended)}
+        self._advancing: frozenset[str] = frozenset()  # the requests the last launched step advances
         # Pipeline parallelism: `pipeline_depth` steps in flight are micro-batches of disjoint requests (a
         # request whose sampled token has not arrived waits: the first stage needs it), each taking about
         # 1 / depth of the running requests, and cached requests carry the tokens the runner has not seen
@@ -238,7 +243,7 @@ class Scheduler:
         # The scheduler assumes scheduled tokens will be computed; rejected drafts are rolled back in
         # update_from_output.
         constrained: list[Request] = []
-        token_in_flight = False  # a constrained request's grammar has not seen its previous token yet
+        token_in_flight = False  # a constrained request's grammar will not have seen its previous token
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
@@ -247,7 +252,8 @@ class Scheduler:
                        and request.pooling_params is None)
             if samples and request.structured_output is not None:
                 constrained.append(request)
-                token_in_flight = token_in_flight or request.num_output_placeholders > 0
+                token_in_flight = token_in_flight or (request.num_output_placeholders > 0
+                                                      and rid not in self._advancing)
             if self.async_scheduling and samples:
                 # This step samples the next token, and accepts any of its drafts: all count as placeholders
                 # (the optimistic count) until update_from_output sees how many were accepted.
@@ -262,6 +268,23 @@ class Scheduler:
                 plan.start()
             output.grammar_bitmask = plan
         return output
+
+    def launched(self, scheduler_output: SchedulerOutput,
+                 wait_sampled: Callable[[float], dict[str, int] | None]) -> None:
+        """Called by the engine core right after it launched `scheduler_output` (constrained_in_flight
+        only), with `wait_sampled(timeout)`: the step's {req_id: token} once on the host, from any thread.
+        The step's constrained requests' grammars then advance on the fill thread the moment the tokens
+        land (`StructuredOutputManager.plan_advance`), so the next step's fill starts at `schedule()`,
+        queued behind that, rather than after `update_from_output` -- which reads the outcome."""
+        plan = scheduler_output.grammar_bitmask
+        self._advancing = frozenset()
+        # A fill still waiting for update_from_output must run before this advance: it is not queued yet.
+        if plan is None or not self.constrained_in_flight or self._fills_after_apply:
+            return
+        grammars = [self.requests[rid].structured_output.grammar for rid in plan.req_ids]
+        self._advances[id(scheduler_output)] = self.structured_output.plan_advance(plan.req_ids, grammars,
+                                                                                   wait_sampled)
+        self._advancing = frozenset(plan.req_ids)
 
     def _constraint_ready(self, request: Request) -> bool:
         """Whether a waiting constrained request's grammar has compiled; one that failed is finished
@@ -372,6 +395,8 @@ class Scheduler:
         # Hoisted: at hundreds of requests per step the per-request lookups are the cost.
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         prompt_lps, lps, spec_ids = runner_output.prompt_logprobs, runner_output.logprobs, runner_output.spec_token_ids
+        advance = self._advances.pop(id(scheduler_output), None)
+        advanced = advance.result() if advance is not None else None  # grammars the fill thread advanced
         for rid, vector in runner_output.pooler_output.items():
             request = requests.get(rid)
             if request is None or request.is_finished:
@@ -406,7 +431,7 @@ class Scheduler:
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
                 if request.structured_output is not None:  # token by token: a grammar's end stops here
-                    status = self._advance_grammar(request, token) or status
+                    status = self._advance_grammar(request, token, advanced) or status
                 if status is not None:
                     break
             stats.generation_tokens_total += len(new_tokens)
@@ -452,16 +477,22 @@ class Scheduler:
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
-    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
-        """Feed a committed token to the request's grammar. A grammar that has accepted its end stops the
+    def _advance_grammar(self, request: Request, token: int,
+                         advanced: dict[str, tuple[bool, bool]] | None) -> RequestStatus | None:
+        """Feed a committed token to the request's grammar -- unless the fill thread already did
+        (`advanced`: {req_id: (accepted, ended)} from `launched`; an entry is used once). A grammar that has accepted its end stops the
         request (also with ignore_eos); a token it refuses (only possible when another mask banned every
         allowed token, e.g. min_tokens against a forced EOS) aborts it rather than emit invalid output."""
-        grammar = request.structured_output.grammar
-        if not grammar.accept_tokens([token]):
+        outcome = advanced.pop(request.request_id, None) if advanced else None
+        if outcome is None:
+            grammar = request.structured_output.grammar
+            outcome = grammar.accept_tokens([token]), grammar.is_terminated()
+        accepted, ended = outcome
+        if not accepted:
             logger.warning("request %s: token %s violates its structured_outputs constraint; aborting it",
                            request.request_id, token)
             return RequestStatus.FINISHED_ABORTED
-        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
+        return RequestStatus.FINISHED_STOPPED if ended else None
 
     def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
         """Keep only drafts that could still be emitted (lengths, max_tokens: one token is always new;

@@ -10,7 +10,8 @@ library's name. Who calls what:
   its compile thread when the first such request arrives, then calls `compile(params)` on that thread
   (once per distinct `params.cache_key()`), and `grammar(compiled)` once per request.
 - The scheduler owns each request's `StructuredOutputGrammar`: `fill_bitmask` when the request samples
-  a token this step, `accept_tokens` with the tokens it committed. Always on the engine loop's thread.
+  a token this step, `accept_tokens` with the tokens it committed: on the engine loop's thread or on the
+  manager's fill thread, never both at once (the loop waits for the fill thread's work on them).
   With speculative decoding it also keeps only the drafts `validate_tokens` returns, and fills one row
   per verify position: `accept_tokens` through the drafts tentatively, then `rollback`.
 
@@ -44,7 +45,7 @@ class BackendContext:
 
 @runtime_checkable
 class StructuredOutputGrammar(Protocol):
-    """One request's matcher state; used only on the engine loop's thread."""
+    """One request's matcher state; used by one thread at a time (the engine loop or the fill thread)."""
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advance by committed tokens; False if a token is not allowed (the state is then unchanged)."""
@@ -78,3 +79,5 @@ class StructuredOutputBackend(Protocol):
     # Optional: `fill_bitmasks(grammars, bitmask, rows)` fills the whole rows `bitmask[rows[i]]` for
     # `grammars[i]` (its own grammars, none terminated) in one call -- e.g. on threads. The manager uses it for the rows of a
     # step that need no tentative advance; without it, each grammar's `fill_bitmask`.
+    # Optional: `accept_tokens_batch(grammars, tokens) -> list[bool]`, `grammars[i].accept_tokens([tokens[i]])`
+    # for all in one call; the manager uses it to advance a step's grammars on its fill thread.

@@ -151,6 +151,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     def _get_backend(self) -> StructuredOutputBackend:
         if self._backend is None:
@@ -183,6 +184,35 @@ class StructuredOutputManager:
         rows = [rid for rid, tokens in zip(req_ids, drafts, strict=True) for _ in range(len(tokens) + 1)]
         grammars = list(grammars)
         return GrammarBitmask(rows, fill=lambda: self._fill_rows(len(rows), grammars, drafts), pool=self._fill_pool)
+
+    def plan_advance(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
+                     wait_sampled: Callable[[float], dict[str, int] | None]) -> Future:
+        """Advance `grammars` by the tokens their requests sample in a step just launched, on the fill
+        thread, the moment those tokens are on the host (`wait_sampled(timeout)`: {req_id: token}, None
+        while the step's sampling is not enqueued yet) -- before the next step's bitmask fill, which is
+        queued behind it. Called by the scheduler right after the launch; the future's result is
+        {req_id: (accepted, terminated after it)} for the requests advanced (a terminated grammar, or one
+        whose request sampled nothing, is left alone), which `update_from_output` reads instead of advancing
+        them itself."""
+        req_ids, grammars = list(req_ids), list(grammars)
+        return self._fill_pool.submit(self._advance, req_ids, grammars, wait_sampled)
+
+    def _advance(self, req_ids: list[str], grammars: list[StructuredOutputGrammar],
+                 wait_sampled: Callable[[float], dict[str, int] | None]) -> dict[str, tuple[bool, bool]]:
+        tokens = None
+        while tokens is None:  # the step's sampling is enqueued by the engine loop; stop waiting at shutdown
+            if self._closed:
+                return {}
+            tokens = wait_sampled(0.1)
+        live = [(rid, g) for rid, g in zip(req_ids, grammars, strict=True) if rid in tokens and not g.is_terminated()]
+        batch_accept = getattr(self._backend, "accept_tokens_batch", None)
+        picked = [tokens[rid] for rid, _ in live]
+        if batch_accept is not None:
+            accepted = batch_accept([g for _, g in live], picked)
+        else:
+            accepted = [g.accept_tokens([t]) for (_, g), t in zip(live, picked, strict=True)]
+        # Whether each grammar ended is read here: the next step's advance may run before the loop reads this.
+        return {rid: (bool(ok), g.is_terminated()) for (rid, g), ok in zip(live, accepted, strict=True)}
 
     def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
                         drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
@@ -222,6 +252,7 @@ class StructuredOutputManager:
         return bitmask
 
     def shutdown(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
         sys.setswitchinterval(self._switch_interval)

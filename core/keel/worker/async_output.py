@@ -9,8 +9,9 @@ this step's copy (an event), never for later work on the stream.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ class SampledLaunch:
     logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [S, k + 1] ids, logprobs, ranks
     event: torch.Event | None = None  # recorded after the copies; None on the host
     pending: Callable[[], None] | None = None  # enqueues sampling (and sets the tensors above)
+    enqueued: threading.Event = field(default_factory=threading.Event)  # set once the tensors above are set
 
     def finish(self) -> None:
         """Enqueue the pending sampling, if any (waits for the grammar bitmask's fill on the host)."""
@@ -84,6 +86,23 @@ class AsyncModelRunnerOutput:
                     out.logprobs[launch.req_ids[i]] = tuple([col[j][: k + 1]] for col in cols)
         self._done = True
         return out
+
+    def wait_sampled(self, timeout: float) -> dict[str, int] | None:
+        """{req_id: sampled token} of this step once the tokens are on the host, or None if its sampling
+        was not enqueued within `timeout` seconds (the caller may ask again). Safe from any thread: it
+        reads the host copy and commits nothing (`get_output` does that). The structured-output fill
+        thread calls it to advance the grammars the moment the tokens land, while the engine loop is
+        still busy elsewhere."""
+        launch = self._launch
+        if launch is None:
+            out = self._output
+            return {rid: t[0] for rid, t in zip(out.req_ids, out.sampled_token_ids, strict=True) if t}
+        if not launch.enqueued.wait(timeout):
+            return None
+        if launch.event is not None:
+            launch.event.synchronize()
+        tokens = launch.sampled_host.tolist()
+        return {launch.req_ids[i]: tok for i, tok in zip(launch.sampling_idx, tokens, strict=True)}
 
 
 class InFlightTokens:

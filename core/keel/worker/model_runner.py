@@ -460,6 +460,7 @@ class ModelRunner:
                     launch.logprobs_host = tuple(pinned_empty(x.shape, x.dtype, self.device).copy_(x, non_blocking=True)
                                                  for x in lps)
                 launch.event = record_event(self.device)
+            launch.enqueued.set()
 
         if constraint is None or constraint.ready:
             sample()

@@ -113,6 +113,13 @@ class XGrammarBackend:
         if grammars:
             self.batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, indices=list(rows))
 
+    def accept_tokens_batch(self, grammars: Sequence[XGrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        """One token per grammar in one call (xgrammar's batch accept, in C++); a refused token leaves its
+        grammar unchanged."""
+        if not grammars:
+            return []
+        return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], [int(t) for t in tokens])
+
 
 # xgrammar's batch fill runs on half the cores (at most 8): the other half keeps the engine loop, the
 # tokenizer and the server going (vLLM fills on half the cores too). One thread needs ~20 us per JSON

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -148,22 +149,29 @@ def test_same_valid_outputs_across_scheduling_modes(model_dir, llm, engine_kw):
 
 def generate_checking_every_step(llm, prompts, params, kinds) -> list[list[str]]:
     """`check_outputs` of an async engine's run, which must have scheduled every request in every step
-    from its first to its last: constrained ones too, their bitmask filled once the tokens before it
-    were applied, while the step's forward runs."""
+    from its first to its last: constrained ones too, their grammars advanced on the fill thread as the
+    tokens before reached the host and their bitmask filled after that, while the step's forward runs."""
     core = llm.llm_engine.core
     assert core.async_scheduling and core.constrained_in_flight
-    scheduled, schedule = [], core.scheduler.schedule
+    manager = core.scheduler.structured_output
+    scheduled, schedule, advance = [], core.scheduler.schedule, manager._advance
+    advanced: list[str] = []
 
     def spy():
         so = schedule()
         scheduled.append(set(so.num_scheduled_tokens))
         return so
 
-    core.scheduler.schedule = spy
+    def spy_advance(*args):
+        advanced.append(threading.current_thread().name)
+        return advance(*args)
+
+    core.scheduler.schedule, manager._advance = spy, spy_advance
     try:
         texts = check_outputs(llm.generate(prompts, params, use_tqdm=False), kinds)
     finally:
-        core.scheduler.schedule = schedule
+        core.scheduler.schedule, manager._advance = schedule, advance
+    assert advanced and all(name.startswith("keel-grammar-fill") for name in advanced)
     for rid in set().union(*scheduled):
         steps = [i for i, ids in enumerate(scheduled) if rid in ids]
         assert steps == list(range(steps[0], steps[-1] + 1)), rid
