@@ -336,3 +336,15 @@ def test_the_manager_lowers_the_gil_switch_interval_while_it_lives():
         assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_an_advance_waiting_for_tokens_that_never_land_does_not_block_exit():
+    """An engine dropped without shutdown may leave the fill thread waiting for a step's tokens that are
+    never enqueued; the interpreter joins that thread at exit, so the wait must end there."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom keel.structured_output.manager import StructuredOutputManager\n"
+            "m = StructuredOutputManager(lambda: None, lambda: None, 64)\n"
+            "m.plan_advance(['a'], [None], lambda timeout: time.sleep(timeout))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

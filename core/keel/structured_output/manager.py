@@ -41,6 +41,13 @@ FILL_SWITCH_INTERVAL_S = 0.0002
 _LIBRARY_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
+# Set when the interpreter starts to exit, before it joins worker threads (concurrent.futures registers its
+# own join the same way): an advance waiting for a step that an engine dropped without shutdown never
+# enqueues must not keep the process alive.
+_exiting = threading.Event()
+threading._register_atexit(_exiting.set)
+
+
 def clean_error(exc: BaseException) -> str:
     """A library's error message without its source-location prefix ("[12:00:00] file.cc:12: ")."""
     return _LIBRARY_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
@@ -201,7 +208,7 @@ class StructuredOutputManager:
                  wait_sampled: Callable[[float], dict[str, int] | None]) -> dict[str, tuple[bool, bool]]:
         tokens = None
         while tokens is None:  # the step's sampling is enqueued by the engine loop; stop waiting at shutdown
-            if self._closed:
+            if self._closed or _exiting.is_set():
                 return {}
             tokens = wait_sampled(0.1)
         live = [(rid, g) for rid, g in zip(req_ids, grammars, strict=True) if rid in tokens and not g.is_terminated()]
