@@ -76,17 +76,19 @@ def _model_dir(ns) -> tuple[Path, int]:
     return model_dir, cfg.vocab_size
 
 
-def _use_synthetic_vocabulary(vocab: int) -> None:
-    """The engine's xgrammar backend builds its matchers over the synthetic vocabulary of `vocab` tokens."""
+def _use_vocabulary(ns, vocab: int) -> None:
+    """The engine's xgrammar backend builds its matchers over the benchmark's vocabulary of `vocab` tokens,
+    and fills with `--fill-threads` threads when given."""
     import xgrammar as xgr
     from keel_structured_output_xgrammar import backend
 
-    info = synthetic_tokenizer_info(vocab)
+    info = tokenizer_info(ns, vocab)
+    threads = ns.fill_threads or backend.FILL_THREADS
 
     def init(self, ctx) -> None:
         self.info = info
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.batch = backend.batch_matcher()
+        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     backend.XGrammarBackend.__init__ = init
 
@@ -102,7 +104,7 @@ def engine_steps(ns, device: str) -> dict:
     from keel.engine.sampling_params import SamplingParams
 
     model_dir, vocab = _model_dir(ns)
-    _use_synthetic_vocabulary(vocab)
+    _use_vocabulary(ns, vocab)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), profile="cpu" if device == "cpu" else "cuda", load_format="dummy",
         plugins=(["platform-cpu", "attention-torch", "models-llama"] if device == "cpu" else
@@ -165,6 +167,7 @@ def engine_steps(ns, device: str) -> dict:
     core.scheduler.constrained_in_flight = False  # the former path: skip the step after each token
     out["every_other_step"] = run(True, 3)
     core.scheduler.constrained_in_flight = True
+    out["plain_after"] = run(False, 5)  # the plain step again: how much the device drifted over the runs
     timeline.detach()
     engine.shutdown()
     plain = out["plain"]["ms_per_token_step"]
@@ -174,6 +177,7 @@ def engine_steps(ns, device: str) -> dict:
     out["default_switch_interval_overhead_fraction"] = (
         out["constrained_default_switch_interval"]["ms_per_token_step"] / plain - 1)
     out["every_other_step_overhead_fraction"] = out["every_other_step"]["ms_per_token_step"] / plain - 1
+    out["plain_drift_fraction"] = out["plain_after"]["ms_per_token_step"] / plain - 1
     return out
 
 
@@ -220,6 +224,79 @@ def fused_kernel():
     return op if op.supports("cuda" if torch.cuda.is_available() else "cpu", torch.float32) else None
 
 
+def tokenizer_info(ns, vocab: int):
+    """The vocabulary the grammars see: `--vocab bpe` (byte-level BPE, see bpe_tokenizer_info) or
+    `--vocab synthetic` (random strings over a JSON-heavy alphabet: a pessimistic case)."""
+    if ns.vocab == "synthetic":
+        return synthetic_tokenizer_info(vocab)
+    return bpe_tokenizer_info(vocab, ns.vocab_file)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins (GPT-2's table) back to the bytes they stand for."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+@functools.cache
+def bpe_tokenizer_info(vocab: int, path: str | None):
+    """A byte-level BPE vocabulary of `vocab` tokens like Llama-3's: read from `path` (a tokenizer.json)
+    when it exists, else trained on the Python sources of this interpreter's library and packages
+    (the machine has no model to download; a minute or two) and saved there. Code is quote-heavy, so its share of tokens with
+    a `"` -- the tokens a JSON string state must check one by one -- is if anything higher than a
+    web-trained vocabulary's; `vocab_stats` records it. Ids past the trained ones are reserved special
+    tokens (never allowed by a grammar), as Llama-3 reserves 256."""
+    import xgrammar as xgr
+    from tokenizers import Tokenizer
+
+    if path and Path(path).exists():
+        tok = Tokenizer.from_file(path)
+    else:
+        tok = _train_bpe(vocab - 256)
+        if path:
+            tok.save(path)
+    table = _byte_decoder()
+    pieces = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [bytes(table[ch] for ch in piece) for piece, _ in pieces][:vocab - 1]
+    special = [b""] * (vocab - len(tokens))  # xgrammar's special tokens: empty; the first is the end token
+    BPE_STATS.update(trained_tokens=len(tokens), quote_fraction=sum(b'"' in t for t in tokens) / len(tokens),
+                     mean_bytes=statistics.mean(len(t) for t in tokens))
+    return xgr.TokenizerInfo(tokens + special, vocab_type=xgr.VocabType.RAW, vocab_size=vocab,
+                             stop_token_ids=[len(tokens)])
+
+
+BPE_STATS: dict = {}
+BPE_CORPUS_MB = 240
+
+
+def _train_bpe(size: int):
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files, total = [], 0
+    stdlib = [f for f in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py") if "site-packages" not in f.parts]
+    packages = Path(sysconfig.get_paths()["purelib"]).rglob("*.py")
+    for f in sorted(stdlib) + sorted(packages):  # the interpreter's own library, then the installed packages
+        if total > BPE_CORPUS_MB * 1e6:
+            break
+        try:
+            f.read_text(encoding="utf-8")  # the trainer stops at a file that is not UTF-8
+        except (UnicodeDecodeError, OSError):
+            continue
+        files.append(str(f))
+        total += f.stat().st_size
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train(files, trainers.BpeTrainer(vocab_size=size, min_frequency=2, show_progress=False,
+                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    BPE_STATS.update(corpus_mb=total / 1e6, corpus="the Python library's and installed packages' *.py")
+    return tok
+
+
 @functools.cache  # ~1 s of Python per build; the host fill and the engine share it
 def synthetic_tokenizer_info(vocab: int):
     import xgrammar as xgr
@@ -236,15 +313,16 @@ def synthetic_tokenizer_info(vocab: int):
     return xgr.TokenizerInfo(tokens, vocab_type=xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[2])
 
 
-def host_fill_ms(batch: int, vocab: int, steps: int) -> dict:
+def host_fill_ms(ns, batch: int, vocab: int, steps: int) -> dict:
     import xgrammar as xgr
-    from keel_structured_output_xgrammar.backend import FILL_THREADS, XGrammarBackend, batch_matcher
+    from keel_structured_output_xgrammar.backend import FILL_THREADS, XGrammarBackend
 
     from keel.structured_output.backend import BackendContext
     from keel.structured_output.manager import StructuredOutputManager
     from keel.structured_output.params import StructuredOutputsParams
 
-    info = synthetic_tokenizer_info(vocab)
+    info = tokenizer_info(ns, vocab)
+    threads = ns.fill_threads or FILL_THREADS
 
     class SyntheticVocabBackend(XGrammarBackend):
         """The engine's xgrammar backend over the synthetic vocabulary (no Hugging Face tokenizer)."""
@@ -252,7 +330,7 @@ def host_fill_ms(batch: int, vocab: int, steps: int) -> dict:
         def __init__(self, ctx: BackendContext) -> None:
             self.info = info
             self.compiler = xgr.GrammarCompiler(info, max_threads=8)
-            self.batch = batch_matcher()
+            self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     manager = StructuredOutputManager(lambda: SyntheticVocabBackend, lambda: BackendContext(None, vocab, 2), vocab)
     t = time.perf_counter()
@@ -287,7 +365,7 @@ def host_fill_ms(batch: int, vocab: int, steps: int) -> dict:
     manager.shutdown()
     return {"host_fill_ms": statistics.median(times["batched"]),
             "host_fill_sequential_ms": statistics.median(times["sequential"]),
-            "fill_threads": FILL_THREADS,
+            "fill_threads": threads,
             "compile_s": compile_s}
 
 
@@ -299,12 +377,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps per engine run")
     parser.add_argument("--warm-steps", type=int, default=8, help="decode steps before timing")
     parser.add_argument("--fill-steps", type=int, default=30)
+    parser.add_argument("--vocab", choices=("bpe", "synthetic"), default="bpe",
+                        help="the grammars' vocabulary: byte-level BPE (trained here) or random strings")
+    parser.add_argument("--vocab-file", default=None, help="bpe: a tokenizer.json to use (or to save the trained one)")
+    parser.add_argument("--fill-threads", type=int, default=None, help="xgrammar's batch fill threads "
+                        "(default: the backend's FILL_THREADS)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch: the script runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here (also printed)")
     ns = parser.parse_args()
     device = "cpu" if ns.smoke else "cuda"
     if ns.smoke:
         ns.batch, ns.layers, ns.input_len, ns.steps, ns.warm_steps, ns.fill_steps = 4, 1, 8, 3, 1, 3
+        global BPE_CORPUS_MB
+        BPE_CORPUS_MB = 2  # a 2048-token vocabulary needs little text
     vocab = SMOKE_VOCAB if ns.smoke else LLAMA3_8B["vocab_size"]
     result = {"batch": ns.batch, "vocab": vocab, "layers": ns.layers, "device":
               "cpu" if ns.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -316,7 +401,9 @@ def main() -> None:
     result["device_ms"] = None if kernel is None else device_ms(ns.batch, vocab, device, kernel)
     print(f"bitmask copy + mask on the device: fused kernel {result['device_ms']} ms, torch reference "
           f"{result['device_ms_torch_reference']:.3f} ms", flush=True)
-    result.update(host_fill_ms(ns.batch, vocab, ns.fill_steps))
+    result.update(host_fill_ms(ns, ns.batch, vocab, ns.fill_steps))
+    result["vocab_kind"] = ns.vocab
+    result["vocab_stats"] = dict(BPE_STATS)
     print(f"host fill of {ns.batch} xgrammar matchers: {result['host_fill_ms']:.3f} ms batched, "
           f"{result['host_fill_sequential_ms']:.3f} ms one by one (schema compile {result['compile_s']:.2f} s)",
           flush=True)
@@ -327,7 +414,9 @@ def main() -> None:
     print(f"engine at batch {ns.batch}: plain {step:.3f} ms per step, all constrained "
           f"{eng['constrained_step_ms']:.3f} ms ({100 * eng['overhead_fraction']:+.2f}%, target < 5%); the "
           f"every-other-step path {100 * eng['every_other_step_overhead_fraction']:+.2f}%; device cost alone "
-          f"{100 * result['device_fraction']:.2f}% of the plain step", flush=True)
+          f"{100 * result['device_fraction']:.2f}% of the plain step; plain step drift over the runs "
+          f"{100 * eng['plain_drift_fraction']:+.2f}% ({ns.vocab} vocabulary, {result['fill_threads']} fill threads, "
+          f"{result['vocab_stats']})", flush=True)
     parts = eng["constrained"]["breakdown"]
     print("constrained step breakdown (median ms): " + ", ".join(
         f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms")), flush=True)

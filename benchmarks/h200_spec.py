@@ -258,6 +258,11 @@ def main(argv=None) -> dict:
                 row["predicted_speedup_vs_plain"] = PREDICTIONS[name][f"b{b}"]
             pairs = [(x, y) for rx, ry in zip(row["_tokens"], plain["_tokens"]) for x, y in zip(rx, ry)]
             row["greedy_equal_to_plain"] = sum(x == y for x, y in pairs) / len(pairs)
+            # Where each request's tokens first leave plain decoding's (its length: never), and the first
+            # tokens of the first request in both: a divergence at 0 is the prefill's, not the verify's.
+            row["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(rx, ry)) if x != y), len(rx))
+                                       for rx, ry in zip(row["_tokens"], plain["_tokens"])]
+            row["head_tokens"] = {"this": list(row["_tokens"][0][:6]), "plain": list(plain["_tokens"][0][:6])}
     for name in names:
         for b in batches:
             result[name][f"b{b}"].pop("_tokens", None)
