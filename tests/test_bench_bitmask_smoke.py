@@ -22,7 +22,7 @@ def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
                    capture_output=True, text=True)
     result = json.loads(out.read_text())
     engine = result["engine"]
-    for run in ("plain", "constrained", "constrained_default_switch_interval", "every_other_step", "plain_after"):
+    for run in ("plain", "constrained", "constrained_default_switch_interval", "every_other_step", "plain_after", "constrained_after"):
         assert engine[run]["ms_per_step"] > 0 and engine[run]["running_at_start"] == result["batch"]
     # Constrained requests advance every step; the former path skips the step after each token.
     assert engine["constrained"]["tokens_per_step"] == result["batch"]

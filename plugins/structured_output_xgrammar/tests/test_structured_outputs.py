@@ -19,6 +19,7 @@ import torch
 from keel import LLM, SamplingParams
 from keel.plugins.loader import load_plugins
 from keel.structured_output.manager import select_backend
+from keel.structured_output.params import StructuredOutputsParams
 
 from keel.testing.tokenizer import make_tiny_model
 
@@ -245,3 +246,37 @@ def test_batch_fill_equals_one_by_one(llm):
             grammar.fill_bitmask(one, 0)
         assert torch.equal(one[0], out.bitmask[row])
     manager.shutdown()
+
+
+def test_terminated_flag_follows_the_matcher(llm):
+    """The wrapper answers is_terminated from its own flag (no GIL-releasing library call per request per
+    step); through single accepts, the batch accept, refused tokens, drafts validated and rollbacks past
+    the stop token it equals xgrammar's own answer."""
+    from keel.structured_output.backend import BackendContext
+
+    tok = llm.get_tokenizer()
+    load = select_backend(load_plugins(["structured-output-xgrammar"]))
+    backend = load()(BackendContext(tok, len(tok), tok.eos_token_id))
+    params = StructuredOutputsParams.from_dict(CONSTRAINTS["choice"][0])
+    g = backend.grammar(backend.compile(params))
+    h = backend.grammar(backend.compile(params))
+
+    def same():
+        for x in (g, h):
+            assert x.is_terminated() == x.matcher.is_terminated()
+
+    no = tok.encode("no", add_special_tokens=False)
+    eos = tok.eos_token_id
+    assert not g.accept_tokens([eos]) and not g.is_terminated()  # nothing chosen yet: refused
+    same()
+    assert g.validate_tokens(no + [eos]) == no + [eos] and not g.is_terminated()
+    assert g.accept_tokens(no)
+    same()
+    assert backend.accept_tokens_batch([g, h], [eos, no[0]]) == [True, True]
+    assert g.is_terminated()
+    same()
+    assert not g.accept_tokens(no)  # nothing after the end
+    g.rollback(1)
+    same()
+    assert not g.is_terminated() and g.accept_tokens([eos]) and g.is_terminated()
+    same()
