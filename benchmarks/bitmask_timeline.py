@@ -40,12 +40,14 @@ class StepTimeline:
         self._restore: list = []
         self._plans: list = []
         self._events: list[tuple[str, float]] = []  # the fill thread's jobs, in order: (what, when in ms)
+        self._spans: list[tuple[str, float, float]] = []  # every timed part: (name, begin, end) in ms
 
     def clear(self) -> None:
         self.samples.clear()
         self._marks.clear()
         self._plans.clear()
         self._events.clear()
+        self._spans.clear()
 
     def _add(self, name: str, value: float) -> None:
         self.samples[name].append(value)
@@ -72,7 +74,11 @@ class StepTimeline:
         return make
 
     def _timed(self, name: str):
-        return self._timer(lambda ms: self._add(name, ms))
+        def record(ms: float) -> None:
+            end = _now_ms()
+            self._add(name, ms)
+            self._spans.append((name.removesuffix("_ms"), end - ms, end))
+        return self._timer(record)
 
     def attach(self, engine) -> StepTimeline:
         from keel.structured_output.manager import GrammarBitmask
@@ -119,6 +125,7 @@ class StepTimeline:
                 pending = fn(scheduler_output)
                 end = _now_ms()
                 self._add("launch_ms", end - t)
+                self._spans.append(("launch", t, end))
                 if scheduler_output.grammar_bitmask is not None:
                     self._marks.setdefault(id(scheduler_output.grammar_bitmask), {})["launch"] = end
                     self._plans.append(scheduler_output.grammar_bitmask)
@@ -130,6 +137,7 @@ class StepTimeline:
                         return get_output()
                     finally:
                         self._add("tokens_wait_ms", _now_ms() - t0)
+                        self._spans.append(("tokens_wait", t0, _now_ms()))
                 pending.get_output = timed_get_output
                 return pending
             return wrapped
@@ -234,4 +242,19 @@ class StepTimeline:
                 landed = None
         out = {name: statistics.median(values) for name, values in {**self.samples, **derived}.items() if values}
         out["steps_with_bitmask"] = len(self._plans)
+        out["trace"] = self.trace()
         return out
+
+    def trace(self, steps: int = 4) -> list:
+        """Every timed part and fill-thread event of `steps` consecutive steps from the run's middle, as
+        [name, begin, end] in ms from the window's start (an event has begin == end): which parts of the
+        engine loop, the fill thread and the runner overlap, step by step."""
+        launches = sorted(t for name, t, _ in self._spans if name == "launch")
+        if len(launches) < steps + 2:
+            return []
+        mid = len(launches) // 2
+        lo, hi = launches[mid], launches[mid + steps]
+        points = [(f"fill:{k}", t, t) for k, t in self._events]
+        points += [(f"plan:{k}", t, t) for m in self._marks.values() for k, t in m.items()]
+        rows = [(n, b, e) for n, b, e in self._spans + points if e >= lo and b <= hi]
+        return [[n, round(b - lo, 3), round(e - lo, 3)] for n, b, e in sorted(rows, key=lambda r: r[1])]

@@ -172,6 +172,14 @@ def engine_steps(ns, device: str) -> dict:
     # compares the means of two runs each, plain and constrained interleaved.
     out["plain_after"] = run(False, 5)
     out["constrained_after"] = run(True, 6)
+    import xgrammar as xgr
+
+    backend = core.scheduler.structured_output._get_backend()
+    default_batch = backend.batch
+    for i, threads in enumerate(ns.fill_threads_also):  # the same engine, xgrammar's fill on other counts
+        backend.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        out[f"constrained_{threads}_threads"] = run(True, 7 + i)
+    backend.batch = default_batch
     timeline.detach()
     engine.shutdown()
     plain = statistics.mean(out[k]["ms_per_token_step"] for k in ("plain", "plain_after"))
@@ -184,6 +192,21 @@ def engine_steps(ns, device: str) -> dict:
     out["every_other_step_overhead_fraction"] = out["every_other_step"]["ms_per_token_step"] / plain - 1
     out["plain_drift_fraction"] = out["plain_after"]["ms_per_token_step"] / out["plain"]["ms_per_token_step"] - 1
     return out
+
+
+def host_cpus() -> dict:
+    """Logical CPUs, those this process may run on, and physical cores (Linux topology; None elsewhere):
+    the fill threads share cores with the engine loop when there are fewer physical cores than CPUs."""
+    import os
+
+    cores = set()
+    for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        try:
+            cores.add(((cpu / "physical_package_id").read_text().strip(), (cpu / "core_id").read_text().strip()))
+        except OSError:
+            pass
+    return {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else None, "physical_cores": len(cores) or None}
 
 
 def _median_ms(fn, device: str, iters: int = 50) -> float:
@@ -379,7 +402,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=48, help="timed decode steps per engine run")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per engine run (48; --smoke 3)")
     parser.add_argument("--warm-steps", type=int, default=8, help="decode steps before timing")
     parser.add_argument("--fill-steps", type=int, default=30)
     parser.add_argument("--vocab", choices=("bpe", "synthetic"), default="bpe",
@@ -387,12 +410,16 @@ def main() -> None:
     parser.add_argument("--vocab-file", default=None, help="bpe: a tokenizer.json to use (or to save the trained one)")
     parser.add_argument("--fill-threads", type=int, default=None, help="xgrammar's batch fill threads "
                         "(default: the backend's FILL_THREADS)")
+    parser.add_argument("--fill-threads-also", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                        help="comma-separated thread counts: one more constrained run at each, the same engine")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch: the script runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here (also printed)")
     ns = parser.parse_args()
+    ns.steps = ns.steps if ns.steps or ns.smoke else 48
     device = "cpu" if ns.smoke else "cuda"
     if ns.smoke:
-        ns.batch, ns.layers, ns.input_len, ns.steps, ns.warm_steps, ns.fill_steps = 4, 1, 8, 3, 1, 3
+        ns.batch, ns.layers, ns.input_len, ns.warm_steps, ns.fill_steps = 4, 1, 8, 1, 3
+        ns.steps = ns.steps or 3
         global BPE_CORPUS_MB
         BPE_CORPUS_MB = 2  # a 2048-token vocabulary needs little text
     vocab = SMOKE_VOCAB if ns.smoke else LLAMA3_8B["vocab_size"]
@@ -407,6 +434,7 @@ def main() -> None:
     print(f"bitmask copy + mask on the device: fused kernel {result['device_ms']} ms, torch reference "
           f"{result['device_ms_torch_reference']:.3f} ms", flush=True)
     result.update(host_fill_ms(ns, ns.batch, vocab, ns.fill_steps))
+    result["host_cpus"] = host_cpus()
     result["vocab_kind"] = ns.vocab
     result["vocab_stats"] = dict(BPE_STATS)
     print(f"host fill of {ns.batch} xgrammar matchers: {result['host_fill_ms']:.3f} ms batched, "

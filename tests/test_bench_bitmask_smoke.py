@@ -18,11 +18,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_bitmask.py"
 
 def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
     out = tmp_path / "bitmask.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], check=True, timeout=600,
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--fill-threads-also", "2", "--out", str(out)], check=True, timeout=600,
                    capture_output=True, text=True)
     result = json.loads(out.read_text())
     engine = result["engine"]
-    for run in ("plain", "constrained", "constrained_default_switch_interval", "every_other_step", "plain_after", "constrained_after"):
+    for run in ("plain", "constrained", "constrained_default_switch_interval", "every_other_step", "plain_after",
+                "constrained_after", "constrained_2_threads"):
         assert engine[run]["ms_per_step"] > 0 and engine[run]["running_at_start"] == result["batch"]
     # Constrained requests advance every step; the former path skips the step after each token.
     assert engine["constrained"]["tokens_per_step"] == result["batch"]
@@ -34,5 +35,6 @@ def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
                 "advance_ms", "landed_to_filled_ms", "start_after_launch_ms", "wake_ms", "fill_job_ms", "batch_fill_ms",
                 "runner_wait_ms"):
         assert parts[key] >= 0 or key == "start_after_launch_ms", key
+    assert isinstance(parts["trace"], list) and result["host_cpus"]["cpus"] >= 1
     for key in ("overhead_fraction", "device_ms_torch_reference", "host_fill_ms", "decode_step_ms"):
         assert key in result or key in engine
