@@ -1,39 +1,49 @@
 #!/usr/bin/env bash
-# One device call: install keel (no network), run the CUDA tests, then the H200 benchmarks.
-#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh [moe-tiles] [moe-small-m] [tests] [llama] [dsv2-profile] [dsv2] [spec]
-# Logs and results land in $OUT (each part has its own time limit so one slow part cannot eat the rest).
+# One device call of H200 measurements, in the order given, each part under its own time limit:
+#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh wheels install ckpt keel-dsv2 keel-llama \
+#       profile-dsv2 profile-llama spec bitmask quant tests
+# The device returns only a few files, so every result goes to $OUT/w and leaves as one $OUT/h200-run.tgz
+# (untar it, then commit the figures you rely on to benchmarks/results/); each part prints its key lines.
+#   wheels    the xgrammar wheels carried in .whl/ (the device has no network) into /tmp/site
+#   install   keel and every plugin, editable, no dependencies
+#   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs its two chunk calls)
+#   bitmask   h200_bitmask.py with the BPE vocabulary (BPE_FILE, default dev/bpe128k.json: train one with
+#             h200_bitmask.bpe_tokenizer_info, or leave it absent and the part trains it, ~1-2 min)
+#   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
-mkdir -p "$OUT"
+W=$OUT/w
+mkdir -p "$W"
 export PYTHONUNBUFFERED=1
-parts=${*:-tests llama dsv2-profile}
-python3 -m pip install -q --no-deps --no-build-isolation -e . $(ls -d plugins/*/ | sed 's/^/-e /') \
-    >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-CUDA_TESTS="tests/test_cuda_platform.py tests/test_cuda_engine.py tests/test_cuda_custom_ops.py tests/test_cuda_mla.py
- tests/test_cuda_deepseek_preemption.py tests/test_cuda_spec_graphs.py tests/test_cuda_runner_cpu_parts.py
- tests/test_sampler_cuda.py tests/test_async_scheduling.py plugins/attention_flash/tests plugins/kernels_triton/tests
- plugins/models_deepseek/tests/test_fused_moe.py plugins/attention_torch/tests/test_attention_torch_conformance.py"
-for part in $parts; do
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+T0=$(date +%s)
+TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/models_deepseek/tests/test_fused_moe.py
+ plugins/structured_output_xgrammar/tests/test_structured_outputs.py::test_cuda_async_engine_with_the_fused_mask"}
+for part in "$@"; do
   start=$(date +%s)
   case $part in
-    # SIGINT, not timeout's SIGTERM: pytest stops like on Ctrl-C and still prints the summary (failures,
-    # counts, the test it was in); -k kills it if even that hangs.
-    tests) timeout -s INT -k 30 400 python3 -m pytest -p no:cacheprovider -rfE $CUDA_TESTS >"$OUT/tests.log" 2>&1
-           tail -4 "$OUT/tests.log";;
-    moe-tiles) timeout 170 python3 benchmarks/h200_moe_tiles.py --out "$OUT" >"$OUT/moe-tiles.log" 2>&1
-           tail -16 "$OUT/moe-tiles.log";;
-    moe-small-m) timeout 300 python3 benchmarks/h200_moe_small_m.py --out "$OUT/h200-moe-small-m.json" \
-             >"$OUT/moe-small-m.log" 2>&1; tail -32 "$OUT/moe-small-m.log";;
-    llama) timeout 480 python3 benchmarks/h200_llama8b.py --out "$OUT/h200-llama8b.json" >"$OUT/llama.log" 2>&1
-           tail -12 "$OUT/llama.log";;
-    dsv2-profile) cp benchmarks/results/h200-dsv2lite.json "$OUT/" 2>/dev/null
-           timeout 150 python3 benchmarks/h200_dsv2lite.py --profile-only --out "$OUT/h200-dsv2lite.json" \
-             >"$OUT/dsv2.log" 2>&1; tail -5 "$OUT/dsv2.log";;
-    dsv2) timeout 480 python3 benchmarks/h200_dsv2lite.py --out "$OUT/h200-dsv2lite.json" >"$OUT/dsv2.log" 2>&1
-          tail -12 "$OUT/dsv2.log";;
-    spec) timeout 450 python3 benchmarks/h200_spec.py --out "$OUT/h200-spec.json" >"$OUT/spec.log" 2>&1
-          tail -8 "$OUT/spec.log";;
+    wheels) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+              .whl/*.whl && export PYTHONPATH=/tmp/site;;
+    install|ckpt|keel-*|vllm-*|diag-*) OUT=$W bash benchmarks/h200_vs_vllm.sh "$part";;
+    profile-dsv2) timeout 100 python3 benchmarks/h200_step_profile.py --arch dsv2lite --model-dir /tmp/dsv2ckpt \
+                    --batch 1,256 --mixed 256 --out "$W/h200-step-profile-dsv2lite.json" >"$W/profile-dsv2.log" 2>&1
+                  tail -c 800 "$W/profile-dsv2.log";;
+    profile-llama) timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch 1,256 \
+                     --out "$W/h200-step-profile-llama8b.json" >"$W/profile-llama.log" 2>&1
+                   tail -c 800 "$W/profile-llama.log";;
+    spec) timeout 120 python3 benchmarks/h200_spec.py --engines plain,mtp_k3 --out "$W/h200-spec.json" \
+            >"$W/spec.log" 2>&1; grep -E "^(plain|mtp)" "$W/spec.log" | cut -c1-600;;
+    bitmask) timeout 150 python3 benchmarks/h200_bitmask.py --vocab-file "${BPE_FILE:-dev/bpe128k.json}" \
+               --fill-threads-also "${FILL_THREADS_ALSO:-4}" --out "$W/h200-bitmask.json" >"$W/bitmask.log" 2>&1
+             grep -v '^ \|^{\|^}' "$W/bitmask.log" | tail -5;;
+    quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
+             dsv2lite-fp8-block llama8b-gptq} --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
+           grep -E "^\S+ \{\"output_tok_s" "$W/quant.log";;
+    # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.
+    tests) timeout -s INT -k 15 "${TESTS_S:-240}" python3 -m pytest -p no:cacheprovider -rfE $TESTS \
+             >"$W/cuda-tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$W/cuda-tests.log" | tail -20;;
     *) echo "unknown part $part";;
   esac
-  echo "== $part: $(( $(date +%s) - start )) s"
+  echo "== $part: $(( $(date +%s) - start )) s (call at $(( $(date +%s) - T0 )) s)"
 done
+tar -czf "$OUT/h200-run.tgz" -C "$W" . && rm -rf "$W" && ls -la "$OUT"
