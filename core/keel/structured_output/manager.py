@@ -236,11 +236,9 @@ class StructuredOutputManager:
         writes whole rows, so only the rows nobody fills are set (to all allowed)."""
         bitmask = torch.empty((num_rows, bitmask_width(self.vocab_size)), dtype=torch.int32, pin_memory=self.pin_memory)
         batch_fill = getattr(self._backend, "fill_bitmasks", None)
-        if batch_fill is not None and num_rows == len(grammars):  # no drafts: rows at the current state
-            live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
-            if len(live) < num_rows:
-                bitmask[sorted(set(range(num_rows)) - set(live))] = -1
-            batch_fill([grammars[i] for i in live], bitmask, live)
+        batch_accept = getattr(self._backend, "accept_tokens_batch", None)
+        if batch_fill is not None and (num_rows == len(grammars) or batch_accept is not None):
+            self._fill_rows_batched(bitmask, grammars, drafts, batch_fill, batch_accept)
             return bitmask
         row = 0
         for grammar, tokens in zip(grammars, drafts, strict=True):
@@ -257,6 +255,41 @@ class StructuredOutputManager:
             if advanced:
                 grammar.rollback(advanced)
         return bitmask
+
+    @staticmethod
+    def _fill_rows_batched(bitmask: torch.Tensor, grammars: list[StructuredOutputGrammar],
+                           drafts: list[Sequence[int]], batch_fill: Callable, batch_accept: Callable | None) -> None:
+        """`_fill_rows` in one library call per verify position (the backend's batch fill, then its batch
+        accept of that position's drafts) instead of one per row: each library call releases the GIL, and
+        taking it back while the engine loop runs Python waits a switch interval. Only the rollbacks stay
+        one per grammar."""
+        starts, row = [], 0
+        for tokens in drafts:
+            starts.append(row)
+            row += len(tokens) + 1
+        filled: list[int] = []
+        advanced = [0] * len(grammars)
+        active = [j for j, g in enumerate(grammars) if not g.is_terminated()]
+        for pos in range(max((len(t) for t in drafts), default=0) + 1):
+            if not active:
+                break
+            rows = [starts[j] + pos for j in active]
+            batch_fill([grammars[j] for j in active], bitmask, rows)
+            filled += rows
+            # A refused draft (not validated) ends what is known: verification stops at it anyway.
+            step = [j for j in active if pos < len(drafts[j])]
+            accepted = batch_accept([grammars[j] for j in step], [drafts[j][pos] for j in step]) if step else []
+            active = []
+            for j, ok in zip(step, accepted, strict=True):
+                if ok:
+                    advanced[j] += 1
+                    if not grammars[j].is_terminated():  # past a draft that ended it, rows allow everything
+                        active.append(j)
+        if len(filled) < bitmask.shape[0]:
+            bitmask[sorted(set(range(bitmask.shape[0])) - set(filled))] = -1
+        for grammar, count in zip(grammars, advanced, strict=True):
+            if count:
+                grammar.rollback(count)
 
     def shutdown(self) -> None:
         self._closed = True

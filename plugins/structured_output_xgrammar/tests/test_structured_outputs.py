@@ -280,3 +280,41 @@ def test_terminated_flag_follows_the_matcher(llm):
     same()
     assert not g.is_terminated() and g.accept_tokens([eos]) and g.is_terminated()
     same()
+
+
+def test_draft_rows_batched_equal_row_by_row(llm):
+    """With drafts the manager fills one verify position of every request per library call (batch fill,
+    then batch accept); its rows equal the row-by-row path's -- drafts accepted, refused, ending the
+    grammar, a grammar already ended -- and every grammar is back where it was."""
+    from keel.structured_output.backend import BackendContext
+    from keel.structured_output.manager import StructuredOutputManager
+
+    tok = llm.get_tokenizer()
+    load = select_backend(load_plugins(["structured-output-xgrammar"]))
+    vocab = len(tok)
+    manager = StructuredOutputManager(load, lambda: BackendContext(tok, vocab, tok.eos_token_id), vocab)
+    specs = [CONSTRAINTS["choice"][0], CONSTRAINTS["regex"][0], CONSTRAINTS["choice"][0], CONSTRAINTS["json"][0]]
+    requests = [manager.add_request(StructuredOutputsParams.from_dict(c)) for c in specs]
+    while not all(r.is_ready() for r in requests):
+        time.sleep(0.01)
+    grammars = [r.grammar for r in requests]
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    assert grammars[2].accept_tokens(enc("no") + [eos])  # ended before the step
+    drafts = [enc("no") + [eos, enc("x")[0]],  # accepted up to the end, then a row past it
+              enc("cat-") + enc("zzz")[:1],  # a refused draft in the middle
+              enc("yes")[:1],
+              enc('{"')]
+    batched = manager._fill_rows(sum(len(d) + 1 for d in drafts), grammars, drafts)
+    ended = [g.is_terminated() for g in grammars]
+    backend = manager._backend
+    saved = backend.fill_bitmasks, backend.accept_tokens_batch
+    backend.fill_bitmasks = backend.accept_tokens_batch = None  # the row-by-row path
+    try:
+        one_by_one = manager._fill_rows(batched.shape[0], grammars, drafts)
+    finally:
+        backend.fill_bitmasks, backend.accept_tokens_batch = saved
+    assert torch.equal(batched, one_by_one)
+    assert [g.is_terminated() for g in grammars] == ended == [False, False, True, False]
+    assert (batched[len(drafts[0])] == -1).all()  # the row after the end token allows everything
+    manager.shutdown()
