@@ -95,3 +95,36 @@ def test_rejected_drafts_never_enter_prefix_cache_and_preemption(ckpt):
         for da, db in zip(a.logprobs, b.logprobs):
             t = next(iter(db))
             assert abs(da[t].logprob - db[t].logprob) < 1e-4
+
+
+
+def test_drafts_not_cut_at_max_tokens():
+    """A request near its max_tokens verifies every draft that fits in max_model_len (as vLLM), so a
+    batch keeps one query length and its CUDA graph; what is accepted past max_tokens is dropped."""
+    import torch
+
+    from keel.engine.request import EngineCoreRequest
+    from keel.engine.scheduler import Scheduler
+    from keel.engine.scheduler_output import ModelRunnerOutput
+    from keel.kv_cache.manager import KVCacheManager
+    from keel.kv_cache.spec import FullAttentionSpec
+
+    kv = KVCacheManager(FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=torch.float32),
+                        num_blocks=32, enable_caching=False)
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12, num_spec_tokens=3)
+    s.add_request(EngineCoreRequest("a", [1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True),
+                                    eos_token_id=None, seed=0), 3)
+    out = s.schedule()  # the prompt; the proposer drafts three tokens, two more than max_tokens leaves
+    s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]],
+                                                spec_token_ids={"a": [8, 9, 10]}))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens["a"] == [8, 9, 10]
+    (done,) = s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[8, 9, 10, 11]]))
+    assert done.new_token_ids == [8, 9] and done.finish_reason == "length"
+    # max_model_len still bounds them
+    s.add_request(EngineCoreRequest("b", list(range(1, 10)), SamplingParams(max_tokens=3, ignore_eos=True),
+                                    eos_token_id=None, seed=0), 3)
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[[7]],
+                                                spec_token_ids={"b": [8, 9, 10]}))
+    assert s.schedule().scheduled_spec_decode_tokens["b"] == [8, 9]  # 10 tokens + 2 drafts: max_model_len 12
