@@ -199,14 +199,10 @@ def host_cpus() -> dict:
     the fill threads share cores with the engine loop when there are fewer physical cores than CPUs."""
     import os
 
-    cores = set()
-    for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
-        try:
-            cores.add(((cpu / "physical_package_id").read_text().strip(), (cpu / "core_id").read_text().strip()))
-        except OSError:
-            pass
+    from keel_structured_output_xgrammar.backend import physical_cores
+
     return {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else None, "physical_cores": len(cores) or None}
+            else None, "physical_cores": physical_cores()}
 
 
 def _median_ms(fn, device: str, iters: int = 50) -> float:

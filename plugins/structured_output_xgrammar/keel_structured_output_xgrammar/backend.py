@@ -142,11 +142,35 @@ class XGrammarBackend:
         return accepted
 
 
-# xgrammar's batch fill runs on half the cores (at most 8): the other half keeps the engine loop, the
-# tokenizer and the server going (vLLM fills on half the cores too). One thread needs ~5 us per JSON
-# matcher between values and 100-200 us inside a string (128k-token vocabulary), so at batch 256 a single
-# one costs several decode steps; 12 threads instead of 8 measured no faster on a 16-core H200 host.
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+def physical_cores() -> int | None:
+    """Physical cores among the CPUs this process may run on (Linux topology); None where unknown."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        return None
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id") as pkg, open(topology + "core_id") as core:
+                cores.add((pkg.read().strip(), core.read().strip()))
+        except OSError:
+            return None
+    return len(cores)
+
+
+def fill_threads() -> int:
+    """xgrammar's batch fill threads: at most 8 and half the CPUs (vLLM fills on half the cores too), and
+    two physical cores left to the engine loop and the model runner. One thread needs ~5 us per JSON
+    matcher between values and 100-200 us inside a string (128k-token vocabulary), so at batch 256 one
+    thread costs several decode steps. On the H200 host (16 CPUs) 12 threads filled no faster than 8,
+    while the engine loop's Python ran 1.4-3x slower during the fill: as if it shared a core with the
+    fill threads (the next measurement says: `h200_bitmask.py` records the topology)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(8, cpus // 2, (physical_cores() or cpus) - 2))
+
+
+FILL_THREADS = fill_threads()
 
 
 def batch_matcher() -> xgr.BatchGrammarMatcher:

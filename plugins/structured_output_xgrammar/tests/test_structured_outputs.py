@@ -318,3 +318,12 @@ def test_draft_rows_batched_equal_row_by_row(llm):
     assert [g.is_terminated() for g in grammars] == ended == [False, False, True, False]
     assert (batched[len(drafts[0])] == -1).all()  # the row after the end token allows everything
     manager.shutdown()
+
+
+@pytest.mark.parametrize("cpus,cores,threads", [(2, 2, 1), (16, 8, 6), (16, 16, 8), (64, 32, 8), (8, None, 4)])
+def test_fill_threads_leave_cores_to_the_engine_loop(monkeypatch, cpus, cores, threads):
+    from keel_structured_output_xgrammar import backend
+
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(backend, "physical_cores", lambda: cores)
+    assert backend.fill_threads() == threads
