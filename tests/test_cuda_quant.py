@@ -2,9 +2,10 @@
 on quantized checkpoints (keel's quantizer) against transformers on the dequantized weights.
 
 - fp8_gemm (Triton W8A8, block and one-group-per-row scales), and every path an fp8 layer takes (weight-only
-  Triton for small M, _scaled_mm, Triton W8A8) vs float64 on the operands it multiplies; the fused activation
-  quantization bit-equal to torch's; the fused-MoE quant GEMMs (block FP8 with the fused quantizer, int4
-  with a shuffled g_idx) vs the torch reference on the dequantized experts.
+  Triton for small M, _scaled_mm, Triton W8A8, cuBLAS's block-scaled GEMM on sm90 and its load probe) vs
+  float64 on the operands it multiplies; the fused activation quantization bit-equal to torch's; the
+  fused-MoE quant GEMMs (block FP8 with the fused quantizer, int4 with a shuffled g_idx) vs the torch
+  reference on the dequantized experts.
 - An fp8 Llama (block 128x128 and per-channel) and a GPTQ Llama on CUDA: the fp8 layers take their GPU
   paths (no per-step dequantization); float32 logprobs within the CPU tests' tolerances (W8A8 0.6,
   weight-only 1e-3: the int4 GEMM sums in another order than the reference), greedy tokens equal where
@@ -122,6 +123,70 @@ def test_fp8_native_paths_match_a_float64_reference(scheme_name, dtype, path):
         torch.testing.assert_close(got.double(), a @ dense.T, atol=1e-2, rtol=1e-2)
 
 
+def _cublas_block_here() -> bool:
+    from keel_quantization import fp8_cublas_block
+
+    return torch.cuda.get_device_capability() == (9, 0) and fp8_cublas_block.HAS_API
+
+
+def _block_fp8_layer(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
+    from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
+
+    from keel.layers.linear import ReplicatedLinear
+    from keel.models.loader import default_dtype
+
+    with torch.device("cuda"), default_dtype(dtype):
+        layer = ReplicatedLinear(k, n, True, prefix=f"test.{n}x{k}", quant_config=Fp8LinearMethod(
+            Fp8Scheme("dynamic_group", (128, 128), "weight_scale_inv"), "fp8"))
+    q, s = fp8_math.quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) / k**0.5, (128, 128))
+    layer.weight.data.copy_(q)
+    layer.weight_scale_inv.data.copy_(s)
+    layer.bias.data.copy_(torch.randn(n, device="cuda", generator=gen))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(384, 640), (256, 2816), (1152, 1024), (576, 512)])
+def test_block_fp8_cublas_path_matches_a_float64_reference(n, k, dtype):
+    """cuBLAS's block-scaled GEMM (sm90, torch's F.scaled_mm) through the layer at M past the weight-only
+    bound (33 and 1001 pad to a multiple of 4): against float64 on the operands it multiplies (the fp8
+    activations and weights). K / 128 = 5 and 22 take the padded weight scales, 8 the loaded ones; 576 rows
+    end in a partial block and stay on the Triton GEMM, the same comparison."""
+    from keel_quantization import fp8_cublas_block
+    from keel_quantization.fp8_native import WEIGHT_ONLY_MAX_M
+
+    if not _cublas_block_here():
+        pytest.skip("cuBLAS's 1x128 x 128x128 fp8 GEMM needs sm90 and torch 2.10+ (F.scaled_mm)")
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    layer = _block_fp8_layer(n, k, dtype, gen)
+    method = layer.quant_method
+    want_path = "triton" if n % 128 else "cublas_block"
+    assert method.native == want_path, fp8_cublas_block._probed
+    if want_path == "cublas_block":
+        assert method.native_scale.shape == (n // 128, -(-k // 512) * 4)
+    dense = fp8_math.dequantize(layer.weight, layer.weight_scale_inv, (128, 128), torch.float64)
+    for m in (WEIGHT_ONLY_MAX_M + 1, 256, 1000, 1001):
+        x = torch.randn(m, k, device="cuda", generator=gen, dtype=dtype)
+        got = layer(x)
+        assert got.shape == (m, n) and got.dtype == dtype
+        a_q, a_s = per_token_group_quant_fp8(x, 128)
+        want = dequant_per_token_group(a_q, a_s, 128, torch.float64) @ dense.T + layer.bias.double()
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_cublas_block_probe_passes_on_this_gpu():
+    """The load-time probe (one small GEMM per device, dtype and K padding, against float64) finds the
+    recipe working on an sm90 with torch 2.10+: it is what routes the engine's block layers to cuBLAS."""
+    from keel_quantization import fp8_cublas_block
+
+    if not _cublas_block_here():
+        pytest.skip("cuBLAS's 1x128 x 128x128 fp8 GEMM needs sm90 and torch 2.10+ (F.scaled_mm)")
+    for dtype in (torch.bfloat16, torch.float32):
+        for pad_k in (False, True):
+            assert fp8_cublas_block._run_probe(torch.device("cuda"), dtype, pad_k) is None, (dtype, pad_k)
+
+
 @pytest.mark.parametrize("kind", ["fp8_block", "int4"])
 def test_fused_moe_quant_gemms_compiled(kind):
     from keel_kernels_triton.fused_moe.quant_gemm import fused_experts_quant_triton
@@ -193,7 +258,7 @@ def llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout,options,atol,native", [
-    ("fp8-block", {"block": (128, 128)}, 0.6, "triton"),
+    ("fp8-block", {"block": (128, 128)}, 0.6, "cublas_block"),  # "triton" where cuBLAS's recipe is not
     ("fp8-channel", {}, 0.6, "triton"),
     ("gptq", {"group_size": 64, "sym": False, "desc_act": True}, 1e-3, None),
 ])
@@ -203,6 +268,8 @@ def test_quantized_llama_on_cuda_matches_transformers(llama, tmp_path, layout, o
     q = quantizer.quantize_checkpoint(llama, tmp_path / "q", layout, dequantized_to=tmp_path / "ref", **options)
     engine = _engine(q)
     layer = engine.core.worker.runner.model.model.layers[0].self_attn.qkv_proj
+    if native == "cublas_block" and not _cublas_block_here():
+        native = "triton"
     if native is not None:
         assert layer.quant_method.native == native  # fp8 GEMM on the stored weight, no per-step dequantize
     prompts = _prompts(3, [5, 33, 17, 70])

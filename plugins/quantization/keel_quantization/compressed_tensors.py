@@ -18,6 +18,7 @@ from keel_quantization.config_fields import EXPERT_PROJECTIONS, check_fields, is
 from keel_quantization.fp8 import fp8_moe_method, validate_fp8
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
 from keel_quantization.fp8_moe import Fp8MoEMethod
+from keel_quantization.fp8_native import NativeChoiceLog
 
 NAME = "compressed-tensors"
 _ARGS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder")
@@ -87,6 +88,7 @@ class CompressedTensorsConfig:
         self.groups = groups
         self.ignore = ignore
         self.packed_modules_mapping: dict[str, list[str]] = {}
+        self.native_choices = NativeChoiceLog(NAME)  # this model's fp8 layer paths, logged once each
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
@@ -128,7 +130,7 @@ class CompressedTensorsConfig:
         if len(schemes) > 1:
             raise QuantizationError(f"{NAME}: fused layer {layer.prefix} packs {parts} with different schemes")
         scheme = schemes.pop()
-        return None if scheme is None else Fp8LinearMethod(scheme, NAME)
+        return None if scheme is None else Fp8LinearMethod(scheme, NAME, self.native_choices)
 
     def get_moe_method(self, spec: MoELayerSpec) -> Fp8MoEMethod | None:
         parts = [f"{spec.prefix}.{e}.{p}" for e in range(spec.num_experts) for p in EXPERT_PROJECTIONS]

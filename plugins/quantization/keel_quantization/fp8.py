@@ -12,6 +12,10 @@ config.json `quantization_config` fields:
 channel, dynamic per-token activations); routed experts then stay in the model dtype (logged).
 
 Routed experts (FusedMoE) of a checkpoint are served in block FP8 (`fp8_moe`), kept in e4m3.
+
+On a GPU the linear layers' fp8 GEMM per M is chosen at load (`fp8_native`); 128x128 block layers on
+sm90 whose N and K are multiples of 128 take cuBLAS's block-scaled GEMM (`fp8_cublas_block`), the others
+the Triton block GEMM. The config's `native_choices` logs each distinct choice, with its reason, once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from keel_quantization.config_fields import (
 )
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
 from keel_quantization.fp8_moe import Fp8MoEMethod
+from keel_quantization.fp8_native import NativeChoiceLog
 
 logger = logging.getLogger("keel.quantization.fp8")
 
@@ -47,6 +52,7 @@ class Fp8Config:
         self.scheme = scheme
         self.ignored_layers = ignored_layers
         self.packed_modules_mapping: dict[str, list[str]] = {}
+        self.native_choices = NativeChoiceLog(self.name)  # this model's fp8 layer paths, logged once each
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8Config:
@@ -82,7 +88,7 @@ class Fp8Config:
     def get_quant_method(self, layer: LinearLayerSpec) -> Fp8LinearMethod | None:
         if is_layer_skipped(self.name, layer.prefix, self.ignored_layers, self.packed_modules_mapping):
             return None
-        return Fp8LinearMethod(self.scheme, self.name)
+        return Fp8LinearMethod(self.scheme, self.name, self.native_choices)
 
     def get_moe_method(self, spec: MoELayerSpec) -> Fp8MoEMethod | None:
         return fp8_moe_method(self.name, self.scheme, spec, self.ignored_layers, self.packed_modules_mapping)

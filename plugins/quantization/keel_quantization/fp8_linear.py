@@ -13,7 +13,8 @@ quantization); an `Fp8Scheme` says what the checkpoint holds:
   dynamic per token, dynamic per token and `bk`-input group (block FP8), or none (weight-only).
 
 Forward on a GPU (sm89+): fp8 GEMMs on the stored weight (`fp8_native`: weight-only Triton for small M,
-torch._scaled_mm or the Triton W8A8 GEMM above), chosen once after loading. Elsewhere, the reference
+torch._scaled_mm, cuBLAS's block-scaled GEMM or the Triton W8A8 GEMM above), chosen once after loading
+and logged once per model and reason (the config's `NativeChoiceLog`). Elsewhere, the reference
 path: activations go through their fp8 quantization and back, the weight is dequantized, then one
 matmul -- the same numbers an fp8 GEMM computes, up to summation order. Dynamic scales are per token,
 never per batch, so a request's result does not depend on the other requests in the batch (the GPU's
@@ -31,7 +32,13 @@ import torch.nn.functional as F
 
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import fp8_math
-from keel_quantization.fp8_native import choose_native, choose_weight_only_max_m, native_linear
+from keel_quantization.fp8_native import (
+    NativeChoiceLog,
+    choose_native,
+    choose_weight_only_max_m,
+    native_linear,
+    native_scale,
+)
 from keel_quantization.loading import add_param, load_per_shard, load_row_scale, load_sharded
 
 ACTIVATIONS = ("static", "dynamic_token", "dynamic_group", "none")
@@ -54,11 +61,14 @@ class Fp8Scheme:
 class Fp8LinearMethod:
     """Created per layer by an FP8 config's `get_quant_method`; see the module docstring."""
 
-    def __init__(self, scheme: Fp8Scheme, method_name: str) -> None:
+    def __init__(self, scheme: Fp8Scheme, method_name: str, choices: NativeChoiceLog | None = None) -> None:
         self.scheme = scheme
         self.method_name = method_name
+        self.choices = choices or NativeChoiceLog(method_name)  # the model's, shared by its layers
+        self.prefix = ""
         self.params_dtype = torch.float32
         self.native: str | None = None  # the GPU path chosen after loading (fp8_native), None: reference
+        self.native_scale: torch.Tensor | None = None  # the weight scale as `native` takes it
         self.weight_only_max_m = 0  # steps of at most this many tokens take fp8_native's "weight_only"
 
     def _check_blocks(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
@@ -78,6 +88,7 @@ class Fp8LinearMethod:
 
     def create_weights(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
         self.params_dtype = layer.params_dtype
+        self.prefix = layer.prefix
         out, k = sum(layer.output_partition_sizes), layer.input_size
         s = self.scheme
         if not s.serialized:  # online: a dense weight now, fp8 after loading
@@ -105,7 +116,10 @@ class Fp8LinearMethod:
         if s.activation == "static":
             scale = module.input_scale.data.amax().reshape(1)
             module.input_scale = torch.nn.Parameter(scale, requires_grad=False)
-        self.native = choose_native(module.weight, s.activation, s.block, self.params_dtype)
+        choice = choose_native(module.weight, s.activation, s.block, self.params_dtype)
+        self.choices.record(self.prefix, tuple(module.weight.shape), choice)
+        self.native = choice.path
+        self.native_scale = native_scale(self.native, getattr(module, s.scale_name).data)
         self.weight_only_max_m = choose_weight_only_max_m(self.native, s.block)
 
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
@@ -132,7 +146,8 @@ class Fp8LinearMethod:
         if self.native is not None:  # chosen for CUDA weights only (tests set it to run kernels interpreted)
             s = self.scheme
             path = "weight_only" if x2.shape[0] <= self.weight_only_max_m else self.native
-            out = native_linear(path, x2, module.weight, getattr(module, s.scale_name), s.activation, s.block,
+            scale = self.native_scale if path == "cublas_block" else getattr(module, s.scale_name)
+            out = native_linear(path, x2, module.weight, scale, s.activation, s.block,
                                 getattr(module, "input_scale", None), bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         out = F.linear(self.quantize_input(module, x2), self.dequantize_weight(module).to(x.dtype), bias)

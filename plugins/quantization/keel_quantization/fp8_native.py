@@ -1,16 +1,21 @@
 """FP8 linear layers computed in fp8 on the GPU: the weight stays e4m3 and is never dequantized per step.
 
 Chosen once per layer after loading, from where the weight lives and what the scheme is, as a path for
-large M (`choose_native`) and the largest M served weight-only (`choose_weight_only_max_m`); a step's M
-(tokens) is static per captured CUDA graph, so the choice is fixed per graph bucket:
+large M (`choose_native`: the path and why, logged once per model and reason by `NativeChoiceLog`) and
+the largest M served weight-only (`choose_weight_only_max_m`); a step's M (tokens) is static per
+captured CUDA graph, so the choice is fixed per graph bucket:
 - "weight_only" (M <= WEIGHT_ONLY_MAX_M, and every M of a weight-only fp8 checkpoint): the fp8 weight
   widened in registers and multiplied with the model-dtype activations (`fp8_triton.fp8_weight_only_gemm`),
   the weight scale in the epilogue. Decode is memory-bound: this reads the 1-byte weight once and spends
   no launch on activation quantization.
 - "scaled_mm": per-channel (or per-tensor, kept per row) weights with per-token or static activations,
   bf16 activations, sizes multiples of 16 -> torch._scaled_mm with row-wise scales (cuBLASLt fp8, sm89+).
-- "triton": block weights with per-token-group activations (DeepSeek-V3), and the per-channel cases
-  _scaled_mm does not take (fp16/fp32 activations, odd sizes) as one group per row -> `fp8_triton.fp8_gemm`.
+- "cublas_block": 128x128 block weights with per-token 128-input-group activations (DeepSeek-V3) on sm90,
+  N and K multiples of 128 -> cuBLAS's block-scaled fp8 GEMM (`fp8_cublas_block`: F.scaled_mm, torch
+  2.10+, checked by one probe GEMM per device at load).
+- "triton": the block weights cuBLAS does not take (partial edge blocks, other blocks, other archs or
+  torch), and the per-channel cases _scaled_mm does not take (fp16/fp32 activations, odd sizes) as one
+  group per row -> `fp8_triton.fp8_gemm`.
 - None: CPU weights, GPUs before sm89: the reference path.
 The W8A8 paths quantize activations in one Triton launch (`fp8_quant_triton.quant_fp8`), bit-equal to
 the torch functions the reference rounds with.
@@ -19,11 +24,15 @@ the torch functions the reference rounds with.
 from __future__ import annotations
 
 import importlib.util
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from keel.layers.fp8_utils import per_token_group_quant_fp8
-from keel_quantization import fp8_math
+from keel_quantization import fp8_cublas_block, fp8_math
+
+logger = logging.getLogger("keel.quantization.fp8")
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Largest M (tokens in a step) served weight-only when activations are quantized on the W8A8 paths: below
@@ -35,19 +44,65 @@ def _block_k_fits(block: tuple[int, int] | None) -> bool:
     return block is None or block[1] <= 128 or block[1] % 128 == 0  # a Triton K tile lies in one group
 
 
+@dataclass(frozen=True)
+class NativeChoice:
+    """A layer's path at large M (None: the reference path) and why, for the load log."""
+
+    path: str | None
+    reason: str
+
+
+def _capability(weight: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of the GPU holding `weight`; None for host weights."""
+    return torch.cuda.get_device_capability(weight.device) if weight.is_cuda else None
+
+
 def choose_native(weight: torch.Tensor, activation: str, block: tuple[int, int] | None,
-                  dtype: torch.dtype) -> str | None:
+                  dtype: torch.dtype) -> NativeChoice:
     """The GPU path for a loaded fp8 `weight` [N, K] at large M (see the module docstring)."""
-    if not weight.is_cuda or torch.cuda.get_device_capability(weight.device) < (8, 9):
-        return None
+    capability = _capability(weight)
+    if capability is None or capability < (8, 9):
+        where = "host weights" if capability is None else f"sm{capability[0]}{capability[1]} (fp8 MMA needs sm89+)"
+        return NativeChoice(None, f"{where}: the reference path (dequantize, matmul)")
     n, k = weight.shape
-    if activation == "none" or block is not None:  # Triton kernels only
+    if activation == "none" or block is not None:  # Triton kernels only, or cuBLAS's block-scaled GEMM
         if not (_HAS_TRITON and _block_k_fits(block)):
-            return None
-        return "weight_only" if activation == "none" else "triton"
+            why = "no Triton" if not _HAS_TRITON else f"weight blocks {block} split a Triton K tile"
+            return NativeChoice(None, f"{why}: the reference path")
+        if activation == "none":
+            return NativeChoice("weight_only", "a weight-only checkpoint: the Triton weight-only GEMM at every M")
+        misfit = fp8_cublas_block.misfit(n, k, activation, block, dtype, capability) or fp8_cublas_block.probe(
+            weight.device, dtype, (k // 128) % 4 != 0)
+        if misfit is None:
+            return NativeChoice("cublas_block", "cuBLAS's block-scaled fp8 GEMM (sm90, N and K multiples of 128)")
+        return NativeChoice("triton", f"the Triton W8A8 block GEMM, not cuBLAS's: {misfit}")
     if dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
-        return "scaled_mm"
-    return "triton" if _HAS_TRITON else None
+        return NativeChoice("scaled_mm", "torch._scaled_mm with row-wise scales (bf16, sizes multiples of 16)")
+    if _HAS_TRITON:
+        return NativeChoice("triton", f"the Triton W8A8 GEMM ({dtype}, [N, K] = [{n}, {k}]: not _scaled_mm's)")
+    return NativeChoice(None, "no Triton, and _scaled_mm does not take this layer: the reference path")
+
+
+def native_scale(path: str | None, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The weight scale `native_linear` takes on `path`, made once after loading (cuBLAS's padded block
+    scales; the scale itself elsewhere)."""
+    return fp8_cublas_block.weight_scales(weight_scale) if path == "cublas_block" else weight_scale
+
+
+class NativeChoiceLog:
+    """One model's fp8 layer paths: each distinct (path, reason) is logged once, naming the first layer
+    that took it (a model's configs own one; layers built alone get their own)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.layers: dict[NativeChoice, list[str]] = {}  # choice -> layer prefixes, in loading order
+
+    def record(self, prefix: str, shape: tuple[int, ...], choice: NativeChoice) -> None:
+        layers = self.layers.setdefault(choice, [])
+        if not layers:
+            logger.info("%s: layer %s %s and the layers like it take %s: %s", self.method, prefix or "(unnamed)",
+                        list(shape), choice.path or "no GPU kernel", choice.reason)
+        layers.append(prefix)
 
 
 def choose_weight_only_max_m(native: str | None, block: tuple[int, int] | None) -> int:
@@ -78,7 +133,8 @@ def native_linear(
     path: str,
     x: torch.Tensor,  # [M, K] in the model dtype
     weight: torch.Tensor,  # e4m3 [N, K]
-    weight_scale: torch.Tensor,  # float32 [N] (per row) or [ceil(N / bn), ceil(K / bk)] (block)
+    # float32 [N] (per row) or [ceil(N / bn), ceil(K / bk)] (block); "cublas_block": native_scale()'s
+    weight_scale: torch.Tensor,
     activation: str,
     block: tuple[int, int] | None,
     input_scale: torch.Tensor | None,
@@ -91,6 +147,9 @@ def native_linear(
         from keel_quantization.fp8_triton import fp8_weight_only_gemm
 
         out = fp8_weight_only_gemm(x, weight, groups, group_n, group_k)
+        return out if bias is None else out + bias
+    if path == "cublas_block":  # quantizes the activations itself, in the layout cuBLAS reads
+        out = fp8_cublas_block.gemm(x, weight, weight_scale)
         return out if bias is None else out + bias
     a_q, a_s = quantize_activations(x, activation, block, input_scale)
     if path == "scaled_mm":

@@ -7,6 +7,9 @@ the fp8 values:
 - dynamic per token (per-channel / per-tensor weights, torch._scaled_mm row-wise): `group` = K;
 - static (`input_scale` checkpoints): the given scale, written per token so _scaled_mm's row-wise
   operands have the shape they need.
+`out` may have more rows than x and scales in any strides: cuBLAS's block-scaled GEMM takes them
+token-major ([M, groups] with strides (1, M)) and M a multiple of 4 (`fp8_cublas_block`), so the rows
+past x's are written as zeros (scale MIN_SCALE) in the same launch.
 
 The numbers equal `keel.layers.fp8_utils.per_token_group_quant_fp8` (the torch reference) bit for bit:
 the same float32 amax, IEEE divisions (`div_rn`: Triton's default float32 division is approximate), and
@@ -44,7 +47,7 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr,
-    K, GROUP, NUM_GROUPS,
+    M, K, GROUP, NUM_GROUPS,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     STATIC: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
@@ -53,7 +56,9 @@ def _quant_fp8_kernel(
     cols = tl.arange(0, BLOCK_G)  # [BG]
     k = groups[:, None] * GROUP + cols[None, :]  # [G, BG]
     mask = (groups[:, None] < NUM_GROUPS) & (cols[None, :] < GROUP) & (k < K)
-    x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    # rows past x's (padding of `out`): zeros in, so a zero row and the smallest scale out
+    in_x = (row + groups * 0) < M  # [G]
+    x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=mask & in_x[:, None], other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.load(static_ptr + groups * 0).to(tl.float32)  # [G], the one static scale
     else:
@@ -70,8 +75,9 @@ def quant_fp8(
     x: torch.Tensor,  # [M, K] in the model dtype
     group: int,  # inputs per scale group; K (or more) for one scale per token
     static_scale: torch.Tensor | None = None,  # float32 [1]: a static input_scale instead of dynamic scales
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q, scales) to write in full; tests poison them
-) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M, K], float32 scales [M, ceil(K / group)])
+    # (q [M', K], scales [M', groups]) to write in full, M' >= M (padding rows), any strides; tests poison them
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M', K], float32 scales [M', ceil(K / group)])
     m, k = x.shape
     group = min(group, k)
     num_groups = triton.cdiv(k, group)
@@ -81,18 +87,20 @@ def quant_fp8(
         out = (torch.empty(m, k, dtype=FP8, device=x.device),
                torch.empty(m, num_groups, dtype=torch.float32, device=x.device))
     q, s = out
-    if q.shape != (m, k) or q.dtype != FP8 or s.shape != (m, num_groups) or s.dtype != torch.float32:
+    rows = q.shape[0]
+    if (rows < m or q.shape != (rows, k) or q.dtype != FP8 or s.shape != (rows, num_groups)
+            or s.dtype != torch.float32):
         raise ValueError(f"quant_fp8: out ({tuple(q.shape)} {q.dtype}, {tuple(s.shape)} {s.dtype}) does not fit "
                          f"x {tuple(x.shape)} in groups of {group}")
-    if m == 0:
+    if rows == 0:
         return q, s
     block_g = triton.next_power_of_2(group)
     per_program = max(1, min(triton.next_power_of_2(num_groups), 4096 // block_g))  # ~4096 inputs a program
     elements = per_program * block_g
-    grid = (m, triton.cdiv(num_groups, per_program))
+    grid = (rows, triton.cdiv(num_groups, per_program))
     _quant_fp8_kernel[grid](
         x, q, s, s if static_scale is None else static_scale,
-        k, group, num_groups,
+        m, k, group, num_groups,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         STATIC=static_scale is not None, GROUPS_PER_PROGRAM=per_program, BLOCK_G=block_g,
         num_warps=4 if elements <= 4096 else 8,

@@ -75,3 +75,27 @@ def test_no_tokens_and_misfit_outputs():
         fp8_quant_triton.quant_fp8(torch.randn(2, 64), 32, out=poisoned(2, 64, 1))
     with pytest.raises(ValueError, match="static scale is one per tensor"):
         fp8_quant_triton.quant_fp8(torch.randn(2, 64), 32, torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("m", [5, 8, 1])
+def test_padding_rows_and_token_major_scales_for_cublas(m):
+    """cuBLAS's block-scaled GEMM operands (fp8_cublas_block.quantize_activations): rows rounded up to 4,
+    the padding rows zero with the minimum scale, the scales token-major (strides (1, rows)), written by the
+    same launch into poisoned buffers; the real rows bit-equal to the torch reference."""
+    from keel_quantization import fp8_cublas_block
+
+    x = activations(m, 384, 7)
+    rows = -(-m // 4) * 4
+    q, s = poisoned(rows, 384, 3)
+    s = s.t().contiguous().t()  # token-major, as cuBLAS reads them
+    got_q, got_s = fp8_quant_triton.quant_fp8(x, 128, out=(q, s))
+    assert got_s.stride() == (1, rows)
+    want_q, want_s = per_token_group_quant_fp8(x, 128)
+    same_bits(got_q[:m], want_q)
+    assert torch.equal(got_s[:m], want_s)
+    same_bits(got_q[m:], torch.zeros(rows - m, 384).to(FP8))
+    assert torch.equal(got_s[m:], torch.full((rows - m, 3), MIN_SCALE))
+    a_q, a_s = fp8_cublas_block.quantize_activations(x)
+    assert a_q.shape == (rows, 384) and a_s.shape == (rows, 3) and a_s.stride() == (1, rows)
+    same_bits(a_q, got_q)
+    assert torch.equal(a_s, got_s)

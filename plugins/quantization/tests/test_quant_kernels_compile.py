@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
 
     i32 = "i32"
     for dt, statics in (("*bf16", (False, True)), ("*fp32", (False,))):
-        sig = {"x_ptr": dt, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "K": i32, "GROUP": i32,
+        sig = {"x_ptr": dt, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "M": i32, "K": i32, "GROUP": i32,
                "NUM_GROUPS": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qm", "stride_qk",
                                                        "stride_sm", "stride_sg")}}
         for static in statics:
