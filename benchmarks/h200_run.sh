@@ -9,6 +9,7 @@
 #   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs its two chunk calls)
 #   bitmask   h200_bitmask.py with the BPE vocabulary (BPE_FILE, default dev/bpe128k.json: train one with
 #             h200_bitmask.bpe_tokenizer_info, or leave it absent and the part trains it, ~1-2 min)
+#   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -39,6 +40,8 @@ for part in "$@"; do
     quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
              dsv2lite-fp8-block llama8b-gptq} --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
            grep -E "^\S+ \{\"output_tok_s" "$W/quant.log";;
+    block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
+                  >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.
     tests) timeout -s INT -k 15 "${TESTS_S:-240}" python3 -m pytest -p no:cacheprovider -rfE $TESTS \
              >"$W/cuda-tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$W/cuda-tests.log" | tail -20;;
