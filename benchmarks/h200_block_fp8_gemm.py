@@ -1,6 +1,7 @@
-"""Block FP8 GEMMs at prefill / large-batch M: cuBLAS's block-scaled GEMM against the Triton W8A8 block GEMM,
-bf16 cuBLAS and fp8 row-wise torch._scaled_mm (the per-tensor checkpoint's path), on Llama-3-8B's four layer
-shapes at M = 256, 1024, 8192. Each fp8 path includes its activation quantization launch (the layer pays it).
+"""Block FP8 GEMMs at prefill / large-batch M: cuBLAS's block-scaled GEMM against the Triton W8A8 block
+GEMM, bf16 cuBLAS and fp8 row-wise torch._scaled_mm (the per-tensor checkpoint's path), on Llama-3-8B's four
+layer shapes at M = 64, 256, 1024, 8192. Each fp8 path includes its activation quantization launch (the
+layer pays it).
 
     python benchmarks/h200_block_fp8_gemm.py --out benchmarks/results/h200-block-fp8-gemm.json
 
@@ -12,9 +13,10 @@ both multiply the same fp8 numbers). About 30 s on an H200.
 Prediction (written before the first run): bf16 cuBLAS ~600-700 TFLOPS at M 8192 and ~450-550 at 1024;
 Triton block ~0.7x bf16 at M >= 1024 (the engine's 14.0k vs 16.0k out tok/s); cuBLAS block ~1.3-1.5x bf16
 at M >= 1024 (~850-1000 TFLOPS at 8192), a little under row-wise _scaled_mm (~1.5-1.7x: the per-128-K
-scale promotion costs cuBLAS some of fp8's 2x), and ~1.1-1.3x bf16 at M 256 (half the weight bytes, plus
-the quantization launch). In the engine that predicts block fp8 Llama-8B at ~19-20k out tok/s (per-tensor
-20.7k), DSV2-Lite block a few percent up only (its routed experts stay on the Triton grouped GEMM).
+scale promotion costs cuBLAS some of fp8's 2x), ~1.1-1.3x bf16 at M 256 (half the weight bytes, plus the
+quantization launch), and at M 64 at or above Triton block (~1.0-1.3x). In the engine that predicts block
+fp8 Llama-8B at ~19-20k out tok/s (per-tensor 20.7k), DSV2-Lite block a few percent up only (its routed
+experts stay on the Triton grouped GEMM).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-MS = (256, 1024, 8192)
+MS = (64, 256, 1024, 8192)  # 64: near the weight-only bound (M <= 32), where cuBLAS block starts
 
 
 def _h200_quant():

@@ -132,6 +132,9 @@ def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) 
     methods = {type(getattr(m, "quant_method", None)).__name__ for m in model.modules()
                if getattr(m, "quant_method", None) is not None}
     fp8 = [m.quant_method for m in model.modules() if hasattr(getattr(m, "quant_method", None), "native")]
+    choices = {id(q.choices): q.choices for q in fp8}.values()  # the model's NativeChoiceLog(s)
+    result["fp8_path_layers"] = {f"{c.path}: {c.reason}": len(layers) for log in choices
+                                 for c, layers in log.layers.items()}  # layers per path and reason
     result.update(methods=sorted(methods), fp8_gpu_paths=sorted({str(q.native) for q in fp8}),
                   fp8_weight_only_max_m=sorted({q.weight_only_max_m for q in fp8}),
                   decode_step_weight_bytes=decode_step_bytes(model, shape.get("num_experts_per_tok", 0),
