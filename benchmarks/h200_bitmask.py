@@ -338,25 +338,14 @@ def synthetic_tokenizer_info(vocab: int):
 
 
 def host_fill_ms(ns, batch: int, vocab: int, steps: int) -> dict:
-    import xgrammar as xgr
     from keel_structured_output_xgrammar.backend import FILL_THREADS, XGrammarBackend
 
     from keel.structured_output.backend import BackendContext
     from keel.structured_output.manager import StructuredOutputManager
     from keel.structured_output.params import StructuredOutputsParams
 
-    info = tokenizer_info(ns, vocab)
-    threads = ns.fill_threads or FILL_THREADS
-
-    class SyntheticVocabBackend(XGrammarBackend):
-        """The engine's xgrammar backend over the synthetic vocabulary (no Hugging Face tokenizer)."""
-
-        def __init__(self, ctx: BackendContext) -> None:
-            self.info = info
-            self.compiler = xgr.GrammarCompiler(info, max_threads=8)
-            self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
-
-    manager = StructuredOutputManager(lambda: SyntheticVocabBackend, lambda: BackendContext(None, vocab, 2), vocab)
+    _use_vocabulary(ns, vocab)  # the engine's backend as the engine run builds it
+    manager = StructuredOutputManager(lambda: XGrammarBackend, lambda: BackendContext(None, vocab, 2), vocab)
     t = time.perf_counter()
     requests = [manager.add_request(StructuredOutputsParams(json=SCHEMA)) for _ in range(batch)]
     while not all(r.is_ready() for r in requests):
@@ -389,7 +378,7 @@ def host_fill_ms(ns, batch: int, vocab: int, steps: int) -> dict:
     manager.shutdown()
     return {"host_fill_ms": statistics.median(times["batched"]),
             "host_fill_sequential_ms": statistics.median(times["sequential"]),
-            "fill_threads": threads,
+            "fill_threads": ns.fill_threads or FILL_THREADS,
             "compile_s": compile_s}
 
 
