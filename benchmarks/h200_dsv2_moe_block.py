@@ -109,11 +109,10 @@ def main() -> None:
                 n = len(layers) if tokens <= 1024 else min(len(layers), 2)  # prefill sizes: bounded memory
                 ms = sweep.graph_ms_per_layer(lambda i, v=variant, t=tiles: block(v, x, layers[i], t), n, reps=7)
             except Exception as e:  # noqa: BLE001 - a failing variant is reported, the rest still run
-                print(f"M={tokens:5d} {variant:11s} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                row["variants"][variant] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                row["variants"][variant] = sweep.variant_failed(f"M={tokens:5d} {variant:11s}", e)
                 continue
             ref = out if ref is None else ref
-            dev = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            dev = sweep.max_rel_dev(out, ref)
             base = row["variants"].get("separate", {}).get("ms", ms)
             row["variants"][variant] = {"ms": ms, "speedup_vs_separate": base / ms, "max_rel_dev": dev,
                                         "tiles": [t.to_json() for t in tiles]}

@@ -110,11 +110,10 @@ def main() -> None:
             try:
                 ms, out = time_variant(tiles, bounded, inp, w13, w2, sweep)
             except Exception as e:  # noqa: BLE001 - a failing variant is reported, the rest still run
-                print(f"M={tokens:2d} {name:11s} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                row["variants"][name] = sweep.variant_failed(f"M={tokens:2d} {name:11s}", e)
                 continue
             ref = out if ref is None else ref
-            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            err = sweep.max_rel_dev(out, ref)
             main_ms = row["variants"].get("main", {}).get("ms", ms)
             entry = {"ms": ms, "bw_frac": nbytes / (ms * 1e-3) / (bw * 1e9), "speedup_vs_main": main_ms / ms,
                      "max_rel_dev_vs_main": err, "tiles": [t.to_json() for t in tiles], "bounded_grid": bounded}

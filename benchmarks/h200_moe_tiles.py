@@ -116,6 +116,17 @@ def graph_ms_per_layer(launch, layers: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def variant_failed(label: str, exc: Exception) -> dict:
+    """A variant that raised: printed after `label`, and its result entry (the other variants still run)."""
+    print(f"{label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return {"error": f"{type(exc).__name__}: {exc}"[:400]}
+
+
+def max_rel_dev(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest deviation of `out` from `ref`, relative to ref's largest magnitude."""
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
 def candidates(tokens: int) -> list[MoETileConfig]:
     cfgs = {MoETileConfig(*c) for c in GRID} | {LEGACY}
     for n, k in GEMMS.values():
