@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -140,11 +141,20 @@ def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) 
                   decode_step_weight_bytes=decode_step_bytes(model, shape.get("num_experts_per_tok", 0),
                                                              shape.get("n_routed_experts", 0)))
     if throughput:  # first: round 1 is the first run after start, as the issue asks; distinct prompts per round
-        result["rounds"] = []
+        result["rounds"], result["lazy_work_per_round"] = [], []
+        # What each round did lazily (Triton compiles, graph captures, allocations, slowest steps): a round 1
+        # slower than round 2 is a cold penalty, and this says where it comes from.
+        lazy = _sibling("h200_vs_vllm").LazyWork(SimpleNamespace(llm_engine=engine))
         for r in range(2):
             prompts = random_prompts(num_prompts, 128, cfg.vocab_size, seed=r)
+            lazy.start()
             result["rounds"].append(run_throughput(engine, prompts, 128))
+            report = lazy.report()
+            result["lazy_work_per_round"].append({k: v for k, v in report.items() if k != "variants"})
             print(name, f"throughput round {r + 1}", json.dumps(result["rounds"][-1]), flush=True)
+            print(name, f"lazy work round {r + 1}", json.dumps({k: report[k] for k in (
+                "triton_compiles", "triton_compile_s", "compiles_by_kernel", "graph_captures", "cuda_mallocs",
+                "median_step_ms")}), json.dumps(report["slowest_steps"][:6]), flush=True)
         result["throughput"] = result["rounds"][0]
     result["latency_b1"] = run_latency(engine, 1, 128, 128, 3, cfg.vocab_size)
     print(name, "b1", json.dumps(result["latency_b1"]), flush=True)
