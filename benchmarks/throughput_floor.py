@@ -15,6 +15,7 @@ then 128 decode steps of 256 requests. Floors per step:
 - decode at batch 256: GEMM time (the larger of its FLOPs at the M-256 GEMM rate and its weight bytes at
   copy bandwidth) plus attention's KV bytes at copy bandwidth (separate kernels: the two do not overlap).
   Routed experts: every expert is read at batch 256 (1536 picks over 64 experts leave none idle).
+Also Llama-8B in fp8 (issue 12's 30,000 out tok/s), with a bf16 and with an fp8 KV cache.
 Attention FLOPs of 128-token prompts, norms and rope are left out (under 3% of a prefill step).
 """
 
@@ -57,21 +58,27 @@ def measured_rates() -> dict:
     gemm_file = sorted(glob.glob(str(RESULTS / "h200-block-fp8-gemm-*.json")))[-1]
     rows = json.loads(Path(gemm_file).read_text())["rows"]
 
-    def rate(m: int) -> float:  # FLOP-weighted bf16 cuBLAS rate over the four Llama layer shapes at M = m
+    def rate(m: int, path: str) -> float:  # FLOP-weighted rate over the four Llama layer shapes at M = m
         sel = [r for r in rows if r["m"] == m]
         flops = [2 * m * r["n"] * r["k"] for r in sel]
-        return sum(flops) / sum(f / r["bf16_cublas_TFLOPS"] for f, r in zip(flops, sel, strict=True))
+        return sum(flops) / sum(f / r[f"{path}_TFLOPS"] for f, r in zip(flops, sel, strict=True))
 
     return {"copy_GBps": llama["copy_bw_GBps"], "matmul_8192cubed_TFLOPs": llama["bf16_matmul_TFLOPs"],
-            "gemm_M8192_TFLOPs": rate(8192), "gemm_M256_TFLOPs": rate(256), "gemm_file": Path(gemm_file).name}
+            "gemm_M8192_TFLOPs": rate(8192, "bf16_cublas"), "gemm_M256_TFLOPs": rate(256, "bf16_cublas"),
+            # fp8 weights and activations, the faster of cuBLAS's row-wise and block-scaled GEMMs
+            "fp8_gemm_M8192_TFLOPs": max(rate(8192, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block")),
+            "fp8_gemm_M256_TFLOPs": max(rate(256, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block")),
+            "gemm_file": Path(gemm_file).name}
 
 
-def floor(shape: dict, rates: dict, ctx_tokens: float) -> dict:
+def floor(shape: dict, rates: dict, ctx_tokens: float, fp8: bool = False, fp8_kv: bool = False) -> dict:
+    """fp8: e4m3 weights (1 byte) at the fp8 GEMM rates; fp8_kv: a 1-byte KV cache."""
     bw = rates["copy_GBps"] * 1e9
-    prefill_ms = 2 * BATCHED * shape["prefill_params"] / (rates["gemm_M8192_TFLOPs"] * 1e12) * 1e3
-    gemm_ms = max(2 * SEQS * shape["decode_params"] / (rates["gemm_M256_TFLOPs"] * 1e12),
-                  2 * shape["decode_weight_params"] / bw) * 1e3
-    attn_ms = SEQS * ctx_tokens * shape["kv_bytes_per_token"] / bw * 1e3
+    pre = "fp8_" if fp8 else ""
+    prefill_ms = 2 * BATCHED * shape["prefill_params"] / (rates[f"{pre}gemm_M8192_TFLOPs"] * 1e12) * 1e3
+    gemm_ms = max(2 * SEQS * shape["decode_params"] / (rates[f"{pre}gemm_M256_TFLOPs"] * 1e12),
+                  (1 if fp8 else 2) * shape["decode_weight_params"] / bw) * 1e3
+    attn_ms = SEQS * ctx_tokens * shape["kv_bytes_per_token"] / (2 if fp8_kv else 1) / bw * 1e3
     waves = NUM_PROMPTS / SEQS
     prefill_steps = math.ceil(SEQS * PROMPT / BATCHED)
     total_s = waves * (prefill_steps * prefill_ms + OUTPUT * (gemm_ms + attn_ms)) / 1e3
@@ -105,6 +112,11 @@ def main() -> None:
         f["keel_measured_steps"] = keel_steps(name, f)
         out["models"][name] = f
         print(name, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()}))
+    # issue 12's fp8 target (30,000 out tok/s) on the same workload
+    for key, kv in (("llama8b_fp8", False), ("llama8b_fp8_kv_fp8", True)):
+        f = floor(llama_shape(), rates, PROMPT + OUTPUT / 2, fp8=True, fp8_kv=kv)
+        out["models"][key] = f
+        print(key, json.dumps({k: round(v, 2) for k, v in f.items()}))
     Path(ns.out).write_text(json.dumps(out, indent=1))
 
 
