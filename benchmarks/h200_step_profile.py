@@ -3,7 +3,7 @@ batch of B running requests (CUDA graphs replayed), and of one full prefill step
 keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py), with the same engine limits.
 
     python benchmarks/h200_step_profile.py --arch dsv2lite|llama8b [--model-dir DIR] [--batch 256,64]
-        [--out FILE.json] [--disable-shared-experts-fusion]
+        [--out FILE.json] [--disable-shared-experts-fusion] [--quantization-config JSON]
 
 Per batch: the wall time of `engine.step()` (median of 30 consecutive decode steps, every request past
 its prompt), the GPU time the profiler saw per step (kernels, graph replays included), their difference
@@ -143,17 +143,27 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--disable-shared-experts-fusion", action="store_true",
                     help="DeepSeek: the shared MLP runs on its own (the engine argument of that name)")
+    ap.add_argument("--quantization-config", default=None, metavar="JSON",
+                    help="dummy weights in a quantized checkpoint's layout: this `quantization_config` goes into "
+                         "config.json (e.g. one of h200_quant.py's cases)")
     a = ap.parse_args()
     mixed = {int(x) for x in a.mixed.split(",") if x}
     model_dir = a.model_dir
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
         vs.write_config(Path(model_dir), a.arch)
+    if a.quantization_config:
+        if a.model_dir is not None:
+            raise SystemExit("--quantization-config describes dummy weights; a checkpoint brings its own")
+        cfg_path = Path(model_dir, "config.json")
+        cfg = json.loads(cfg_path.read_text())
+        cfg_path.write_text(json.dumps({**cfg, "quantization_config": json.loads(a.quantization_config)}))
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
     t = time.perf_counter()
     extra = {"disable_shared_experts_fusion": True} if a.disable_shared_experts_fusion else {}
     engine = make_engine(model_dir, dummy=a.model_dir is None, **extra)
     result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint", **extra,
+              "quantization_config": json.loads(a.quantization_config) if a.quantization_config else None,
               "limits": vs.LIMITS, "commit": os.environ.get("KEEL_COMMIT", "?"),
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
     try:
