@@ -7,7 +7,9 @@ the fp8 values:
 - dynamic per token (per-channel / per-tensor weights, torch._scaled_mm row-wise): `group` = K;
 - static (`input_scale` checkpoints): the given scale, written per token so _scaled_mm's row-wise
   operands have the shape they need.
-`out` may have more rows than x and scales in any strides: cuBLAS's block-scaled GEMM takes them
+Large tokens with one scale each and many rows take a second kernel that walks each token in chunks
+(`choose_launch`, `QuantLaunch`): the same numbers, fewer registers. `out` may have more rows than x and
+scales in any strides: cuBLAS's block-scaled GEMM takes them
 token-major ([M, groups] with strides (1, M)) and M a multiple of 4 (`fp8_cublas_block`), so the rows
 past x's are written as zeros (scale MIN_SCALE) in the same launch.
 
@@ -19,6 +21,8 @@ rounds up into the next binade: 124.4 -> 64, not 128).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -71,12 +75,69 @@ def _quant_fp8_kernel(
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < NUM_GROUPS)
 
 
+@triton.jit
+def _quant_fp8_row_loop_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr,
+    M, K,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm,
+    STATIC: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    """One scale per token, one token per program, K in chunks: a pass for the amax, a second one (the row
+    again, from L2) to quantize -- a few registers per thread instead of the whole row's."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, CHUNK)
+    in_x = (row + cols * 0) < M  # [CHUNK]; rows past x's (padding of `out`): zeros in -> zeros, smallest scale
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            k = c * CHUNK + cols
+            x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=(k < K) & in_x, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        top = tl.max(amax, axis=0)
+        scale = tl.maximum(tl.math.div_rn(top, _FP8_MAX + top * 0.0), _MIN_SCALE)
+    for c in range(NUM_CHUNKS):
+        k = c * CHUNK + cols
+        x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=(k < K) & in_x, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, tl.full((CHUNK,), 1.0, tl.float32) * scale)
+        v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + k * stride_qk, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(s_ptr + row * stride_sm, scale)
+
+
+@dataclass(frozen=True)
+class QuantLaunch:
+    """How `quant_fp8` launches: "tile" (a program holds whole groups in registers, several per program
+    when they are small) or "loop" (one scale per token: a program walks its token in `chunk` inputs, twice).
+    `warps` None: the tile launch's default (4, or 8 past 4096 inputs a program)."""
+
+    kind: str = "tile"
+    warps: int | None = None
+    chunk: int = 2048
+
+
+# The loop launch past this many inputs a token (one scale per token) when enough tokens fill the device:
+# the tile launch then holds 16384 floats a program (K 14336: 64 a thread at 8 warps), so few programs fit
+# an SM and the loads of one cannot hide another's latency. Below ROW_LOOP_MIN_ROWS the tile launch's wide
+# programs are what keeps the device busy.
+ROW_LOOP_MIN_K = 8192
+ROW_LOOP_MIN_ROWS = 512
+
+
+def choose_launch(rows: int, k: int, group: int) -> QuantLaunch:
+    if group >= k and k >= ROW_LOOP_MIN_K and rows >= ROW_LOOP_MIN_ROWS:
+        return QuantLaunch("loop", 4, 2048)
+    return QuantLaunch()
+
+
 def quant_fp8(
     x: torch.Tensor,  # [M, K] in the model dtype
     group: int,  # inputs per scale group; K (or more) for one scale per token
     static_scale: torch.Tensor | None = None,  # float32 [1]: a static input_scale instead of dynamic scales
     # (q [M', K], scales [M', groups]) to write in full, M' >= M (padding rows), any strides; tests poison them
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    launch: QuantLaunch | None = None,  # None: `choose_launch` (benchmarks and tests pass their own)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M', K], float32 scales [M', ceil(K / group)])
     m, k = x.shape
     group = min(group, k)
@@ -94,6 +155,17 @@ def quant_fp8(
                          f"x {tuple(x.shape)} in groups of {group}")
     if rows == 0:
         return q, s
+    launch = launch or choose_launch(rows, k, group)
+    if launch.kind == "loop":
+        if num_groups != 1:
+            raise ValueError(f"quant_fp8: the loop launch takes one scale per token, not groups of {group} in {k}")
+        _quant_fp8_row_loop_kernel[(rows,)](
+            x, q, s, s if static_scale is None else static_scale, m, k,
+            x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0),
+            STATIC=static_scale is not None, CHUNK=launch.chunk, NUM_CHUNKS=triton.cdiv(k, launch.chunk),
+            num_warps=launch.warps or 4,
+        )
+        return q, s
     block_g = triton.next_power_of_2(group)
     per_program = max(1, min(triton.next_power_of_2(num_groups), 4096 // block_g))  # ~4096 inputs a program
     elements = per_program * block_g
@@ -103,7 +175,7 @@ def quant_fp8(
         m, k, group, num_groups,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         STATIC=static_scale is not None, GROUPS_PER_PROGRAM=per_program, BLOCK_G=block_g,
-        num_warps=4 if elements <= 4096 else 8,
+        num_warps=launch.warps or (4 if elements <= 4096 else 8),
     )
     return q, s
 

@@ -99,3 +99,34 @@ def test_padding_rows_and_token_major_scales_for_cublas(m):
     assert a_q.shape == (rows, 384) and a_s.shape == (rows, 3) and a_s.stride() == (1, rows)
     same_bits(a_q, got_q)
     assert torch.equal(a_s, got_s)
+
+
+LOOP = fp8_quant_triton.QuantLaunch("loop", 4, 256)
+
+
+@pytest.mark.parametrize("m,k,dtype", [(3, 1000, torch.bfloat16), (2, 512, torch.float16), (1, 300, torch.float32)])
+def test_row_loop_launch_is_bit_equal_to_the_tile_launch(m, k, dtype):
+    """The chunked one-token-per-program launch (large tokens, many rows): a partial last chunk, a K that is
+    a whole number of chunks, rows past x's zero with the minimum scale, into poisoned outputs."""
+    x = activations(m, k, 11 * k, dtype)
+    rows = m + 2
+    q, s = fp8_quant_triton.quant_fp8(x, k, out=poisoned(rows, k, 1), launch=LOOP)
+    want_q, want_s = fp8_math.quantize_per_row(x)
+    same_bits(q[:m], want_q)
+    assert torch.equal(s[:m], want_s[:, None])
+    same_bits(q[m:], torch.zeros(2, k).to(FP8))
+    assert torch.equal(s[m:], torch.full((2, 1), MIN_SCALE))
+    scale = torch.tensor([0.05])
+    q, s = fp8_quant_triton.quant_fp8(x, k, scale, out=poisoned(m, k, 1), launch=LOOP)
+    same_bits(q, fp8_math.to_fp8(x, scale))
+    assert torch.equal(s, scale.expand(m, 1))
+
+
+def test_launch_choice():
+    choose = fp8_quant_triton.choose_launch
+    assert choose(8192, 14336, 14336).kind == "loop"
+    assert choose(256, 14336, 14336).kind == "tile"  # few tokens: the wide tile programs fill the device
+    assert choose(8192, 4096, 4096).kind == "tile"
+    assert choose(8192, 14336, 128).kind == "tile"  # block groups
+    with pytest.raises(ValueError, match="one scale per token"):
+        fp8_quant_triton.quant_fp8(torch.randn(2, 512), 128, launch=LOOP)
