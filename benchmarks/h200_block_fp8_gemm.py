@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -96,6 +95,8 @@ def main() -> None:
     ns = ap.parse_args()
     import triton
 
+    from keel.bench import source_commit
+
     h200_quant = _h200_quant()
     start = time.perf_counter()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -104,21 +105,13 @@ def main() -> None:
         rows += _rows(layer, n, k, gen, h200_quant.graph_us)
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "cuda": torch.version.cuda, "commit": _commit(), "rows": rows, "wall_s": time.perf_counter() - start}
+              "cuda": torch.version.cuda, "commit": source_commit(Path(__file__).parent), "rows": rows, "wall_s": time.perf_counter() - start}
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({f"{r['layer']} M{r['m']}": {p: round(r[f"{p}_TFLOPS"]) for p in
                       ("bf16_cublas", "triton_block", "cublas_block", "fp8_rowwise_scaled_mm")
                       if f"{p}_TFLOPS" in r} for r in rows}, indent=1))
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -50,6 +49,8 @@ def main() -> None:
     import triton
     from keel_quantization.fp8_quant_triton import choose_launch, quant_fp8
 
+    from keel.bench import source_commit
+
     graph_us = _h200_quant().graph_us
     gen = torch.Generator(device="cuda").manual_seed(0)
     start = time.perf_counter()
@@ -72,8 +73,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({kk: round(v, 1) if isinstance(v, float) else v for kk, v in row.items()
                                   if not kk.endswith("_GBps")}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                            cwd=Path(__file__).parent).stdout.strip() or None
+    commit = source_commit(Path(__file__).parent)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": commit, "rows": rows, "wall_s": time.perf_counter() - start}
     out = Path(ns.out)

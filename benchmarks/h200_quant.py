@@ -35,7 +35,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -273,8 +272,9 @@ def main() -> None:
         return
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip() or os.environ.get("KEEL_COMMIT", "unknown")
+    from keel.bench import source_commit
+
+    commit = source_commit(_here) or "unknown"
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                     "commit": commit, "num_prompts": ns.num_prompts,
                     "copy_bw_GBps": _llama8b.ceilings()["copy_bw_GBps"],

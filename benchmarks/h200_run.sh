@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of H200 measurements, in the order given, each part under its own time limit:
-#   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_run.sh wheels install ckpt keel-dsv2 keel-llama \
+#   OUT=<dir> KEEL_COMMIT=<sha, spelled out here: not $(git ...) on the device> bash benchmarks/h200_run.sh wheels install ckpt keel-dsv2 keel-llama \
 #       profile-dsv2 profile-llama spec bitmask quant tests
 # The device returns only a few files, so every result goes to $OUT/w and leaves as one $OUT/h200-run.tgz
 # (untar it, then commit the figures you rely on to benchmarks/results/); each part prints its key lines.
@@ -20,6 +20,9 @@ mkdir -p "$W"
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 T0=$(date +%s)
+# The device's checkout may carry a stale .git: the caller names the commit (KEEL_COMMIT), and the benchmarks
+# record it (keel.bench.source_commit).
+[ -n "${KEEL_COMMIT:-}" ] && export KEEL_COMMIT && echo "$KEEL_COMMIT" >"$W/commit.txt"
 TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/models_deepseek/tests/test_fused_moe.py
  plugins/structured_output_xgrammar/tests/test_structured_outputs.py::test_cuda_async_engine_with_the_fused_mask"}
 for part in "$@"; do

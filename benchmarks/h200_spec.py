@@ -29,7 +29,6 @@ import gc
 import importlib.util
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -233,11 +232,9 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
     }
-    try:
-        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                          cwd=_here, check=False).stdout.strip() or None
-    except OSError:
-        result["commit"] = None
+    from keel.bench import source_commit
+
+    result["commit"] = source_commit(_here)
     names = [n.strip() for n in ns.engines.split(",") if n.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown or "plain" not in names:

@@ -7,9 +7,12 @@ Prompts are random token ids (so no tokenizer or dataset is needed); every reque
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from keel.cli import add_engine_cli_args
@@ -17,6 +20,19 @@ from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.engine.output_processor import RequestOutputKind
 from keel.engine.sampling_params import SamplingParams
+
+
+def source_commit(cwd: str | Path | None = None) -> str | None:
+    """The commit a result file records: $KEEL_COMMIT when set (a device machine's checkout may carry a stale
+    .git, so the caller names the commit it copied there), else `git rev-parse` of `cwd`, else None."""
+    if os.environ.get("KEEL_COMMIT"):
+        return os.environ["KEEL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=cwd)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
