@@ -35,8 +35,8 @@ at M = 1, 8, 64, 256 and 8192 tokens (FP8_TOKENS), against bf16 experts holding 
 Printed and written per variant: ms per layer, GB/s of expert weights read (and % of copy bandwidth),
 TFLOP/s (2 x tokens x top_k x 3 x H x I), speedup over bf16, largest deviation from bf16's output.
 `--fp8-sweep`: per token count 1 .. 8192 every candidate tile pair for fp8 experts (the shipped bf16
-entries of every token count, fitted, each way the activations can enter; block_m pruned as in
-h200_moe_tiles.py), whole MoE calls timed as above; writes the fastest per token count as the fp8 tile
+entries of every token count, fitted, each way the activations can enter; block_m pruned by size; at 1-2
+tokens also gemv tiles 16-64 wide, with and without TMA), whole MoE calls timed as above; writes the fastest per token count as the fp8 tile
 files (`E=64,N=..,K=..,device_name=<gpu>,dtype=fp8_w8a8,block_shape=[128,128].json`) into
 kernels-triton's configs/ and --out, where the engine's fp8 lookup finds them before the bf16 files.
 
@@ -60,7 +60,7 @@ import torch
 from keel_kernels_triton.fused_moe import grouped_gemm
 from keel_kernels_triton.fused_moe import tile_config as tc
 from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton
-from keel_kernels_triton.fused_moe.tile_config import A_QUANTS, fp8_block_tiles, get_moe_tile_configs
+from keel_kernels_triton.fused_moe.tile_config import A_QUANTS, MoETileConfig, fp8_block_tiles, get_moe_tile_configs
 
 from keel.layers.fp8_utils import FP8
 from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
@@ -220,6 +220,11 @@ def sweep_candidates(tokens: int, device: str) -> list[tuple]:
             if a_quant == "none" or c13.kernel == "dot":
                 pairs.add(tuple(fp8_block_tiles(dataclasses.replace(c, a_quant=a_quant), tokens, FP8_BLOCK[1])
                                 for c in (c13, c2)))
+    if tokens <= 2:  # e4m3 tiles carry half the bytes of a bf16 tile of the same shape: wider gemv tiles too
+        for block_n in (16, 32, 64):
+            for tma in (False, True):
+                gemv = MoETileConfig(1, block_n, 128, 4, 3, kernel="gemv", weight_tma=tma, a_quant="none")
+                pairs.add((gemv, gemv))
     return sorted(pairs, key=str)
 
 
