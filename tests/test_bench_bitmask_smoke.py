@@ -38,3 +38,16 @@ def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
     assert isinstance(parts["trace"], list) and result["host_cpus"]["cpus"] >= 1
     for key in ("overhead_fraction", "device_ms_torch_reference", "host_fill_ms", "decode_step_ms"):
         assert key in result or key in engine
+
+
+def test_gil_benchmark_smoke_run_reports_its_figures(tmp_path):
+    """benchmarks/bitmask_gil.py (the fill thread's GIL cost to the engine loop, CPU only) runs and reports
+    what the H200 call reads."""
+    out = tmp_path / "gil.json"
+    subprocess.run([sys.executable, str(SCRIPT.parent / "bitmask_gil.py"), "--smoke", "--out", str(out)], check=True,
+                   timeout=300, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    for key in ("gil_takes", "python_cpu_ms", "fill_thread_cpu_ms", "stolen_ms", "stolen_outside_fill_ms",
+                "chain_ms", "chain_idle_ms"):
+        assert key in result, key
+    assert 0 <= result["python_cpu_ms"] <= result["fill_thread_cpu_ms"] and result["batch"] == 4
