@@ -265,6 +265,27 @@ def test_launched_steps_advance_their_grammars_on_the_fill_thread_as_the_tokens_
     assert steps == 4 and not s._advances.keys() - {id(done[0])}
 
 
+def test_a_bitmask_buffer_is_reused_once_its_step_sampled():
+    """A step's advance runs once its tokens are on the host, so its sampling -- and the runner's copy of
+    its bitmask -- is done: the buffer goes to a later fill (no 4 MB pinned allocation per step), and
+    reading the old plan afterwards is an error rather than another step's rows."""
+    s = make_scheduler(async_scheduling=True, constrained_in_flight=True)
+    add(s, "c", "4 5 6")
+    wait_ready(s, "c")
+    first = s.schedule()
+    buffer = first.grammar_bitmask.result()  # the runner reads it before sampling
+    s.launched(first, lambda timeout: {"c": 4})
+    second = s.schedule()  # its fill is queued behind the advance
+    assert allowed(second, "c") == {5}
+    assert second.grammar_bitmask.result().data_ptr() == buffer.data_ptr()
+    with pytest.raises(RuntimeError, match="after its step's tokens"):
+        first.grammar_bitmask.result()
+    unread = s.structured_output.plan_bitmask(["c"], [s.requests["c"].structured_output.grammar])
+    s.structured_output._recycle(unread)  # a plan nobody read keeps its bitmask
+    unread.start()
+    assert unread.result().shape == (1, 2)
+
+
 def test_bitmask_travels_to_another_process_filled():
     import pickle
 

@@ -62,6 +62,9 @@ def grammar_logits_rows(
 ) -> np.ndarray:  # [R] int64: the logits row each bitmask row constrains
     """Called by the model runner when it stages a step's bitmask: the k-th row of a request is its k-th
     logits row."""
+    if int(num_sample_rows.sum()) == len(sampling_req_ids):  # one logits row each (no drafts): row = position
+        position = dict(zip(sampling_req_ids, range(len(sampling_req_ids))))
+        return np.fromiter(map(position.__getitem__, bitmask_req_ids), dtype=np.int64, count=len(bitmask_req_ids))
     first = dict(zip(sampling_req_ids, (np.cumsum(num_sample_rows) - num_sample_rows).tolist()))
     seen: dict[str, int] = {}
     out = np.empty(len(bitmask_req_ids), dtype=np.int64)

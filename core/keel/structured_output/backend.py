@@ -76,8 +76,10 @@ class StructuredOutputBackend(Protocol):
     def grammar(self, compiled: Any) -> StructuredOutputGrammar:
         """A fresh matcher for one request."""
 
-    # Optional: `fill_bitmasks(grammars, bitmask, rows)` fills the whole rows `bitmask[rows[i]]` for
-    # `grammars[i]` (its own grammars, none terminated) in one call -- e.g. on threads. The manager uses it for the rows of a
-    # step that need no tentative advance; without it, each grammar's `fill_bitmask`.
+    # Optional: `fill_bitmasks(grammars, bitmask, rows)` fills the whole rows `bitmask[rows[i]]` (rows None:
+    # `bitmask[i]`) for `grammars[i]` (its own grammars, none terminated) in one call -- e.g. on threads.
+    # The manager uses it for the rows of a step that need no tentative advance; without it, each
+    # grammar's `fill_bitmask`. It runs on the fill thread while the engine loop runs Python: each
+    # library call that releases the GIL costs a handoff, and its Python holds the loop up.
     # Optional: `accept_tokens_batch(grammars, tokens) -> list[bool]`, `grammars[i].accept_tokens([tokens[i]])`
     # for all in one call; the manager uses it to advance a step's grammars on its fill thread.

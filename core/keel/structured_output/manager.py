@@ -14,7 +14,7 @@ import logging
 import re
 import sys
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -38,6 +38,8 @@ MAX_CACHED_GRAMMARS = 512
 # step is ~10 ms, so at the default a fill took 4 ms of work plus up to 10 ms of waiting). A waiting thread
 # is what makes the holder switch, so without a fill in flight the lower interval costs nothing.
 FILL_SWITCH_INTERVAL_S = 0.0002
+# Bitmask buffers kept for reuse (see StructuredOutputManager._take_buffer): two steps are in flight.
+MAX_FREE_BUFFERS = 4
 _LIBRARY_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -86,12 +88,16 @@ class GrammarBitmask:
     """
 
     def __init__(self, req_ids: list[str], bitmask: torch.Tensor | None = None,
-                 fill: Callable[[], torch.Tensor] | None = None, pool: ThreadPoolExecutor | None = None) -> None:
+                 fill: Callable[[], torch.Tensor] | None = None, pool: ThreadPoolExecutor | None = None,
+                 pinned: bool = False) -> None:
         self.req_ids = req_ids
+        self.pinned = pinned  # the bitmask is in pinned memory: the runner copies it to the device directly
         self._bitmask = bitmask  # [len(req_ids), ceil(vocab / 32)] int32, CPU (pinned for a device runner)
         self._fill = fill  # allocates and fills the bitmask; None once filled
         self._pool = pool
         self._future: Future | None = None
+        self._recycled = False  # its buffer went back to the manager (its step's tokens are on the host)
+        self.grammars: list | None = None  # the rows' grammars (one row each, without drafts), when planned
 
     def start(self) -> None:
         """Begin the fill on the manager's thread (idempotent). Called by the scheduler."""
@@ -104,6 +110,9 @@ class GrammarBitmask:
 
     def result(self) -> torch.Tensor:  # [rows, ceil(vocab / 32)] int32, CPU
         """The filled bitmask, waiting for the fill if needed. Called by the model runner before sampling."""
+        if self._recycled:
+            raise RuntimeError("a grammar bitmask was read after its step's tokens were on the host (its "
+                               "buffer is reused by a later step)")
         if self._fill is not None:
             if self._future is None:
                 raise RuntimeError("a grammar bitmask was read before its fill started (its step's grammars "
@@ -117,7 +126,30 @@ class GrammarBitmask:
         return self.result()
 
     def __getstate__(self) -> dict:
-        return {"req_ids": self.req_ids, "_bitmask": self.result(), "_fill": None, "_pool": None, "_future": None}
+        return {"req_ids": self.req_ids, "_bitmask": self.result(), "_fill": None, "_pool": None, "_future": None,
+                "_recycled": False, "pinned": False, "grammars": None}
+
+
+class Advanced:
+    """What the fill thread's advance of one step did (`StructuredOutputManager.plan_advance`): per request
+    advanced, whether its grammar accepted the token and whether it ended. Kept as the lists the advance
+    produced (no per-request objects on the fill thread); `take` is called by the scheduler's apply,
+    once per request."""
+
+    def __init__(self, req_ids: list[str], accepted: list[bool], ended: list[str]) -> None:
+        self._pending = set(req_ids)
+        self._refused = set() if all(accepted) else {r for r, ok in zip(req_ids, accepted, strict=True) if not ok}
+        self._ended = set(ended)
+
+    def take(self, req_id: str) -> tuple[bool, bool] | None:
+        """(accepted, ended) for a request this advance handled (once), else None."""
+        if req_id not in self._pending:
+            return None
+        self._pending.discard(req_id)
+        return req_id not in self._refused, req_id in self._ended
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 class StructuredOutputRequest:
@@ -153,6 +185,10 @@ class StructuredOutputManager:
         self._switch_interval = sys.getswitchinterval()  # restored at shutdown
         sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
         self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-grammar-fill")
+        # Filled bitmasks whose step has sampled, for the next fills (deque: taken and returned from
+        # either thread without a lock).
+        self._free_buffers: deque[torch.Tensor] = deque(maxlen=MAX_FREE_BUFFERS)
+        self.num_buffers_allocated = 0  # bitmask buffers made (the rest were reused): benchmarks read it
         self._load_context = load_context  # loads the tokenizer: called once, on the compile thread
         self._backend: StructuredOutputBackend | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-grammar")
@@ -187,55 +223,84 @@ class StructuredOutputManager:
         """A step's bitmask, not filled yet: the allowed tokens of each request's next token, for a step in
         which they all sample; with `drafts` (already `validate_tokens`-checked) also those after each
         draft. Called by the scheduler; the fill runs on this manager's fill thread once started."""
-        drafts = list(drafts) if drafts is not None else [()] * len(grammars)
-        rows = [rid for rid, tokens in zip(req_ids, drafts, strict=True) for _ in range(len(tokens) + 1)]
         grammars = list(grammars)
-        return GrammarBitmask(rows, fill=lambda: self._fill_rows(len(rows), grammars, drafts), pool=self._fill_pool)
+        if drafts is None:  # one row each (every decode step without speculative decoding)
+            rows = list(req_ids)
+            fill = lambda: self._fill_rows(len(rows), grammars, None)  # noqa: E731
+        else:
+            drafts = list(drafts)
+            rows = [rid for rid, tokens in zip(req_ids, drafts, strict=True) for _ in range(len(tokens) + 1)]
+            fill = lambda: self._fill_rows(len(rows), grammars, drafts)  # noqa: E731
+        plan = GrammarBitmask(rows, fill=fill, pool=self._fill_pool, pinned=self.pin_memory)
+        plan.grammars = grammars if drafts is None else None
+        return plan
 
     def plan_advance(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
-                     wait_sampled: Callable[[float], dict[str, int] | None]) -> Future:
+                     wait_sampled: Callable[[float], dict[str, int] | None],
+                     bitmask: GrammarBitmask | None = None) -> Future:
         """Advance `grammars` by the tokens their requests sample in a step just launched, on the fill
         thread, the moment those tokens are on the host (`wait_sampled(timeout)`: {req_id: token}, None
         while the step's sampling is not enqueued yet) -- before the next step's bitmask fill, which is
-        queued behind it. Called by the scheduler right after the launch; the future's result is
-        {req_id: (accepted, terminated after it)} for the requests advanced (a terminated grammar, or one
+        queued behind it. Called by the scheduler right after the launch; the future's result is an
+        `Advanced`: (accepted, terminated after it) for the requests advanced (a terminated grammar, or one
         whose request sampled nothing, is left alone), which `update_from_output` reads instead of advancing
-        them itself."""
+        them itself. `bitmask`: the step's own, which its sampling has used once the tokens are on the
+        host: its buffer then serves a later fill (reading it afterwards is an error)."""
         req_ids, grammars = list(req_ids), list(grammars)
-        return self._fill_pool.submit(self._advance, req_ids, grammars, wait_sampled)
+        return self._fill_pool.submit(self._advance, req_ids, grammars, wait_sampled, bitmask)
 
     def _advance(self, req_ids: list[str], grammars: list[StructuredOutputGrammar],
-                 wait_sampled: Callable[[float], dict[str, int] | None]) -> dict[str, tuple[bool, bool]]:
+                 wait_sampled: Callable[[float], dict[str, int] | None],
+                 bitmask: GrammarBitmask | None = None) -> Advanced:
         tokens = None
         while tokens is None:  # the step's sampling is enqueued by the engine loop; stop waiting at shutdown
             if self._closed or _exiting.is_set():
-                return {}
+                return Advanced([], [], [])
             tokens = wait_sampled(0.1)
-        live = [(rid, g) for rid, g in zip(req_ids, grammars, strict=True) if rid in tokens and not g.is_terminated()]
-        batch_accept = getattr(self._backend, "accept_tokens_batch", None)
-        picked = [tokens[rid] for rid, _ in live]
-        if batch_accept is not None:
-            accepted = batch_accept([g for _, g in live], picked)
+        if bitmask is not None:
+            self._recycle(bitmask)
+        # Every request of the step sampled and none has ended (the usual case): no per-request filtering.
+        # This runs under the GIL while the engine loop wants it, so it stays in C-level loops (map).
+        if len(tokens) >= len(req_ids) and all(map(tokens.__contains__, req_ids)) and not any(
+                g.is_terminated() for g in grammars):
+            live_ids, live = req_ids, grammars
         else:
-            accepted = [g.accept_tokens([t]) for (_, g), t in zip(live, picked, strict=True)]
+            pairs = [(rid, g) for rid, g in zip(req_ids, grammars, strict=True)
+                     if rid in tokens and not g.is_terminated()]
+            live_ids, live = [rid for rid, _ in pairs], [g for _, g in pairs]
+        picked = list(map(tokens.__getitem__, live_ids))
+        batch_accept = getattr(self._backend, "accept_tokens_batch", None)
+        if batch_accept is not None:
+            accepted = batch_accept(live, picked)
+        else:
+            accepted = [g.accept_tokens([t]) for g, t in zip(live, picked, strict=True)]
         # Whether each grammar ended is read here: the next step's advance may run before the loop reads this.
-        return {rid: (bool(ok), g.is_terminated()) for (rid, g), ok in zip(live, accepted, strict=True)}
+        return Advanced(live_ids, accepted, [rid for rid, g in zip(live_ids, live, strict=True) if g.is_terminated()])
 
     def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
                         drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
         """`plan_bitmask`, filled on the caller's thread (tests, benchmarks)."""
         planned = self.plan_bitmask(req_ids, grammars, drafts)
-        return GrammarBitmask(planned.req_ids, planned._fill())
+        return GrammarBitmask(planned.req_ids, planned._fill(), pinned=planned.pinned)
 
     def _fill_rows(self, num_rows: int, grammars: list[StructuredOutputGrammar],
-                   drafts: list[Sequence[int]]) -> torch.Tensor:  # [num_rows, words] int32
+                   drafts: list[Sequence[int]] | None) -> torch.Tensor:  # [num_rows, words] int32
         """With drafts, the grammar is advanced through them tentatively and rolled back. A row past the
         grammar's end allows everything: verification stops at the end token, so nothing sampled there is
         kept. Runs while no other thread touches these grammars (the scheduler advances them only once
         the step's tokens arrived, which needs this bitmask). Allocated here, off the engine loop; a fill
         writes whole rows, so only the rows nobody fills are set (to all allowed)."""
-        bitmask = torch.empty((num_rows, bitmask_width(self.vocab_size)), dtype=torch.int32, pin_memory=self.pin_memory)
+        bitmask = self._take_buffer(num_rows)
         batch_fill = getattr(self._backend, "fill_bitmasks", None)
+        if drafts is None and batch_fill is not None:  # one row each
+            if any(g.is_terminated() for g in grammars):
+                active = [j for j, g in enumerate(grammars) if not g.is_terminated()]
+                bitmask[sorted(set(range(num_rows)) - set(active))] = -1
+                batch_fill([grammars[j] for j in active], bitmask, active)
+            else:
+                batch_fill(grammars, bitmask, None)
+            return bitmask
+        drafts = drafts if drafts is not None else [()] * len(grammars)
         batch_accept = getattr(self._backend, "accept_tokens_batch", None)
         if batch_fill is not None and (num_rows == len(grammars) or batch_accept is not None):
             self._fill_rows_batched(bitmask, grammars, drafts, batch_fill, batch_accept)
@@ -255,6 +320,29 @@ class StructuredOutputManager:
             if advanced:
                 grammar.rollback(advanced)
         return bitmask
+
+    def _take_buffer(self, num_rows: int) -> torch.Tensor:  # [num_rows, words] int32, contents garbage
+        """A bitmask buffer: one whose step has sampled (`_recycle`), else a new one. A 4 MB pinned
+        allocation per step (batch 256, 128k vocabulary) released the GIL once more -- each take-back costs
+        the engine loop a handoff -- and sat in the 3.4 ms the fill thread spent on the H200 between its
+        advance and the library's fill (fa4e9f7)."""
+        while self._free_buffers:
+            try:
+                buffer = self._free_buffers.pop()
+            except IndexError:  # taken by the other thread meanwhile
+                break
+            if buffer.shape[0] >= num_rows:
+                return buffer[:num_rows]
+        self.num_buffers_allocated += 1
+        return torch.empty((num_rows, bitmask_width(self.vocab_size)), dtype=torch.int32, pin_memory=self.pin_memory)
+
+    def _recycle(self, plan: GrammarBitmask) -> None:
+        """`plan`'s step has sampled (its tokens are on the host): the runner's copy of its bitmask to the
+        device is done, so the buffer may be filled again. A plan whose fill nobody read is left alone."""
+        if plan._fill is not None or plan._bitmask is None or plan._recycled:
+            return
+        bitmask, plan._bitmask, plan._recycled = plan._bitmask, None, True
+        self._free_buffers.append(bitmask if bitmask._base is None else bitmask._base)
 
     @staticmethod
     def _fill_rows_batched(bitmask: torch.Tensor, grammars: list[StructuredOutputGrammar],

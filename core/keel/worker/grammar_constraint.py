@@ -1,10 +1,10 @@
 """GrammarConstraint: a step's grammar bitmask as the model runner's sampling sees it.
 
 The scheduler plans the bitmask and its fill runs on the structured-output manager's thread
-(`keel.structured_output.manager.GrammarBitmask`). The runner stages the bitmask with the step's inputs
-when it is already filled at launch; otherwise it launches the forward without it and, right before
-sampling, waits for the fill and copies the (pinned) bitmask to the device without blocking, on the
-same stream after the forward.
+(`keel.structured_output.manager.GrammarBitmask`). The runner copies the (pinned) bitmask to the device
+without blocking, on the same stream after the forward, right before sampling -- waiting for the fill
+first if it is still running. A bitmask in pageable memory (a worker in another process receives it
+filled) travels with the step's inputs instead.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def grammar_arrays(grammar: GrammarBitmask | None, sampling_req_ids: Sequence[st
     if grammar is None:
         return {}
     arrays = {"grammar_rows": grammar_logits_rows(grammar.req_ids, sampling_req_ids, num_sample_rows)}
-    if grammar.done():  # already filled: it travels with the inputs
+    if grammar.done() and not grammar.pinned:  # filled, pageable: it travels with the inputs
         arrays["grammar_bitmask"] = grammar.result().numpy()
     return arrays
 

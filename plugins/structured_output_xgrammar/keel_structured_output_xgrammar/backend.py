@@ -9,9 +9,11 @@ off the engine loop and caches it).
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Sequence
 import torch
+import tvm_ffi
 import xgrammar as xgr
 
 from keel.structured_output.backend import BackendContext
@@ -58,6 +60,7 @@ class XGrammarMatcher:
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: frozenset[int]) -> None:
         self.matcher = matcher
+        self.handle = matcher._handle  # what the batch calls take: read once, not per step
         self.stop_token_ids = stop_token_ids
         self.terminated = False
 
@@ -124,22 +127,45 @@ class XGrammarBackend:
     def grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled), frozenset(compiled.tokenizer_info.stop_token_ids))
 
-    def fill_bitmasks(self, grammars: Sequence[XGrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    def fill_bitmasks(self, grammars: Sequence[XGrammarMatcher], bitmask: torch.Tensor,
+                      rows: Sequence[int] | None) -> None:
         """One call for a step's rows: xgrammar fills them on its own threads, without the GIL."""
         if grammars:
-            self.batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, indices=list(rows))
+            handles = list(map(_HANDLE, grammars))
+            self.batch._handle.batch_fill_next_token_bitmask(handles, bitmask, None if rows is None else list(rows),
+                                                             False)
 
     def accept_tokens_batch(self, grammars: Sequence[XGrammarMatcher], tokens: Sequence[int]) -> list[bool]:
-        """One token per grammar in one call (xgrammar's batch accept, in C++); a refused token leaves its
-        grammar unchanged."""
+        """One token per grammar in one call (xgrammar's batch accept, in C++, GIL released); a refused
+        token leaves its grammar unchanged. `tokens` are ints."""
         if not grammars:
             return []
-        tokens = [int(t) for t in tokens]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
-        for grammar, token, ok in zip(grammars, tokens, accepted, strict=True):
-            if ok:
-                grammar.accepted(token)
+        result = _BATCH_ACCEPT(list(map(_HANDLE, grammars)), tokens, False)
+        if not _ARRAY_CONTAINS(result, 0):  # all accepted (the usual case): no element reads
+            accepted = [True] * len(grammars)
+        else:
+            accepted = [_ARRAY_GET(result, i) != 0 for i in range(_ARRAY_SIZE(result))]
+        if any(map(operator.contains, map(_STOP_TOKENS, grammars), tokens)):  # grammar.accepted(token), for
+            # those that took a stop token: C-level loops, as this runs under the GIL on the fill thread
+            for grammar, token, ok in zip(grammars, tokens, accepted, strict=True):
+                if ok and token in grammar.stop_token_ids:
+                    grammar.terminated = True
         return accepted
+
+
+# Every tvm-ffi call releases the GIL by default -- also an Array's size and element reads, two per
+# element. Reading the batch accept's result element by element made the fill thread take the GIL back
+# 2 x 256 times a step; with the engine loop running, each is a handoff between the two threads that the
+# loop pays for. These copies of the accessors keep the GIL (they take nanoseconds); the library's own
+# are left as they are. The batch calls themselves release it (their C++ takes 0.1-5 ms).
+_ARRAY_SIZE = tvm_ffi.get_global_func("ffi.ArraySize")
+_ARRAY_GET = tvm_ffi.get_global_func("ffi.ArrayGetItem")
+_ARRAY_CONTAINS = tvm_ffi.get_global_func("ffi.ArrayContains")
+for _accessor in (_ARRAY_SIZE, _ARRAY_GET, _ARRAY_CONTAINS):
+    _accessor.release_gil = False
+_BATCH_ACCEPT = xgr.base._core.BatchGrammarMatcher.batch_accept_token  # the public wrapper reads each element
+_HANDLE = operator.attrgetter("handle")
+_STOP_TOKENS = operator.attrgetter("stop_token_ids")
 
 
 def physical_cores() -> int | None:

@@ -282,6 +282,25 @@ def test_terminated_flag_follows_the_matcher(llm):
     same()
 
 
+def test_batch_accept_reports_each_refusal_and_end(llm):
+    """The batch accept reads xgrammar's result in one call when every token was accepted, element by
+    element otherwise: a refused token is reported (its grammar unchanged), an end token ends its grammar."""
+    from keel.structured_output.backend import BackendContext
+
+    tok = llm.get_tokenizer()
+    backend = select_backend(load_plugins(["structured-output-xgrammar"]))()(
+        BackendContext(tok, len(tok), tok.eos_token_id))
+    compiled = backend.compile(StructuredOutputsParams.from_dict(CONSTRAINTS["choice"][0]))
+    grammars = [backend.grammar(compiled) for _ in range(3)]
+    no = tok.encode("no", add_special_tokens=False)
+    eos = tok.eos_token_id
+    assert grammars[2].accept_tokens(no)
+    assert backend.accept_tokens_batch(grammars, [no[0], eos, eos]) == [True, False, True]
+    assert [g.is_terminated() for g in grammars] == [False, False, True]
+    assert grammars[1].accept_tokens(no) and not grammars[1].is_terminated()  # the refusal changed nothing
+    assert backend.accept_tokens_batch(grammars[:2], [no[1], eos] if len(no) > 1 else [eos, eos]) == [True, True]
+
+
 def test_draft_rows_batched_equal_row_by_row(llm):
     """With drafts the manager fills one verify position of every request per library call (batch fill,
     then batch accept); its rows equal the row-by-row path's -- drafts accepted, refused, ending the
