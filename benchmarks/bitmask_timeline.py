@@ -14,7 +14,8 @@ parts and the structured-output manager's fill, and records per step:
   in the forward), `start_after_launch_ms` (when the fill was started, from the launch of its step),
   `wake_ms` (started -> running on the fill thread: queued behind the previous step's advance, which
   waits for that step's tokens, and the wait for the GIL), `fill_job_ms` (the
-  whole job), `batch_fill_ms` (the library's batch fill call inside it, GIL released; returning needs
+  whole job), `fill_prep_ms` (the job's start -> the library's batch fill call: the buffer, the row
+  lists), `batch_fill_ms` (the library's batch fill call inside it, GIL released; returning needs
   the GIL again), `fill_end_after_launch_ms`;
 - the runner: `runner_wait_ms` (how long sampling waited for the bitmask) and
   `wait_begin_after_launch_ms`.
@@ -24,6 +25,7 @@ parts and the structured-output manager's fill, and records per step:
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections import defaultdict
@@ -170,14 +172,14 @@ class StepTimeline:
         self._wrap(manager, "plan_bitmask", make_plan)
 
         def make_advance(fn):
-            def wrapped(req_ids, grammars, wait_sampled):
+            def wrapped(req_ids, grammars, wait_sampled, *rest):
                 def timed_wait(timeout):
                     tokens = wait_sampled(timeout)
                     if tokens is not None:
                         self._events.append(("landed", _now_ms()))
                     return tokens
                 try:
-                    return fn(req_ids, grammars, timed_wait)
+                    return fn(req_ids, grammars, timed_wait, *rest)
                 finally:
                     self._events.append(("advanced", _now_ms()))
             return wrapped
@@ -231,6 +233,12 @@ class StepTimeline:
             derived["runner_wait_ms"].append(wait)
             if "wait_begin" in m:
                 derived["wait_begin_after_launch_ms"].append(m["wait_begin"] - launch)
+        fill_starts = sorted(b for name, b, _ in self._spans if name == "batch_fill")
+        for m in self._marks.values():  # the fill job's start -> its library batch fill's start
+            if "fill_begin" in m:
+                i = bisect.bisect_left(fill_starts, m["fill_begin"])
+                if i < len(fill_starts) and ("fill_end" not in m or fill_starts[i] <= m["fill_end"]):
+                    derived["fill_prep_ms"].append(fill_starts[i] - m["fill_begin"])
         landed = None
         for what, t in list(self._events):
             if what == "landed":

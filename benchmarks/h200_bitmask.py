@@ -140,6 +140,8 @@ def engine_steps(ns, device: str) -> dict:
         for _ in range(ns.warm_steps):
             step()
         running = sum(1 for r in ids if r in core.scheduler.requests)
+        manager = core.scheduler.structured_output
+        allocated = manager.num_buffers_allocated
         timeline.clear()
         t = time.perf_counter()
         new = sum(step() for _ in range(ns.steps))
@@ -151,6 +153,8 @@ def engine_steps(ns, device: str) -> dict:
             engine.step()
         tokens_per_step = new / ns.steps
         breakdown = timeline.summary()
+        # bitmask buffers allocated during the timed steps (0: each step's fill reused a sampled step's)
+        breakdown["buffers_allocated"] = manager.num_buffers_allocated - allocated
         return {"ms_per_step": elapsed_ms / ns.steps, "tokens_per_step": tokens_per_step,
                 # the time in which every running request advances by one token
                 "ms_per_token_step": elapsed_ms / ns.steps * running / max(tokens_per_step, 1e-9),
