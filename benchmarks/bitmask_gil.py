@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import h200_bitmask as hb  # noqa: E402 -- the vocabulary, the schema and the engine's backend set-up
+import h200_bitmask as hb  # the vocabulary, the schema and the engine's backend set-up
 
 CHUNK_ITEMS = 60  # one chunk of the loop's stand-in workload: dict and list work, ~20 us
 TAKE_INTERVAL_S = 0.002
@@ -166,7 +166,7 @@ def measure(ns) -> dict:
         """One step's fill-thread work with the loop busy (or idle): the tokens of the last bitmask land."""
         tokens = dict(zip(ids, _pick_tokens(state["plan"].bitmask, rng, stop), strict=True))
         landed = threading.Event()
-        wait = lambda timeout: tokens if landed.wait(timeout) else None  # noqa: E731
+        wait = lambda timeout: tokens if landed.wait(timeout) else None
         advance = (manager.plan_advance(ids, grammars, wait, state["plan"]) if hands_back
                    else manager.plan_advance(ids, grammars, wait))
         plan = manager.plan_bitmask(ids, grammars)
@@ -245,8 +245,9 @@ def main() -> None:
     if ns.smoke:
         ns.batch, ns.steps, ns.warm_steps, ns.take_steps, ns.vocab_size = 4, 3, 1, 1, hb.SMOKE_VOCAB
         hb.BPE_CORPUS_MB = 2
-    result = {"commit": hb.subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True, check=False).stdout.strip(),
+    from keel.bench import source_commit
+
+    result = {"commit": source_commit(Path(__file__).parent),
               "python": sys.version.split()[0], "host_cpus": hb.host_cpus(), **measure(ns)}
     print(f"fill thread at batch {result['batch']}: takes the GIL back {result['gil_takes']:.0f} times a step, "
           f"{result['python_cpu_ms']:.3f} ms of Python ({result['fill_thread_cpu_ms']:.3f} ms CPU with the "

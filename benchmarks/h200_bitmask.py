@@ -39,7 +39,6 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -387,6 +386,8 @@ def host_fill_ms(ns, batch: int, vocab: int, steps: int) -> dict:
 
 
 def main() -> None:
+    from keel.bench import source_commit
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
@@ -415,8 +416,7 @@ def main() -> None:
     result = {"batch": ns.batch, "vocab": vocab, "layers": ns.layers, "device":
               "cpu" if ns.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       check=False).stdout.strip()}
+              "commit": source_commit(Path(__file__).parent)}
     kernel = fused_kernel()
     result["device_ms_torch_reference"] = device_ms(ns.batch, vocab, device)
     result["device_ms"] = None if kernel is None else device_ms(ns.batch, vocab, device, kernel)

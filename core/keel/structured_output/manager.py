@@ -226,11 +226,11 @@ class StructuredOutputManager:
         grammars = list(grammars)
         if drafts is None:  # one row each (every decode step without speculative decoding)
             rows = list(req_ids)
-            fill = lambda: self._fill_rows(len(rows), grammars, None)  # noqa: E731
+            fill = lambda: self._fill_rows(len(rows), grammars, None)
         else:
             drafts = list(drafts)
             rows = [rid for rid, tokens in zip(req_ids, drafts, strict=True) for _ in range(len(tokens) + 1)]
-            fill = lambda: self._fill_rows(len(rows), grammars, drafts)  # noqa: E731
+            fill = lambda: self._fill_rows(len(rows), grammars, drafts)
         plan = GrammarBitmask(rows, fill=fill, pool=self._fill_pool, pinned=self.pin_memory)
         plan.grammars = grammars if drafts is None else None
         return plan

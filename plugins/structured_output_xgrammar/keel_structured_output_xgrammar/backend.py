@@ -12,6 +12,7 @@ import json
 import operator
 import os
 from collections.abc import Sequence
+
 import torch
 import tvm_ffi
 import xgrammar as xgr
