@@ -9,7 +9,8 @@
 #   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs its two chunk calls)
 #   bitmask   h200_bitmask.py with the BPE vocabulary (BPE_FILE, default dev/bpe128k.json: train one with
 #             h200_bitmask.bpe_tokenizer_info, or leave it absent and the part trains it, ~1-2 min), then
-#             bitmask_gil.py (the fill thread's GIL cost to a busy loop, host only, ~20 s)
+#             bitmask_gil.py (the fill thread's GIL cost to a busy loop, host only, ~20 s; with the backend's
+#             fill threads and with 4)
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
@@ -51,8 +52,11 @@ for part in "$@"; do
     bitmask) timeout 150 python3 benchmarks/h200_bitmask.py --vocab-file "${BPE_FILE:-dev/bpe128k.json}" \
                --fill-threads-also "${FILL_THREADS_ALSO:-4}" --out "$W/h200-bitmask.json" >"$W/bitmask.log" 2>&1
              grep -v '^ \|^{\|^}' "$W/bitmask.log" | tail -5
-             timeout 60 python3 benchmarks/bitmask_gil.py --vocab-file "${BPE_FILE:-dev/bpe128k.json}" \
-               --out "$W/h200-bitmask-gil.json" >"$W/bitmask-gil.log" 2>&1; head -1 "$W/bitmask-gil.log";;
+             for t in default 4; do  # xgrammar's fill threads: the backend's count, and 4
+               timeout 60 python3 benchmarks/bitmask_gil.py --vocab-file "${BPE_FILE:-dev/bpe128k.json}" \
+                 $([ $t = default ] || echo --fill-threads $t) --out "$W/h200-bitmask-gil-$t.json" \
+                 >"$W/bitmask-gil-$t.log" 2>&1; head -1 "$W/bitmask-gil-$t.log"
+             done;;
     quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
              dsv2lite-fp8-block llama8b-gptq} --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
