@@ -186,8 +186,7 @@ def measure(ns) -> dict:
         state["plan"] = plan
         restart = False
         for i, rid in enumerate(ids):  # a grammar that ended (or refused: never here) starts over
-            got = outcome.take(rid) if hasattr(outcome, "take") else outcome.get(rid)  # (a dict before)
-            accepted, done = got if got is not None else (True, grammars[i].is_terminated())
+            accepted, done = outcome.get(rid, (True, grammars[i].is_terminated()))
             if done or not accepted:
                 grammars[i], restart = fresh(), True
                 state["restarted"] += 1

@@ -45,7 +45,7 @@ from keel.engine.scheduler_output import (
     SchedulerOutput,
 )
 from keel.kv_cache.manager import KVCacheManager
-from keel.structured_output.manager import Advanced, StructuredOutputManager
+from keel.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("keel.engine")
 
@@ -88,7 +88,7 @@ class Scheduler:
         self._fills_after_apply: list = []
         # ... unless the engine core gave the launched step's tokens (`launched`): its constrained requests'
         # grammars then advance on the fill thread as the tokens land, and the next fill queues behind.
-        self._advances: dict[int, Future] = {}  # id(SchedulerOutput) -> Advanced
+        self._advances: dict[int, Future] = {}  # id(SchedulerOutput) -> {req_id: (accepted, ended)}
         self._advancing: frozenset[str] = frozenset()  # the requests the last launched step advances
         # Pipeline parallelism: `pipeline_depth` steps in flight are micro-batches of disjoint requests (a
         # request whose sampled token has not arrived waits: the first stage needs it), each taking about
@@ -480,12 +480,12 @@ class Scheduler:
             per_pos[pos] += 1
 
     def _advance_grammar(self, request: Request, token: int,
-                         advanced: Advanced | None) -> RequestStatus | None:
+                         advanced: dict[str, tuple[bool, bool]] | None) -> RequestStatus | None:
         """Feed a committed token to the request's grammar -- unless the fill thread already did
-        (`advanced`, from `launched`: (accepted, ended) per request it advanced, each taken once). A grammar that has accepted its end stops the
+        (`advanced`: {req_id: (accepted, ended)} from `launched`; an entry is used once). A grammar that has accepted its end stops the
         request (also with ignore_eos); a token it refuses (only possible when another mask banned every
         allowed token, e.g. min_tokens against a forced EOS) aborts it rather than emit invalid output."""
-        outcome = advanced.take(request.request_id) if advanced else None
+        outcome = advanced.pop(request.request_id, None) if advanced else None
         if outcome is None:
             grammar = request.structured_output.grammar
             outcome = grammar.accept_tokens([token]), grammar.is_terminated()

@@ -40,6 +40,7 @@ MAX_CACHED_GRAMMARS = 512
 FILL_SWITCH_INTERVAL_S = 0.0002
 # Bitmask buffers kept for reuse (see StructuredOutputManager._take_buffer): two steps are in flight.
 MAX_FREE_BUFFERS = 4
+_ACCEPTED = (True, False)  # an advance's outcome for a request: accepted, not ended
 _LIBRARY_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -128,28 +129,6 @@ class GrammarBitmask:
     def __getstate__(self) -> dict:
         return {"req_ids": self.req_ids, "_bitmask": self.result(), "_fill": None, "_pool": None, "_future": None,
                 "_recycled": False, "pinned": False, "grammars": None}
-
-
-class Advanced:
-    """What the fill thread's advance of one step did (`StructuredOutputManager.plan_advance`): per request
-    advanced, whether its grammar accepted the token and whether it ended. Kept as the lists the advance
-    produced (no per-request objects on the fill thread); `take` is called by the scheduler's apply,
-    once per request."""
-
-    def __init__(self, req_ids: list[str], accepted: list[bool], ended: list[str]) -> None:
-        self._pending = set(req_ids)
-        self._refused = set() if all(accepted) else {r for r, ok in zip(req_ids, accepted, strict=True) if not ok}
-        self._ended = set(ended)
-
-    def take(self, req_id: str) -> tuple[bool, bool] | None:
-        """(accepted, ended) for a request this advance handled (once), else None."""
-        if req_id not in self._pending:
-            return None
-        self._pending.discard(req_id)
-        return req_id not in self._refused, req_id in self._ended
-
-    def __len__(self) -> int:
-        return len(self._pending)
 
 
 class StructuredOutputRequest:
@@ -241,8 +220,8 @@ class StructuredOutputManager:
         """Advance `grammars` by the tokens their requests sample in a step just launched, on the fill
         thread, the moment those tokens are on the host (`wait_sampled(timeout)`: {req_id: token}, None
         while the step's sampling is not enqueued yet) -- before the next step's bitmask fill, which is
-        queued behind it. Called by the scheduler right after the launch; the future's result is an
-        `Advanced`: (accepted, terminated after it) for the requests advanced (a terminated grammar, or one
+        queued behind it. Called by the scheduler right after the launch; the future's result is
+        {req_id: (accepted, terminated after it)} for the requests advanced (a terminated grammar, or one
         whose request sampled nothing, is left alone), which `update_from_output` reads instead of advancing
         them itself. `bitmask`: the step's own, which its sampling has used once the tokens are on the
         host: its buffer then serves a later fill (reading it afterwards is an error)."""
@@ -251,11 +230,11 @@ class StructuredOutputManager:
 
     def _advance(self, req_ids: list[str], grammars: list[StructuredOutputGrammar],
                  wait_sampled: Callable[[float], dict[str, int] | None],
-                 bitmask: GrammarBitmask | None = None) -> Advanced:
+                 bitmask: GrammarBitmask | None = None) -> dict[str, tuple[bool, bool]]:
         tokens = None
         while tokens is None:  # the step's sampling is enqueued by the engine loop; stop waiting at shutdown
             if self._closed or _exiting.is_set():
-                return Advanced([], [], [])
+                return {}
             tokens = wait_sampled(0.1)
         if bitmask is not None:
             self._recycle(bitmask)
@@ -274,8 +253,14 @@ class StructuredOutputManager:
             accepted = batch_accept(live, picked)
         else:
             accepted = [g.accept_tokens([t]) for g, t in zip(live, picked, strict=True)]
-        # Whether each grammar ended is read here: the next step's advance may run before the loop reads this.
-        return Advanced(live_ids, accepted, [rid for rid, g in zip(live_ids, live, strict=True) if g.is_terminated()])
+        # {req_id: (accepted, ended)}, built in C (one shared tuple) and corrected where a token was refused
+        # or ended its grammar. Whether each ended is read here: the next step's advance may run before the
+        # loop reads this.
+        outcome = dict.fromkeys(live_ids, _ACCEPTED)
+        if not all(accepted):
+            outcome.update((rid, (False, False)) for rid, ok in zip(live_ids, accepted, strict=True) if not ok)
+        outcome.update((rid, (True, True)) for rid, g in zip(live_ids, live, strict=True) if g.is_terminated())
+        return outcome
 
     def grammar_bitmask(self, req_ids: Sequence[str], grammars: Sequence[StructuredOutputGrammar],
                         drafts: Sequence[Sequence[int]] | None = None) -> GrammarBitmask:
