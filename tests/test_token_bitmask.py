@@ -3,6 +3,7 @@ word), sign bits, rows in any order, masked in place, other rows untouched."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,3 +49,27 @@ def test_apply_masks_only_the_named_rows():
 def test_too_narrow_bitmask_is_an_error():
     with pytest.raises(ValueError, match="covers 32 tokens"):
         unpack_token_bitmask(torch.zeros(1, 1, dtype=torch.int32), 33)
+
+
+def test_grammar_logits_rows_with_and_without_drafts():
+    """Each bitmask row names the logits row it constrains: one row each (the fast path) and, with drafts,
+    the k-th row of a request is its k-th logits row."""
+    from keel.layers.token_bitmask import grammar_logits_rows
+
+    one_each = grammar_logits_rows(["b", "d"], ["a", "b", "c", "d"], np.array([1, 1, 1, 1]))
+    assert one_each.tolist() == [1, 3] and one_each.dtype == np.int64
+    with_drafts = grammar_logits_rows(["b", "b", "b", "d"], ["a", "b", "d"], np.array([1, 3, 1]))
+    assert with_drafts.tolist() == [1, 2, 3, 4]
+
+
+def test_a_pinned_bitmask_is_copied_directly_and_a_pageable_one_staged():
+    """The runner stages a filled bitmask with the step's inputs only when it is pageable (a worker in
+    another process received it); a pinned one -- the manager's, in the engine's process -- is copied to
+    the device on its own, without a host copy into the staging buffer."""
+    from keel.structured_output.manager import GrammarBitmask
+    from keel.worker.grammar_constraint import grammar_arrays
+
+    bits = torch.full((2, 1), -1, dtype=torch.int32)
+    for pinned, staged in ((False, True), (True, False)):
+        arrays = grammar_arrays(GrammarBitmask(["a", "b"], bits, pinned=pinned), ["a", "b"], np.array([1, 1]))
+        assert arrays["grammar_rows"].tolist() == [0, 1] and ("grammar_bitmask" in arrays) == staged
