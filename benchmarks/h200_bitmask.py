@@ -441,7 +441,8 @@ def main() -> None:
           f"{result['vocab_stats']})", flush=True)
     parts = eng["constrained"]["breakdown"]
     print("constrained step breakdown (median ms): " + ", ".join(
-        f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms")), flush=True)
+        f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms"))
+        + f"; bitmask buffers allocated in the timed steps: {parts.get('buffers_allocated')}", flush=True)
     print(json.dumps(result, indent=2))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
