@@ -2,7 +2,7 @@
 
     python benchmarks/host_overhead.py [--num-requests 256] [--prompt-len 128] [--output-len 64]
         [--variants greedy,penalties] [--steps decode,prefill,prefill_chunked,mixed] [--repeats 3]
-        [--threads 1] [--profile] [--out FILE.json]
+        [--async-scheduling] [--output-kind final_only|delta] [--threads 1] [--profile] [--out FILE.json]
 
 A 1-layer, hidden-64, vocab-1000 random Llama is built in a temporary directory; its forward pass costs
 a small fraction of a millisecond, so the time of one `LLMEngine.step()` at N concurrent decoding
@@ -11,10 +11,15 @@ the host work a GPU waits on between graph replays. Only pure-decode steps (ever
 has exactly one new token) are timed; the median over them is reported. On a 2-core CPU the tiny
 model's forward (padded decode attention) and the sampler's kernels still take a few ms, so each step's
 time inside `model.forward` and `Sampler.forward` is also measured and subtracted: `host_ms` is the
-rest -- scheduler, KV manager, input building, sampling metadata, output processing.
+rest -- scheduler, KV manager, input building, sampling metadata, output processing. The same split
+in the engine thread's CPU time (`host_cpu_ms`, min over repeats) leaves out what other jobs on a shared
+machine add to wall time.
 
 Variants: `greedy` (temperature 0, ignore_eos, no logprobs), `penalties` (temperature 0.8, top-p/top-k,
-presence/frequency/repetition penalties, a seed per request, 5 logprobs).
+presence/frequency/repetition penalties, a seed per request, 5 logprobs), `sampled` (temperature 1,
+nothing else). `--variants sampled --async-scheduling --output-kind delta` is the loop of
+`h200_bitmask.py`'s plain runs (the GPU's default async scheduling, a streamed output per request and
+step), whose main-thread parts on the H200 were schedule 1.7, launch 3.0, apply 0.9, output 1.8 ms.
 `--profile` prints a cProfile top list of the decode steps of the first variant (and of each step
 kind below).
 
@@ -47,6 +52,7 @@ import torch
 
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
+from keel.engine.output_processor import RequestOutputKind
 from keel.engine.sampling_params import SamplingParams
 from keel.testing.checkpoints import make_checkpoint
 
@@ -54,43 +60,50 @@ from keel.testing.checkpoints import make_checkpoint
 def variant_params(variant: str, index: int, output_len: int) -> SamplingParams:
     if variant == "greedy":
         return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if variant == "sampled":  # h200_bitmask.py's plain run: random sampling, nothing else
+        return SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     if variant == "penalties":
         return SamplingParams(
             temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.5, frequency_penalty=0.2,
             repetition_penalty=1.1, seed=index, logprobs=5, max_tokens=output_len, ignore_eos=True,
         )
-    raise ValueError(f"unknown variant {variant!r}; known: greedy, penalties")
+    raise ValueError(f"unknown variant {variant!r}; known: greedy, sampled, penalties")
 
 
-def build_engine(path: Path, num_requests: int, prompt_len: int, output_len: int) -> LLMEngine:
+def build_engine(path: Path, num_requests: int, prompt_len: int, output_len: int,
+                 async_scheduling: bool = False) -> LLMEngine:
     args = EngineArgs(
         model=str(path), skip_tokenizer_init=True, dtype="float32", block_size=16,
         max_model_len=prompt_len + output_len, max_num_seqs=num_requests,
         max_num_batched_tokens=max(8192, prompt_len), enable_prefix_caching=True,
+        async_scheduling=async_scheduling,
     )
     return LLMEngine.from_engine_args(args)
 
 
 def run_once(engine: LLMEngine, variant: str, num_requests: int, prompt_len: int, output_len: int,
-             profiler: cProfile.Profile | None = None, seed: int = 0) -> dict:
+             profiler: cProfile.Profile | None = None, seed: int = 0,
+             kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> dict:
     """Queue all requests, step to completion; returns decode-step times in ms."""
     rng = random.Random(seed)
     vocab = engine.config.model.hf_config.vocab_size
     for i in range(num_requests):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         engine.add_request(f"{variant}-{seed}-{i}", {"prompt_token_ids": prompt},
-                           variant_params(variant, i, output_len))
+                           variant_params(variant, i, output_len), kind)
     scheduler = engine.core.scheduler
     runner = engine.core.worker.runner
     device_s: list[float] = []  # model forward + sampler kernels inside the current step
+    device_cpu_s: list[float] = []  # the same, in this thread's CPU time
 
     def timed(fn):
         def call(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 device_s.append(time.perf_counter() - t0)
+                device_cpu_s.append(time.thread_time() - c0)
         return call
 
     # Instance attributes shadow the modules' forward for this run only (removed below).
@@ -98,28 +111,32 @@ def run_once(engine: LLMEngine, variant: str, num_requests: int, prompt_len: int
     runner.sampler.forward = timed(type(runner.sampler).forward.__get__(runner.sampler))
     decode_ms: list[float] = []
     host_ms: list[float] = []
+    host_cpu_ms: list[float] = []
     num_tokens = 0
     while engine.has_unfinished_requests():
-        # A step is pure decode when every running request is past its prompt before it is scheduled.
+        # A step is pure decode when every running request is past its prompt before it is scheduled
+        # (with async scheduling: its token in flight counted).
         pure_decode = not scheduler.waiting and all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in scheduler.running
+            r.num_computed_tokens == r.num_tokens + r.num_output_placeholders - 1 for r in scheduler.running
         )
         if pure_decode and profiler is not None:
             profiler.enable()
         device_s.clear()
-        start = time.perf_counter()
+        device_cpu_s.clear()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         outs = engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         if pure_decode and profiler is not None:
             profiler.disable()
         if pure_decode:
             decode_ms.append(elapsed * 1e3)
             host_ms.append((elapsed - sum(device_s)) * 1e3)
-        num_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+            host_cpu_ms.append((elapsed_cpu - sum(device_cpu_s)) * 1e3)
+        num_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished or kind is RequestOutputKind.DELTA)
     del runner.model.forward, runner.sampler.forward
     if num_tokens != num_requests * output_len:
         raise RuntimeError(f"expected {num_requests * output_len} output tokens, got {num_tokens}")
-    return {"decode_step_ms": decode_ms, "host_ms": host_ms}
+    return {"decode_step_ms": decode_ms, "host_ms": host_ms, "host_cpu_ms": host_cpu_ms}
 
 
 class PhaseTimer:
@@ -303,16 +320,18 @@ def measure_variants(args, variants: list[str]) -> tuple[dict, str | None]:
         path = make_checkpoint("llama", Path(tmp) / "tiny", num_hidden_layers=1, hidden_size=64,
                                intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                vocab_size=1000, max_position_embeddings=args.prompt_len + args.output_len)
-        engine = build_engine(path, args.num_requests, args.prompt_len, args.output_len)
-        run_once(engine, variants[0], min(8, args.num_requests), args.prompt_len, 4, seed=-1)  # warm-up
+        engine = build_engine(path, args.num_requests, args.prompt_len, args.output_len, args.async_scheduling)
+        kind = RequestOutputKind[args.output_kind.upper()]
+        run_once(engine, variants[0], min(8, args.num_requests), args.prompt_len, 4, seed=-1, kind=kind)  # warm-up
         for v_idx, variant in enumerate(variants):
-            medians, host_medians = [], []
+            medians, host_medians, host_cpu_medians = [], [], []
             for r in range(args.repeats):
                 profiler = cProfile.Profile() if args.profile and v_idx == 0 and r == 0 else None
                 res = run_once(engine, variant, args.num_requests, args.prompt_len, args.output_len,
-                               profiler=profiler, seed=r)
+                               profiler=profiler, seed=r, kind=kind)
                 medians.append(statistics.median(res["decode_step_ms"]))
                 host_medians.append(statistics.median(res["host_ms"]))
+                host_cpu_medians.append(statistics.median(res["host_cpu_ms"]))
                 if profiler is not None:
                     buf = io.StringIO()
                     pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(args.profile_top)
@@ -320,10 +339,15 @@ def measure_variants(args, variants: list[str]) -> tuple[dict, str | None]:
             results[variant] = {"median_decode_step_ms_runs": medians,
                                 "median_decode_step_ms": statistics.median(medians),
                                 "median_host_ms_runs": host_medians,
-                                "median_host_ms": statistics.median(host_medians)}
+                                "median_host_ms": statistics.median(host_medians),
+                                # CPU time of the engine's thread: what other jobs on a shared machine
+                                # add to wall time (waiting for a core) is not in it
+                                "median_host_cpu_ms_runs": host_cpu_medians,
+                                "min_host_cpu_ms": min(host_cpu_medians)}
             print(f"{variant:>10}: median decode step {statistics.median(medians):.2f} ms "
                   f"(runs {', '.join(f'{m:.2f}' for m in medians)}), host part "
-                  f"{statistics.median(host_medians):.2f} ms at {args.num_requests} requests")
+                  f"{statistics.median(host_medians):.2f} ms (CPU time: min {min(host_cpu_medians):.2f}) at "
+                  f"{args.num_requests} requests")
         engine.shutdown()
     return results, profile_text
 
@@ -339,6 +363,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-top", type=int, default=30)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="schedule and launch step N+1 before applying step N (the GPU default)")
+    ap.add_argument("--output-kind", choices=("final_only", "delta"), default="final_only",
+                    help="delta: a RequestOutput per request and step (streaming; h200_bitmask.py's runs)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads; 1 keeps the tiny kernels from fighting over cores")
     ap.add_argument("--out", type=Path)
@@ -363,6 +391,8 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "model_shape": {"layers": 1, "hidden": 64, "vocab": 1000},
             "num_requests": args.num_requests,
+            "async_scheduling": args.async_scheduling,
+            "output_kind": args.output_kind,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "results": results,
