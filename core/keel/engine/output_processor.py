@@ -109,21 +109,24 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs to hand out, engine request ids stopped here by a stop string)."""
         touched: dict[str, _Parent] = {}
+        ended: set[str] = set()  # parents with a completion that ended here: only those can be finished
         to_abort: list[str] = []
         now = time.time()
+        child_to_parent = self.child_to_parent
         for eco in outputs:
-            entry = self.child_to_parent.get(eco.request_id)
+            entry = child_to_parent.get(eco.request_id)
             if entry is None:
                 continue
             parent, idx = entry
             child = parent.children[idx]
             touched[parent.request_id] = parent
             m = parent.metrics
-            if eco.new_token_ids:
+            new_ids = eco.new_token_ids
+            if new_ids:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
-                m.num_generation_tokens += len(eco.new_token_ids)
+                m.num_generation_tokens += len(new_ids)
             if parent.num_cached_tokens is None:
                 parent.num_cached_tokens = eco.num_cached_tokens
             if eco.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and idx == 0:
@@ -131,22 +134,28 @@ class OutputProcessor:
                 for pos, (ids, lps, ranks) in enumerate(zip(*rows), start):
                     if pos + 1 == len(parent.prompt_logprobs):  # slot 0 is the first token's None
                         parent.prompt_logprobs.append(_logprob_dict(self.tokenizer, ids, lps, ranks))
-            stop_str = self._append_tokens(child, eco)
+            if child.detok is None and child.logprobs is None:  # nothing to decode or look up per token
+                child.token_ids += new_ids
+                stop_str = None
+            else:
+                stop_str = self._append_tokens(child, eco)
             if stop_str is not None:
                 child.finish_reason, child.stop_reason = "stop", stop_str
-                if not eco.finished:
+                if eco.finish_reason is None:
                     to_abort.append(eco.request_id)
-            elif eco.finished:
+            elif eco.finish_reason is not None:
                 child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
             if child.finish_reason is not None:
-                self.child_to_parent.pop(eco.request_id, None)
+                child_to_parent.pop(eco.request_id, None)
+                ended.add(parent.request_id)
 
         ready = []
-        for parent in touched.values():
-            if parent.finished:
+        final_only = RequestOutputKind.FINAL_ONLY
+        for rid, parent in touched.items():
+            if rid in ended and parent.finished:
                 parent.metrics.finished_time = now
-                self.parents.pop(parent.request_id, None)
-            elif parent.kind is RequestOutputKind.FINAL_ONLY:
+                self.parents.pop(rid, None)
+            elif parent.kind is final_only:
                 continue
             ready.append(self._make_output(parent))
         return ready, to_abort

@@ -149,43 +149,53 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         spec_tokens: dict[str, list[int]] = {}
+        scheduled: list[Request] = []  # in num_scheduled's order
         preempted_any = False
 
         # Running requests first, in arrival order; the last one is preempted when blocks run out.
+        # Hoisted: at hundreds of decoding requests per step the per-request lookups are the cost.
+        running, allocate_slots = self.running, self.kv.allocate_slots
+        max_model_len, spec_on = self.max_model_len, bool(self.num_spec_tokens)
+        constrained_waits = not self.constrained_in_flight  # for its token in flight
         i = 0
-        share = -(-len(self.running) // self.pipeline_depth)  # running requests one micro-batch takes
-        while i < len(self.running) and budget > 0 and len(num_scheduled) < share:
-            request = self.running[i]
-            if request.num_output_placeholders and (
+        share = -(-len(running) // self.pipeline_depth)  # running requests one micro-batch takes
+        while i < len(running) and budget > 0 and len(scheduled) < share:
+            request = running[i]
+            placeholders = request.num_output_placeholders
+            if placeholders and (
                     self.pipelined or self._placeholders_finish(request)
-                    or (request.structured_output is not None and not self.constrained_in_flight)):
+                    or (constrained_waits and request.structured_output is not None)):
                 i += 1
                 continue
-            drafts = self._drafts_to_verify(request)
-            num_new = request.num_tokens_with_placeholders + len(drafts) - request.num_computed_tokens
-            num_new = min(num_new, budget)
+            # Without a draft proposer spec_token_ids is always empty.
+            drafts = self._drafts_to_verify(request) if spec_on else request.spec_token_ids
+            computed = request.num_computed_tokens
+            with_placeholders = len(request.all_token_ids) + placeholders
+            num_new = with_placeholders + len(drafts) - computed
             # Never compute past the model's length (drafts beyond it are pointless).
-            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            num_new = min(num_new, budget, max_model_len - computed)
             if num_new <= 0:
                 i += 1
                 continue
-            num_lookahead = max(0, request.num_computed_tokens + num_new - request.num_tokens_with_placeholders)
-            reserve = num_lookahead + self._draft_slots(request.num_computed_tokens + num_new)
+            num_lookahead = max(0, computed + num_new - with_placeholders) if drafts else 0
+            reserve = num_lookahead + self._draft_slots(computed + num_new) if spec_on else num_lookahead
             while True:
-                blocks = self.kv.allocate_slots(request, num_new - num_lookahead, num_lookahead_tokens=reserve)
+                blocks = allocate_slots(request, num_new - num_lookahead, num_lookahead_tokens=reserve)
                 if blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
                     break
             if blocks is None:
                 break  # `request` itself was preempted; everything after it is gone too
-            self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
+            self._add_scheduled(request, num_new, blocks.get_block_ids() if blocks.blocks else [], new_reqs,
+                                cached_reqs)
             num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
             if num_lookahead:
                 spec_tokens[request.request_id] = drafts[:num_lookahead]
             budget -= num_new
@@ -228,6 +238,7 @@ class Scheduler:
                 self.running.append(request)
             self._add_scheduled(request, num_new, blocks.get_block_ids(), new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
@@ -244,20 +255,23 @@ class Scheduler:
         # update_from_output.
         constrained: list[Request] = []
         token_in_flight = False  # a constrained request's grammar will not have seen its previous token
-        for rid, n in num_scheduled.items():
-            request = self.requests[rid]
-            request.num_computed_tokens += n
+        async_scheduling = self.async_scheduling
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
             # a pooling request samples nothing
-            samples = (request.num_computed_tokens >= request.num_tokens_with_placeholders
+            samples = (request.num_computed_tokens >= len(request.all_token_ids) + request.num_output_placeholders
                        and request.pooling_params is None)
-            if samples and request.structured_output is not None:
+            if not samples:
+                continue
+            if request.structured_output is not None:
                 constrained.append(request)
                 token_in_flight = token_in_flight or (request.num_output_placeholders > 0
-                                                      and rid not in self._advancing)
-            if self.async_scheduling and samples:
+                                                      and request.request_id not in self._advancing)
+            if async_scheduling:
                 # This step samples the next token, and accepts any of its drafts: all count as placeholders
                 # (the optimistic count) until update_from_output sees how many were accepted.
-                request.num_output_placeholders += 1 + len(spec_tokens.get(rid, ()))
+                request.num_output_placeholders += 1 + (len(spec_tokens.get(request.request_id, ()))
+                                                        if spec_tokens else 0)
         if constrained:
             plan = self.structured_output.plan_bitmask(
                 [r.request_id for r in constrained], [r.structured_output.grammar for r in constrained],
@@ -335,16 +349,17 @@ class Scheduler:
         num_new: int,
         new_block_ids: list[int],
         new_reqs: list[NewRequestData],
-        cached_reqs: list[CachedRequestData],
+        cached_reqs: CachedRequestData,
     ) -> None:
         rid = request.request_id
         if rid in self._known_to_runner:
-            new_tokens = []
+            cached_reqs.req_ids.append(rid)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            cached_reqs.after_in_flight_step.append(request.num_output_placeholders > 0)
             if self.pipelined:
-                new_tokens = request.all_token_ids[self._runner_num_tokens[rid]:]
+                cached_reqs.new_token_ids.append(request.all_token_ids[self._runner_num_tokens[rid]:])
                 self._runner_num_tokens[rid] = len(request.all_token_ids)
-            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens, new_tokens,
-                                                 after_in_flight_step=request.num_output_placeholders > 0))
             return
         self._known_to_runner.add(rid)
         if self.pipelined:
@@ -407,14 +422,15 @@ class Scheduler:
             outputs.append(EngineCoreOutput(rid, [], finish_reason="stop", pooling_output=vector,
                                             first_scheduled_time=request.first_scheduled_time))
             self._finish(request, RequestStatus.FINISHED_STOPPED)
+        running_status, finished_status = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         for rid, generated in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(rid)
-            if request is None or request.is_finished:
+            if request is None or request.status >= finished_status:
                 continue  # aborted while the step ran, or stopped by an earlier step (async scheduling)
             drafts = spec_tokens.get(rid) if spec_tokens else None
             if generated and request.num_output_placeholders:
                 request.num_output_placeholders -= 1 + (len(drafts) if drafts else 0)
-            running = request.status == RequestStatus.RUNNING  # not preempted while the step ran
+            running = request.status is running_status  # not preempted while the step ran
             if drafts:
                 num_accepted = max(0, len(generated) - 1)
                 if running:  # a preempted request recomputes from 0 anyway
@@ -422,42 +438,37 @@ class Scheduler:
                 self._count_drafts(runner_output.num_verified_drafts.get(rid, len(drafts)), num_accepted)
                 request.spec_token_ids = []
 
-            new_tokens: list[int] = []
-            status = None
             first = not request.output_token_ids
+            if first and generated:
+                stats.prompt_tokens_total += request.num_prompt_tokens
+                stats.prompt_tokens_cached_total += request.num_cached_tokens
+            status = None
+            num_new = 0
             for token in generated:
-                if not request.output_token_ids:
-                    stats.prompt_tokens_total += request.num_prompt_tokens
-                    stats.prompt_tokens_cached_total += request.num_cached_tokens
                 request.append_output_token_ids(token)
-                new_tokens.append(token)
+                num_new += 1
                 status = self._check_stop(request, token)
                 if request.structured_output is not None:  # token by token: a grammar's end stops here
                     status = self._advance_grammar(request, token, advanced) or status
                 if status is not None:
                     break
-            stats.generation_tokens_total += len(new_tokens)
+            stats.generation_tokens_total += num_new
+            new_tokens = generated if num_new == len(generated) else generated[:num_new]
 
             prompt_lp = prompt_lps.get(rid) if prompt_lps else None
-            if not new_tokens and prompt_lp is None:
+            if not num_new and prompt_lp is None:
                 continue
             lp = lps.get(rid) if lps else None
-            if lp is not None and len(new_tokens) < len(generated):
-                lp = tuple(x[: len(new_tokens)] for x in lp)
-            out = EngineCoreOutput(
-                rid,
-                new_tokens,
-                new_logprobs=lp,
-                new_prompt_logprobs=prompt_lp,
-                num_cached_tokens=request.num_cached_tokens,
-                first_scheduled_time=request.first_scheduled_time if first and new_tokens else None,
-            )
+            if lp is not None and num_new < len(generated):
+                lp = tuple(x[:num_new] for x in lp)
+            out = EngineCoreOutput(rid, new_tokens, lp, prompt_lp, None, None, request.num_cached_tokens,
+                                   request.first_scheduled_time if first and num_new else None)
             if status is not None:
                 self._finish(request, status)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
-            elif running:
-                self._set_drafts(request, spec_ids.get(rid) if spec_ids else None)
+            elif running and spec_ids:
+                self._set_drafts(request, spec_ids.get(rid))
             outputs.append(out)
         # The step scheduled after this one (one in flight) may fill its bitmask now: its grammars have
         # seen every token before it (a finished request's row is filled too; nothing reads its sample).

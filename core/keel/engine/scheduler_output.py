@@ -29,25 +29,32 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A running request the runner already holds: what changed since the last step."""
+    """The running requests the runner already holds: what changed since the last step, one entry per
+    request in each list (vLLM's layout: a step of hundreds of decoding requests builds a few lists, not
+    an object per request)."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    # Pipeline parallelism: the tokens sampled since the runner last saw this request (only the last
-    # stage samples; the stages before it learn the tokens here). Empty otherwise.
-    new_token_ids: list[int] = field(default_factory=list)
-    # Async scheduling with speculative decoding: the request's previous sampled step has not been applied
-    # yet, so num_computed_tokens counts all of that step's drafts as accepted; the runner corrects it by
-    # the step's accepted count (on the device while the step is in flight) and takes the step's
-    # bonus token and new drafts (placeholders -1 in scheduled_spec_decode_tokens) from the device.
-    after_in_flight_step: bool = False
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks appended to each request's table this step (empty for most decode steps).
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipeline parallelism: per request, the tokens sampled since the runner last saw it (only the last
+    # stage samples; the stages before it learn the tokens here). An empty list (no entries) otherwise.
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # Async scheduling with speculative decoding: per request, whether its previous sampled step has not
+    # been applied yet, so num_computed_tokens counts all of that step's drafts as accepted; the runner
+    # corrects it by the step's accepted count (on the device while the step is in flight) and takes the
+    # step's bonus token and new drafts (placeholders -1 in scheduled_spec_decode_tokens) from the device.
+    after_in_flight_step: list[bool] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step (order = batch order)
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -33,6 +33,10 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+# What a decode step that needs no new block gets (shared: KVCacheBlocks from the manager are read-only).
+_NO_NEW_BLOCKS = KVCacheBlocks([])
+
+
 class KVCacheManager:
     """Allocates KV cache blocks to requests and serves prefix-cache hits.
 
@@ -40,6 +44,7 @@ class KVCacheManager:
     - a WAITING request: `get_computed_blocks(req)` then, immediately (no other allocation between, or
       the hits could be evicted), `allocate_slots(req, n, num_new_computed_tokens, new_computed_blocks)`;
     - a RUNNING request each step: `allocate_slots(req, n, num_lookahead_tokens=k)`;
+    - the KVCacheBlocks returned are read-only (the empty result of most decode steps is shared);
     - `None` from `allocate_slots` means "not enough free blocks": nothing changed, and the scheduler
       preempts someone (`free`) and retries, or leaves the request waiting;
     - `free(req)` when the request finishes, is aborted or is preempted.
@@ -120,6 +125,23 @@ class KVCacheManager:
         and computed by the end of this step are cached. All-or-nothing: None leaves every block,
         reference count and the free queue exactly as they were.
         """
+        mgr = self.single_type_manager
+        if (not num_new_computed_tokens and mgr.keeps_all_blocks and num_new_tokens >= 0 and num_lookahead_tokens >= 0
+                and (new_computed_blocks is None or not new_computed_blocks.blocks)):
+            # The common decode step: the last block still has room and no block fills up, so nothing
+            # is allocated, hashed or cached. O(1), and exactly what the general path would do.
+            rid = request.request_id
+            held = mgr.req_to_blocks.get(rid)
+            num_computed, bs = request.num_computed_tokens + num_new_tokens, self.block_size
+            if held and num_computed + num_lookahead_tokens <= len(held) * bs:
+                if not self.enable_caching:
+                    return _NO_NEW_BLOCKS
+                # Nothing to hash or cache: every full block of the committed tokens is hashed, and no
+                # block fills up with committed, computed tokens in this step.
+                num_tokens = request.num_tokens
+                if (num_tokens // bs <= len(request.block_hashes)
+                        and min(num_computed, num_tokens) // bs <= mgr.num_cached_block.get(rid, 0)):
+                    return _NO_NEW_BLOCKS
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
@@ -134,17 +156,6 @@ class KVCacheManager:
         if hits and not self.enable_caching:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
         rid = request.request_id
-        mgr = self.single_type_manager
-        if not hits and not num_new_computed_tokens and mgr.keeps_all_blocks:
-            # The common decode step: the last block still has room and no block fills up, so nothing
-            # is allocated, hashed or cached. O(1), and exactly what the general path would do.
-            held = mgr.req_to_blocks.get(rid)
-            if held and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= len(
-                held
-            ) * self.block_size and (
-                not self.enable_caching or self._nothing_to_cache(request, num_new_tokens)
-            ):
-                return KVCacheBlocks([])
         if hits and mgr.req_to_blocks.get(rid):
             raise ValueError(
                 f"request {rid} already holds blocks; new_computed_blocks apply only to a request holding "
@@ -171,12 +182,6 @@ class KVCacheManager:
             update_block_hashes(request, self.block_size)
             mgr.cache_blocks(request, num_to_cache)
         return KVCacheBlocks(new_blocks)
-
-    def _nothing_to_cache(self, request: KVCacheRequest, num_new_tokens: int) -> bool:
-        """No new full block to hash or register after this step (so the hashing calls are no-ops)."""
-        num_full = min(request.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
-        return (request.num_tokens // self.block_size <= len(request.block_hashes)
-                and num_full <= self.single_type_manager.num_cached_block.get(request.request_id, 0))
 
     def free(self, request: KVCacheRequest) -> None:
         """Release every block of the request (no-op if it holds none). Cached blocks stay hits."""

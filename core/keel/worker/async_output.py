@@ -32,7 +32,8 @@ class SampledLaunch:
     rows: np.ndarray  # [S] InputBatch rows of those requests
     generations: np.ndarray  # [S] the rows' generation at launch (a reused row must not be written)
     positions: np.ndarray  # [S] token index each sampled token takes in its row
-    num_logprobs: list[int | None]  # per sampled row, the request's `logprobs` setting
+    num_logprobs: list[int]  # per sampled row, the request's `logprobs` setting (-1: None)
+    states: list  # [S] the requests' CachedRequestState (the runner's mirrors at launch)
     sampled: torch.Tensor | None = None  # [S] int64 on the device: the next step's inputs are gathered from here
     sampled_host: torch.Tensor | None = None  # [S] int64, pinned when the device is not the host
     logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [S, k + 1] ids, logprobs, ranks
@@ -77,13 +78,20 @@ class AsyncModelRunnerOutput:
         if self._commit is not None:
             self._commit(launch, tokens)
         out = self._output
-        for i, tok in zip(launch.sampling_idx, tokens):
-            out.sampled_token_ids[i] = [tok]
+        if len(tokens) == len(out.req_ids):  # every request sampled: sampling_idx is 0..n-1
+            out.sampled_token_ids = [[tok] for tok in tokens]
+        else:
+            for i, tok in zip(launch.sampling_idx, tokens):
+                out.sampled_token_ids[i] = [tok]
         if launch.logprobs_host is not None:
-            cols = tuple(t.tolist() for t in launch.logprobs_host)
+            ids, lps, ranks = (t.tolist() for t in launch.logprobs_host)
+            width = len(ids[0]) if ids else 0
+            req_ids, logprobs = launch.req_ids, out.logprobs
             for j, (i, k) in enumerate(zip(launch.sampling_idx, launch.num_logprobs)):
-                if k is not None:
-                    out.logprobs[launch.req_ids[i]] = tuple([col[j][: k + 1]] for col in cols)
+                if k + 1 == width:  # the most any row asked for: its whole row
+                    logprobs[req_ids[i]] = ([ids[j]], [lps[j]], [ranks[j]])
+                elif k >= 0:
+                    logprobs[req_ids[i]] = ([ids[j][: k + 1]], [lps[j][: k + 1]], [ranks[j][: k + 1]])
         self._done = True
         return out
 
@@ -114,9 +122,8 @@ class InFlightTokens:
     and the request mirrors whose rows still belong to the same requests.
     """
 
-    def __init__(self, batch: InputBatch, requests: dict) -> None:
+    def __init__(self, batch: InputBatch) -> None:
         self.batch = batch
-        self.requests = requests  # req_id -> CachedRequestState, the runner's own dict
         self.last: AsyncModelRunnerOutput | None = None
         self.num_device_fed_tokens = 0  # input tokens taken from a previous step's device output
 
@@ -172,10 +179,16 @@ class InFlightTokens:
         batch = self.batch
         same = batch.generation[launch.rows] == launch.generations
         values = np.asarray(tokens, dtype=np.int64)
-        batch.fill_tokens(launch.rows[same], launch.positions[same], values[same])
-        for i, row, tok, keep in zip(launch.sampling_idx, launch.rows.tolist(), tokens, same.tolist()):
-            state = self.requests.get(launch.req_ids[i]) if keep else None
-            if state is not None and state.row == row:
+        # A mirror whose row was reassigned since launch was forgotten (a resumed request gets a new
+        # one): appending to it changes nothing the runner reads.
+        if same.all():
+            batch.fill_tokens(launch.rows, launch.positions, values)
+            for state, tok in zip(launch.states, tokens):
                 state.token_ids.append(tok)
+        else:
+            batch.fill_tokens(launch.rows[same], launch.positions[same], values[same])
+            for state, tok, keep in zip(launch.states, tokens, same.tolist()):
+                if keep:
+                    state.token_ids.append(tok)
         if self.last is not None and self.last.launch is launch:
             self.last = None

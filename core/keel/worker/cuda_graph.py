@@ -52,6 +52,11 @@ def graph_query_lens(backends: Iterable[object], num_speculative_tokens: int) ->
     return (1, q)
 
 
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`t[:n]`, without a slicing op when `t` has exactly n rows (a step's own tensors do)."""
+    return t if t.shape[0] == n else t[:n]
+
+
 class DecodeGraphRunner:
     """Created once per worker by the model runner; `capture` once, then `run` on every step.
 
@@ -103,6 +108,8 @@ class DecodeGraphRunner:
         self.replays_by_query_len: dict[int, int] = dict.fromkeys(self.query_lens, 0)
         self.pool = None  # the graphs' memory pool, once captured
         self.last_key: GraphKey | None = None  # the graph the last `run` replayed (None: eager)
+        # (q, b, num_reqs, table width) -> the static buffers' slices a step of that shape copies into
+        self._stage_views: dict[tuple[int, int, int, int], tuple] = {}
 
     @property
     def keys(self) -> list[GraphKey]:
@@ -175,7 +182,7 @@ class DecodeGraphRunner:
                 or common.block_table.shape[1] > self.block_table.shape[1]):
             return None
         # Drafts of different lengths (some requests drafted fewer tokens) make the step non-uniform.
-        if not np.array_equal(common.query_start_loc_cpu[: n + 1].numpy(), self._qsl_np[q][: n + 1]):
+        if not np.array_equal(_first(common.query_start_loc_cpu, n + 1).numpy(), self._qsl_np[q][: n + 1]):
             return None
         return q, b
 
@@ -185,14 +192,24 @@ class DecodeGraphRunner:
         q, b = key
         n = common.num_reqs
         t = n * q
-        self.input_ids[:t].copy_(input_ids[:t], non_blocking=True)
-        self.positions[:t].copy_(positions[:t], non_blocking=True)
-        self.seq_lens[:n].copy_(common.seq_lens[:n], non_blocking=True)
-        self.seq_lens[n:b].zero_()
-        self.slot_mapping[:t].copy_(common.slot_mapping[:t], non_blocking=True)
-        self.slot_mapping[t : b * q].fill_(-1)
         width = common.block_table.shape[1]
-        self.block_table[:n, :width].copy_(common.block_table[:n], non_blocking=True)
+        views = self._stage_views.get((q, b, n, width))
+        if views is None:  # slicing is a tensor op (host time on the GPU): once per shape
+            if len(self._stage_views) >= 1024:
+                self._stage_views.clear()
+            views = self._stage_views[(q, b, n, width)] = (
+                self.input_ids[:t], self.positions[:t], self.seq_lens[:n], self.slot_mapping[:t],
+                self.block_table[:n, :width], self.seq_lens[n:b] if n < b else None,
+                self.slot_mapping[t : b * q] if n < b else None)
+        ids, pos, seq_lens, slots, table, pad_seq_lens, pad_slots = views
+        ids.copy_(_first(input_ids, t), non_blocking=True)
+        pos.copy_(_first(positions, t), non_blocking=True)
+        seq_lens.copy_(_first(common.seq_lens, n), non_blocking=True)
+        slots.copy_(_first(common.slot_mapping, t), non_blocking=True)
+        table.copy_(_first(common.block_table, n), non_blocking=True)
+        if pad_seq_lens is not None:
+            pad_seq_lens.zero_()
+            pad_slots.fill_(-1)
 
     def _replay(self, key: GraphKey) -> torch.Tensor:  # [b * q, hidden_size], the graph's output buffer
         graph, out = self.graphs[key]

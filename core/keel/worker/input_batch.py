@@ -89,6 +89,7 @@ class InputBatch:
         self.has_logit_bias = np.zeros(cap, dtype=bool)
         self.has_allowed_tokens = np.zeros(cap, dtype=bool)
         self.has_bad_words = np.zeros(cap, dtype=bool)
+        self.wants_prompt_logprobs = np.zeros(cap, dtype=bool)
         self.params: list[SamplingParams | None] = [None] * cap
         self.stop_token_ids: list[frozenset[int]] = [frozenset()] * cap
         self._free_rows = list(range(cap - 1, -1, -1))
@@ -134,6 +135,7 @@ class InputBatch:
         self.has_logit_bias[row] = bool(params.logit_bias)
         self.has_allowed_tokens[row] = bool(params.allowed_token_ids)
         self.has_bad_words[row] = bool(params.bad_words_token_ids)
+        self.wants_prompt_logprobs[row] = params.prompt_logprobs is not None
         self.params[row] = params
         self.stop_token_ids[row] = stop_token_ids
         self.generation[row] += 1
@@ -165,7 +167,7 @@ class InputBatch:
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_in_flight",
                      "block_table",
                      "num_blocks", "uses_penalties", "has_logit_bias", "has_allowed_tokens", "has_bad_words",
-                     "generation",
+                     "wants_prompt_logprobs", "generation",
                      *self._FLOAT_FIELDS, *self._INT_FIELDS):
             setattr(self, name, _grow(getattr(self, name), cap))
         self.params += [None] * (cap - old)

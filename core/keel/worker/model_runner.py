@@ -10,6 +10,7 @@ scheduler state.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +33,7 @@ from keel.worker.sampling_batch import BatchSamplingState
 from keel.worker.staging import StagingBuffer, pinned_empty, record_event
 
 logger = logging.getLogger("keel.worker")
+_ROW = operator.attrgetter("row")  # a CachedRequestState's InputBatch row
 
 
 class ModelRunner:
@@ -63,7 +65,7 @@ class ModelRunner:
         self.sampling_state = BatchSamplingState(device)
         self.staging = StagingBuffer(device)
         self.vocab_size: int | None = None  # the logits' width, known after the first sampling step
-        self.in_flight = InFlightTokens(self.input_batch, self.requests)
+        self.in_flight = InFlightTokens(self.input_batch)
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
         # A draft model's layers (MTP) get caches like the target's; their layer_idx continues after them.
@@ -269,18 +271,21 @@ class ModelRunner:
             state.row = batch.add_request(state.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                                           state.block_ids, new.sampling_params, new.seed, new.stop_token_ids)
             self.requests[new.req_id] = state
-        computed = batch.num_computed_tokens
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            if cached.new_token_ids and self.pipeline is not None and not self.pipeline.is_last:
-                # Tokens the last stage sampled: the scheduler relays them (this stage samples nothing).
-                state.token_ids.extend(cached.new_token_ids)
-                batch.append_tokens(state.row, cached.new_token_ids)
-            if cached.new_block_ids:
-                state.block_ids.extend(cached.new_block_ids)
-                batch.append_block_ids(state.row, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-            computed[state.row] = cached.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        requests, computed = self.requests, batch.num_computed_tokens
+        # Tokens the last stage sampled: the scheduler relays them (this stage samples nothing).
+        relay = cached.new_token_ids if self.pipeline is not None and not self.pipeline.is_last else None
+        for i, (rid, new_block_ids, num_computed) in enumerate(zip(cached.req_ids, cached.new_block_ids,
+                                                                   cached.num_computed_tokens)):
+            state = requests[rid]
+            if relay and relay[i]:
+                state.token_ids.extend(relay[i])
+                batch.append_tokens(state.row, relay[i])
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids)
+                batch.append_block_ids(state.row, new_block_ids)
+            state.num_computed_tokens = num_computed
+            computed[state.row] = num_computed
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step, waiting for its sampled tokens (the synchronous engine core, tests)."""
@@ -307,11 +312,10 @@ class ModelRunner:
             self.in_flight.wait()  # logits processors see every committed output token
 
         req_ids = list(so.num_scheduled_tokens)
-        requests = self.requests
-        states = [requests[rid] for rid in req_ids]
         num_reqs = len(req_ids)
+        states = list(map(self.requests.__getitem__, req_ids))
         batch = self.input_batch
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        rows = np.fromiter(map(_ROW, states), dtype=np.int64, count=num_reqs)
         if batch.has_bad_words[rows].any():
             self.in_flight.wait()  # bad words read each row's last output tokens on the host
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
@@ -324,7 +328,7 @@ class ModelRunner:
         sampling_idx = np.flatnonzero(step.num_sample_rows)
         sample_counts = step.num_sample_rows[sampling_idx]
         sample_rows = step.query_start_loc[1:][sampling_idx].astype(np.int64) - 1  # one row per request
-        sampling_reqs = list(zip(sampling_idx.tolist(), sample_counts.tolist()))
+        num_sampling = int(sampling_idx.shape[0])
         num_tokens = int(step.input_ids.shape[0])
 
         # Everything the step needs on the device, in one copy.
@@ -337,12 +341,13 @@ class ModelRunner:
         if fixups is not None:
             arrays["fixup_dst"], arrays["fixup_src"] = fixups
         sample_batch_rows = rows[sampling_idx]
-        one_each = bool(sampling_reqs) and self.vocab_size is not None
+        one_each = num_sampling > 0 and self.vocab_size is not None
         if one_each:
             for name, arr in self.sampling_state.host_arrays(batch, sample_batch_rows, self.vocab_size).items():
                 arrays["sampling." + name] = arr
         grammar = so.grammar_bitmask
-        arrays.update(grammar_arrays(grammar, [req_ids[b] for b in sampling_idx.tolist()], sample_counts))
+        if grammar is not None:
+            arrays.update(grammar_arrays(grammar, [req_ids[b] for b in sampling_idx.tolist()], sample_counts))
         t = self.staging.stage(arrays)
         input_ids = t["input_ids"]
         if fixups is not None:
@@ -365,16 +370,15 @@ class ModelRunner:
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         launch = None
-        if sampling_reqs and hidden is not None:  # pipeline stages before the last sample nothing
+        if num_sampling and hidden is not None:  # pipeline stages before the last sample nothing
             constraint = staged_constraint(grammar, t)
             staged = {k[9:]: v for k, v in t.items() if k.startswith("sampling.")} if one_each else None
             launch = self._sample_one_each(states, sample_batch_rows, sampling_idx, t["sample_rows"], hidden,
                                            out, staged=staged, constraint=constraint)
-        query_start = step.query_start_loc.tolist()
         if pooling and hidden is not None:
-            self._pool(states, pooling, query_start, num_scheduled, hidden, out)
-        if hidden is not None and self._any_prompt_logprobs(states):
-            self._prompt_logprobs(so, req_ids, states, query_start, hidden, out)
+            self._pool(states, pooling, step.query_start_loc.tolist(), num_scheduled, hidden, out)
+        if hidden is not None and batch.wants_prompt_logprobs[rows].any():
+            self._prompt_logprobs(so, req_ids, states, step.query_start_loc.tolist(), hidden, out)
         return self.in_flight.track(out, launch)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
@@ -416,11 +420,6 @@ class ModelRunner:
                 vector = torch.nn.functional.normalize(vector, dim=-1)
             out.pooler_output[state.req_id] = vector.cpu().tolist()
 
-    @staticmethod
-    def _any_prompt_logprobs(states: list[CachedRequestState]) -> bool:
-        # Prompt logprobs only exist while the prompt is computed; most steps have none.
-        return any(s.sampling_params.prompt_logprobs is not None for s in states)
-
     def _sample_one_each(self, states, sample_batch_rows: np.ndarray, sampling_idx: np.ndarray,
                          sample_rows: torch.Tensor, hidden, out: ModelRunnerOutput,
                          staged: dict[str, torch.Tensor] | None = None,
@@ -436,13 +435,15 @@ class ModelRunner:
         batch = self.input_batch
         rows_states = [states[i] for i in sampling_idx.tolist()] if self.logits_processors is not None else ()
         logits, meta = self._logits_and_metadata(hidden, sample_rows, sample_batch_rows, staged, rows_states)
+        sampling_list = sampling_idx.tolist()
         launch = SampledLaunch(
             req_ids=out.req_ids,
-            sampling_idx=sampling_idx.tolist(),
+            sampling_idx=sampling_list,
             rows=sample_batch_rows,
             generations=batch.generation[sample_batch_rows],
             positions=batch.advance(sample_batch_rows),
-            num_logprobs=[states[i].sampling_params.logprobs for i in sampling_idx.tolist()],
+            num_logprobs=batch.num_logprobs[sample_batch_rows].tolist(),
+            states=states if len(sampling_list) == len(states) else [states[i] for i in sampling_list],
         )
 
         @torch.inference_mode()  # also when run from get_output
@@ -450,7 +451,8 @@ class ModelRunner:
             masked = logits if constraint is None else self.token_bitmask(logits, *constraint.on_device(self.device))
             result = self.sampler(masked, meta)
             sampled = result.sampled_token_ids  # [S] int64, device
-            self.sampling_state.record_sampled(batch, sample_batch_rows, sampled)
+            self.sampling_state.record_sampled(batch, sample_batch_rows, sampled,
+                                               None if staged is None else staged["rows"])
             lps = None if result.logprobs is None else (result.logprob_token_ids, result.logprobs, result.ranks)
             launch.sampled, launch.sampled_host, launch.logprobs_host = sampled, sampled, lps
             if self.device.type != "cpu":

@@ -82,6 +82,7 @@ class BatchSamplingState:
             "repetition_penalties": batch.repetition_penalty[rows].astype(np.float32),
             "seeds": batch.seed[rows],
             "step": batch.num_tokens[rows] - batch.num_prompt_tokens[rows],
+            "rows": rows.astype(np.int64, copy=False),  # the penalty state's rows, gathered on the device
         }
 
     def build(self, batch: InputBatch, rows: np.ndarray, vocab_size: int,
@@ -123,11 +124,14 @@ class BatchSamplingState:
         )
         if not meta.no_penalties:
             self._prepare_penalty_rows(batch, rows[penalized], vocab_size)
-            idx = host_to_device(torch.from_numpy(rows), dev)
-            # Rows without penalties read zeros here (never written): harmless, their penalties are 0/1.
-            unpenalized = host_to_device(torch.from_numpy(~penalized), dev)
-            meta.output_token_counts = self.output_counts[idx].masked_fill(unpenalized[:, None], 0)
-            meta.prompt_token_mask = self.prompt_mask[idx].masked_fill(unpenalized[:, None], False)
+            idx = staged["rows"]
+            meta.output_token_counts = self.output_counts[idx]
+            meta.prompt_token_mask = self.prompt_mask[idx]
+            if not penalized.all():
+                # Rows without penalties read zeros here (never written): harmless, their penalties are 0/1.
+                unpenalized = host_to_device(torch.from_numpy(~penalized), dev)
+                meta.output_token_counts.masked_fill_(unpenalized[:, None], 0)
+                meta.prompt_token_mask.masked_fill_(unpenalized[:, None], False)
         banned_rows = num_outputs < batch.min_tokens[rows]
         bad_rows = batch.has_bad_words[rows]
         if banned_rows.any() or bad_rows.any():
@@ -154,8 +158,10 @@ class BatchSamplingState:
             out += banned_by_bad_words(words, tail)
         return out
 
-    def record_sampled(self, batch: InputBatch, rows: np.ndarray, tokens: torch.Tensor) -> None:
-        """After a step without drafts: count each penalized row's new token (rows: [B], tokens: [B])."""
+    def record_sampled(self, batch: InputBatch, rows: np.ndarray, tokens: torch.Tensor,
+                       rows_on_device: torch.Tensor | None = None) -> None:
+        """After a step without drafts: count each penalized row's new token (rows: [B], tokens: [B];
+        `rows_on_device`: the same rows already on the device, as `build` staged them, if so)."""
         if self.output_counts is None:
             return
         mask = batch.uses_penalties[rows]
@@ -168,8 +174,12 @@ class BatchSamplingState:
             sel = sel[ready]
         if sel.shape[0] == 0:
             return
-        idx = host_to_device(torch.from_numpy(sel), self.device)
-        picked = tokens.to(self.device)[host_to_device(torch.from_numpy(np.flatnonzero(mask)), self.device)]
+        tokens = tokens.to(self.device)
+        if rows_on_device is not None and sel.shape[0] == rows.shape[0]:  # every row: no selection to copy
+            idx, picked = rows_on_device, tokens
+        else:
+            idx = host_to_device(torch.from_numpy(sel), self.device)
+            picked = tokens[host_to_device(torch.from_numpy(np.flatnonzero(mask)), self.device)]
         self.output_counts.index_put_((idx, picked), torch.ones_like(picked, dtype=torch.int32),
                                       accumulate=True)
 

@@ -72,7 +72,8 @@ class SpecStepRunner:
         n = len(req_ids)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=n)
-        after_ids = {c.req_id for c in so.scheduled_cached_reqs if c.after_in_flight_step}
+        cached = so.scheduled_cached_reqs
+        after_ids = {rid for rid, after in zip(cached.req_ids, cached.after_in_flight_step) if after}
         after = np.fromiter((rid in after_ids for rid in req_ids), dtype=bool, count=n)
         if after.any() and (not self.device_proposer or not self.device_fixups_ok
                             or self._needs_host_history(rows[after])):
@@ -183,7 +184,7 @@ class SpecStepRunner:
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                                 num_verified_drafts=verified)
-        if hidden is not None and r._any_prompt_logprobs(states):
+        if hidden is not None and batch.wants_prompt_logprobs[rows].any():
             r._prompt_logprobs(so, req_ids, states, step.query_start_loc.tolist(), hidden, out)
         if num_rows == 0:  # prefill chunks only: the proposer still sees them (its KV cache)
             self._propose_device(states, t, hidden, positions, common, None, None)
