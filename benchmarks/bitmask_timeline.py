@@ -18,7 +18,11 @@ parts and the structured-output manager's fill, and records per step:
   lists), `batch_fill_ms` (the library's batch fill call inside it, GIL released; returning needs
   the GIL again), `fill_end_after_launch_ms`;
 - the runner: `runner_wait_ms` (how long sampling waited for the bitmask) and
-  `wait_begin_after_launch_ms`.
+  `wait_begin_after_launch_ms`; and launch's parts (the runner in this process): `launch_update_states_ms`,
+  `launch_prepare_inputs_ms`, `launch_stage_ms` (the one H2D copy), `launch_forward_ms` (the graph's
+  static inputs and its replay, or the eager forward), `launch_logits_ms` (the LM head at the sampling
+  rows), `launch_sampling_metadata_ms` and `launch_sampler_ms` (enqueueing the sampler's kernels) -- on a
+  GPU each tensor op issued there is host time.
 
 `summary()` gives the median of each over the recorded steps.
 """
@@ -91,6 +95,9 @@ class StepTimeline:
         self._wrap(scheduler, "update_from_output", self._timed("apply_ms"))
         self._wrap_advance(scheduler)
         self._wrap_launch(core.executor)
+        runner = getattr(getattr(core.executor, "driver_worker", None), "runner", None)
+        if runner is not None:
+            self._wrap_launch_parts(runner)
         self._wrap_output(engine)
         self._wrap_plans(manager)
         self._wrap_handle(GrammarBitmask)
@@ -144,6 +151,18 @@ class StepTimeline:
                 return pending
             return wrapped
         self._wrap(executor, "execute_model_async", make)
+
+    def _wrap_launch_parts(self, runner) -> None:
+        for name, (obj, attr) in {
+            "launch_update_states_ms": (runner, "_update_states"),
+            "launch_prepare_inputs_ms": (runner.input_batch, "prepare_inputs"),
+            "launch_stage_ms": (runner.staging, "stage"),
+            "launch_forward_ms": (runner, "_forward"),
+            "launch_logits_ms": (runner.model, "compute_logits"),
+            "launch_sampling_metadata_ms": (runner.sampling_state, "build"),
+            "launch_sampler_ms": (runner.sampler, "forward"),
+        }.items():
+            self._wrap(obj, attr, self._timer(lambda ms, name=name: self._add(name, ms)))
 
     def _wrap_output(self, engine) -> None:
         """engine_step_ms, and output_ms: LLMEngine.step less the engine core's step in it."""

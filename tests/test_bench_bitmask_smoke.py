@@ -33,7 +33,8 @@ def test_smoke_run_reports_the_engine_and_device_figures(tmp_path):
     parts = engine["constrained"]["breakdown"]
     for key in ("schedule_ms", "launch_ms", "tokens_wait_ms", "apply_ms", "apply_grammar_ms", "output_ms",
                 "advance_ms", "landed_to_filled_ms", "start_after_launch_ms", "wake_ms", "fill_job_ms", "batch_fill_ms",
-                "runner_wait_ms"):
+                "runner_wait_ms", "launch_update_states_ms", "launch_prepare_inputs_ms", "launch_stage_ms",
+                "launch_forward_ms", "launch_logits_ms", "launch_sampling_metadata_ms", "launch_sampler_ms"):
         assert parts[key] >= 0 or key == "start_after_launch_ms", key
     assert isinstance(parts["trace"], list) and result["host_cpus"]["cpus"] >= 1
     for key in ("overhead_fraction", "device_ms_torch_reference", "host_fill_ms", "decode_step_ms"):

@@ -180,33 +180,18 @@ class OutputProcessor:
     def _make_output(self, parent: _Parent) -> RequestOutput:
         delta = parent.kind is RequestOutputKind.DELTA
         completions = []
+        finished = True  # every completion has ended (parent.finished, computed on the way)
         for child in parent.children:
-            finished = child.finish_reason is not None
-            text = child.detok.get_next_output_text(finished, delta) if child.detok is not None else ""
+            ended = child.finish_reason is not None
+            finished = finished and ended
+            text = child.detok.get_next_output_text(ended, delta) if child.detok is not None else ""
             if delta:
                 token_ids = child.token_ids[child.sent_tokens :]
                 logprobs = child.logprobs[child.sent_tokens :] if child.logprobs is not None else None
                 child.sent_tokens = len(child.token_ids)
             else:
                 token_ids, logprobs = list(child.token_ids), child.logprobs
-            completions.append(
-                CompletionOutput(
-                    index=child.index,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=child.cumulative_logprob,
-                    logprobs=logprobs,
-                    finish_reason=child.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt.prompt,
-            prompt_token_ids=parent.prompt.prompt_token_ids,
-            prompt_logprobs=parent.prompt_logprobs,
-            outputs=completions,
-            finished=parent.finished,
-            metrics=parent.metrics,
-            num_cached_tokens=parent.num_cached_tokens,
-        )
+            completions.append(CompletionOutput(child.index, text, token_ids, child.cumulative_logprob, logprobs,
+                                                child.finish_reason, child.stop_reason))
+        return RequestOutput(parent.request_id, parent.prompt.prompt, parent.prompt.prompt_token_ids,
+                             parent.prompt_logprobs, completions, finished, parent.metrics, parent.num_cached_tokens)

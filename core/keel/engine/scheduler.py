@@ -318,8 +318,9 @@ class Scheduler:
 
     def _placeholders_finish(self, request: Request) -> bool:
         """The tokens in flight already reach max_tokens or max_model_len: nothing more to compute."""
-        return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
-                or request.num_tokens_with_placeholders >= self.max_model_len)
+        placeholders = request.num_output_placeholders  # attributes, not properties: once per request and step
+        return (len(request.output_token_ids) + placeholders >= request.max_tokens
+                or len(request.all_token_ids) + placeholders >= self.max_model_len)
 
     def _drafts_to_verify(self, request: Request) -> list[int]:
         """The drafts a running request's next step verifies.
