@@ -122,32 +122,6 @@ def variant_failed(label: str, exc: Exception) -> dict:
     return {"error": f"{type(exc).__name__}: {exc}"[:400]}
 
 
-def store_tile_files(files: dict[str, dict[int, MoETileConfig]], out: Path | None) -> None:
-    """Write each named tile file (token count -> config) into kernels-triton's configs/, where an engine
-    started afterwards reads it (an editable install: the repo's folder), and copy it into `out`."""
-    for name, configs in files.items():
-        path = CONFIG_DIR / name
-        write_tile_config_file(path, configs)
-        print(f"wrote {path}")
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, out / name)
-
-
-def timed_variants(label: str, found: dict, run, row: dict):
-    """For each name -> item of `found`: (name, item, ms, output, deviation from the first variant's output)
-    from `run(item)` -> (ms, output); a variant that raises is recorded in row["variants"] and skipped."""
-    ref = None
-    for name, item in found.items():
-        try:
-            ms, out = run(item)
-        except Exception as e:  # noqa: BLE001 - a failing variant is reported, the rest still run
-            row["variants"][name] = variant_failed(f"{label} {name:11s}", e)
-            continue
-        ref = out if ref is None else ref
-        yield name, item, ms, out, max_rel_dev(out, ref)
-
-
 def max_rel_dev(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest deviation of `out` from `ref`, relative to ref's largest magnitude."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -306,11 +280,17 @@ def main() -> None:
         print(f"M={tokens:5d} experts={inp['experts_used']:2d}  legacy {t_legacy:.4f} ms ({frac(t_legacy):.0%})  "
               f"default {t_dflt:.4f} ms ({frac(t_dflt):.0%})  best {t_best:.4f} ms ({frac(t_best):.0%})  "
               f"w13 {c13}  w2 {c2}   [{time.perf_counter() - start:.0f} s]")
-    store_tile_files({config_file_name(E, n, k, device): {m: dataclasses.replace(c, split_k=c.split_k if m <= 16
-                                                                                   else None)
-                                                          for m, c in best[g].items()}
-                      for g, (n, k) in GEMMS.items()}, args.out)
+    files = []
+    for g, (n, k) in GEMMS.items():
+        path = CONFIG_DIR / config_file_name(E, n, k, device)
+        write_tile_config_file(path, {m: dataclasses.replace(c, split_k=c.split_k if m <= 16 else None)
+                                      for m, c in best[g].items()})
+        files.append(path)
+        print(f"wrote {path}")
     if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            shutil.copy(path, args.out / path.name)
         summary = {"device": device, "copy_bw_GBps": bw, "layers": args.layers, "results": results,
                    "compiled_configs": len({c for _, c in bench.checked} | {c for _, c in bench.dead}),
                    "dead": [[g, c.to_json()] for g, c in sorted(bench.dead, key=str)],

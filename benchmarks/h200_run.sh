@@ -14,8 +14,6 @@
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
-#   moe-fp8   h200_moe_small_m.py --fp8: the fused MoE with block-FP8 vs bf16 experts at M 1-8192 (DSV2-Lite)
-#   moe-fp8-sweep h200_moe_small_m.py --fp8-sweep: fp8 expert tiles per token count, written as tile files
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -62,10 +60,6 @@ for part in "$@"; do
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
-    moe-fp8) timeout 120 python3 benchmarks/h200_moe_small_m.py --fp8 --out "$W/h200-moe-fp8.json" \
-               >"$W/moe-fp8.log" 2>&1; grep -E "^M=|copy bandwidth|Error" "$W/moe-fp8.log" | cut -c1-200;;
-    moe-fp8-sweep) timeout 400 python3 benchmarks/h200_moe_small_m.py --fp8-sweep --out "$W/moe-fp8-tiles" \
-                     >"$W/moe-fp8-sweep.log" 2>&1; grep -E "^M=|wrote" "$W/moe-fp8-sweep.log" | cut -c1-300;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.

@@ -167,8 +167,8 @@ def test_default_path_takes_tiles_from_lookup(monkeypatch):
     x, w13, w2, w, ids = random_moe(5, 6, 24, 16, 8, 2)
     seen = {}
 
-    def lookup(num_tokens, w13_shape, w2_shape, top_k, dtype, device, interpret, fp8_block):
-        seen["args"] = (num_tokens, w13_shape, w2_shape, top_k, dtype, device.type, interpret, fp8_block)
+    def lookup(num_tokens, w13_shape, w2_shape, top_k, dtype, device, interpret):
+        seen["args"] = (num_tokens, w13_shape, w2_shape, top_k, dtype, device.type, interpret)
         return CONFIGS[1], CONFIGS[1]
 
     real_align = grouped_gemm.moe_align_block_size
@@ -176,6 +176,6 @@ def test_default_path_takes_tiles_from_lookup(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "moe_align_block_size",
                         lambda ids_, e, block_m: seen.setdefault("block_m", block_m) and real_align(ids_, e, block_m))
     out = fused_experts_triton(x, w13, w2, w, ids)
-    assert seen["args"] == (6, (8, 32, 24), (8, 24, 16), 2, torch.float32, "cpu", True, None)
+    assert seen["args"] == (6, (8, 32, 24), (8, 24, 16), 2, torch.float32, "cpu", True)
     assert seen["block_m"] == CONFIGS[1].block_m
     torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, w, ids), atol=1e-5, rtol=1e-5)

@@ -36,24 +36,16 @@ COMPILE_PRELUDE = textwrap.dedent('''
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
-             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA", "ACT_DTYPE",
-             "B_FP8", "A_QUANT", "GROUP_N", "GROUP_K", "FP8_MAX", "FP8_MIN_SCALE")
-    TL = {"bf16": triton.language.bfloat16, "fp32": triton.language.float32}
-    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, fp8=False):
-        # fp8: e4m3 weights with 128 x 128 block scales, c.a_quant as fp8_block_tiles resolved it
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA")
+    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None):
         c_ty = "fp32" if c.split_k > 1 else ty
-        b_ty = "fp8e4nv" if fp8 else ty
-        a_quant = ("none", "load", "launch").index(c.a_quant or "none") if fp8 else 0
-        a_ty = "fp8e4nv" if a_quant == 2 else "fp32" if a_splits > 1 else ty
-        sig = {"a_ptr": f"*{a_ty}", "b_ptr": f"*{b_ty}",
-               "b_desc": f"tensordesc<{b_ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
-               "b_scale_ptr": "*fp32", "a_scale_ptr": "*fp32",
+        sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
+               "b_desc": f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
                "c_ptr": f"*{c_ty}", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
                "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr",
                "num_valid_tokens": "i32", "num_m_blocks": "i32"}
         sig.update({s: "i32" for s in ("stride_am", "stride_ak", "stride_as", "stride_be", "stride_bn",
-                                       "stride_bk", "stride_se", "stride_sn", "stride_sk", "stride_asm",
-                                       "stride_asg", "stride_cm", "stride_cn", "stride_cs")})
+                                       "stride_bk", "stride_cm", "stride_cn", "stride_cs")})
         sig.update({name: "constexpr" for name in names})
         per_split = -(-k // c.split_k)
         k_slice = -(-per_split // c.block_k) * c.block_k  # as invoke_fused_moe_kernel
@@ -63,9 +55,7 @@ COMPILE_PRELUDE = textwrap.dedent('''
                       UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=group_m,
                       EVEN_K=c.split_k == 1 and k % c.block_k == 0, USE_DOT=c.kernel == "dot",
-                      WEIGHT_TMA=c.weight_tma, ACT_DTYPE=TL[ty], B_FP8=fp8, A_QUANT=a_quant,
-                      GROUP_N=128 if fp8 else 1, GROUP_K=128 if fp8 else 1, FP8_MAX=448.0,
-                      FP8_MIN_SCALE=1.0 / (448.0 * 512.0))
+                      WEIGHT_TMA=c.weight_tma)
         if not c.weight_tma:
             consts["b_desc"] = None
         compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
@@ -114,33 +104,6 @@ DECODE_COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
     print("compiled")
 ''')
 
-# Block-FP8 experts (the kernel's fp8 weight mode): the shipped H200 tiles of every token count as
-# fp8_block_tiles fits them (weight-only gemv / dot with TMA and split K, W8A8 from a launch), the same
-# tiles with the activations quantized in the A load, and the split w2 GEMM summing w13 partials.
-FP8_COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
-    import dataclasses
-    from keel_kernels_triton.fused_moe import tile_config as T
-    seen = set()
-    for tokens in (1, 8, 64, 256, 8192):
-        for n, k, w13 in ((2816, 2048, True), (2048, 1408, False)):
-            shipped = T.read_tile_config_file(T.CONFIG_DIR / T.config_file_name(64, n, k, "NVIDIA H200"))
-            c = T.pick_for_tokens(shipped, tokens)
-            c = dataclasses.replace(c, split_k=c.split_k or 1)  # the small-M rule's answer past 16 tokens
-            fitted = [T.fp8_block_tiles(c, tokens, 128)]
-            if c.kernel == "dot":
-                fitted.append(T.fp8_block_tiles(dataclasses.replace(c, a_quant="load"), tokens, 128))
-            for f in fitted:
-                if (f, w13) not in seen:
-                    seen.add((f, w13))
-                    compile_gemm(f, n, k, w13, 1, "bf16", act_silu=not w13 and f.a_quant != "launch", fp8=True)
-    compile_gemm(T.fp8_block_tiles(MoETileConfig(1, 32, 128, 4, 3, split_k=4, kernel="gemv", weight_tma=True), 1, 128),
-                 2048, 1408, False, 4, "bf16", fp8=True)
-    compile_gemm(T.fp8_block_tiles(MoETileConfig(16, 64, 128, 4, 4, split_k=2, a_quant="load"), 16, 128),
-                 2048, 1408, False, 2, "bf16", fp8=True)
-    compile_gemm(T.fp8_block_tiles(MoETileConfig(16, 64, 128, 4, 4), 16, 128), 2048, 1408, False, 1, "fp32", fp8=True)
-    print("compiled")
-''')
-
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests below run the kernels compiled")
 def test_kernels_compile_for_sm90_within_shared_memory():
@@ -152,12 +115,6 @@ def test_kernels_compile_for_sm90_within_shared_memory():
 def test_decode_variants_compile_for_sm90_within_shared_memory():
     pytest.importorskip("triton.backends.nvidia")
     run_sm90_compile_script(DECODE_COMPILE_SCRIPT)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests below run the kernels compiled")
-def test_fp8_block_variants_compile_for_sm90_within_shared_memory():
-    pytest.importorskip("triton.backends.nvidia")
-    run_sm90_compile_script(FP8_COMPILE_SCRIPT)
 
 
 def _inputs(tokens, hidden=256, inter=192, experts=64, top_k=6, seed=0, dtype=torch.bfloat16):

@@ -6,9 +6,8 @@ Stacked as `w13_weight` [E, 2I, H] + `w13_<scale>` [E, 2I / bn, ceil(H / bk)] (g
 blocks: I must be a multiple of bn) and `w2_weight` [E, H, I] + `w2_<scale>`. Activations: dynamic per
 token and bk-input group, as the checkpoint's linear layers. Forward: the bound `fused_experts` kernel
 (dequantizing inside the grouped GEMM) or the reference here: only experts with work are dequantized,
-each GEMM input goes through its fp8 rounding and back. On a GPU the kernels that quantize GEMM inputs
-by a launch use this plugin's fused kernel (`fp8_quant_triton`), handed over in the `FusedMoEQuantConfig`
-(kernels-triton's grouped GEMM: prefill sizes; at decode sizes it runs weight-only).
+each GEMM input goes through its fp8 rounding and back. On a GPU the kernels quantize the GEMM inputs
+with this plugin's fused kernel (`fp8_quant_triton`), handed over in the `FusedMoEQuantConfig`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ Kinds:
   (`keel.layers.fp8_utils.per_token_group_quant_fp8`), as the checkpoint's dynamic activation scheme says;
   `quantize_input`, when the method gives one, computes those same numbers faster (a fused kernel of the
   method's plugin: `(x [M, K], group) -> (e4m3 [M, K], float32 scales [M, ceil(K / group)])`) and kernel
-  providers that quantize activations by a launch call it instead. A provider may also quantize inside its
-  GEMM, or at decode sizes multiply the dequantized weights by unquantized activations (weight-only:
-  closer to the dequantized model than the reference, within the method's tolerance).
+  providers call it instead.
 - "int4": weight-only 4-bit (GPTQ / AWQ after repacking): `w13` int32 [E, H / 8, 2I] and `w2` int32
   [E, I / 8, H] packed along the input (input k in bits 4 * (k % 8) of word k // 8), `w*_scale` and
   `w*_zeros` [E, groups, N] in the model dtype (real weight = (q - zero) * scale), `w*_g_idx` int32

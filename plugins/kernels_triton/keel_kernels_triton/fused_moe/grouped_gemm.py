@@ -19,26 +19,13 @@
 Tile sizes come from `tile_config.get_moe_tile_configs` (tuned JSON files per device and shape, else a
 heuristic); both GEMMs of a call use one block_m, the padding unit of step 1.
 
-Block-FP8 experts (DeepSeek-V3: e4m3 weights, float32 scales per [bn, bk] block) run the same kernel with
-the same tile machinery (gemv loop, split K, TMA weight tiles, grouped order, fused silu): each K tile lies
-in one scale group (BLOCK_K divides bk), its weight scales multiply per column. How the activations enter
-is the tile config's `a_quant`: "none" (weight-only, decode sizes -- the fp8 tile is widened in registers
-and multiplied by the activations as they are, as vLLM's and TRT-LLM's decode kernels do: the step is
-bound by weight bytes, and it computes on exactly the dequantized experts, closer to the model than the
-method's W8A8 reference and within its tolerance); "load" (W8A8: each [BLOCK_M, bk] A tile, after the
-fused silu, quantized per row in registers as `per_token_group_quant_fp8` does -- the tile's row amax is
-the group's -- then fp8 MMA, acc += (a_q @ b_q) * a_s * b_s); "launch" (W8A8 on activations quantized by
-the method's `quantize_input` first: at prefill sizes "load" would re-quantize each A tile once per N-block).
-
 The kernels are jitted on first use and cached per interpreter mode, because Triton decides at
 decoration time whether a function is compiled or interpreted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,24 +33,19 @@ import triton
 import triton.language as tl
 
 from keel.layers.activation import get_act_and_mul_fn
-from keel.layers.fp8_utils import FP8, FP8_MAX, MIN_SCALE, per_token_group_quant_fp8
-from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
-from keel_kernels_triton.fused_moe.tile_config import A_QUANTS, MoETileConfig, fp8_block_tiles, get_moe_tile_configs
+from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
 from keel_kernels_triton.support import interpreter_enabled
 
 # Activations the w2 GEMM computes in its A load; the rest run in torch between the GEMMs.
 FUSED_ACTIVATIONS = ("silu", "swish")
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _fused_moe_kernel(
     a_ptr,
     b_ptr,
     b_desc,  # WEIGHT_TMA: a TMA descriptor over b as [E * N, K] with [BLOCK_N, BLOCK_K] boxes; else None
-    b_scale_ptr,  # B_FP8: float32 block scales [E, ceil(N / GROUP_N), ceil(K / GROUP_K)]
-    a_scale_ptr,  # A_QUANT == 2: float32 activation scales [rows_a, ceil(K / GROUP_K)]
     c_ptr,
     topk_weights_ptr,
     sorted_token_ids_ptr,
@@ -80,11 +62,6 @@ def _fused_moe_kernel(
     stride_be,
     stride_bn,
     stride_bk,
-    stride_se,
-    stride_sn,
-    stride_sk,
-    stride_asm,
-    stride_asg,
     stride_cm,
     stride_cn,
     stride_cs,  # between C's float32 partials (SPLIT_K > 1)
@@ -103,14 +80,6 @@ def _fused_moe_kernel(
     EVEN_K: tl.constexpr,  # K is whole BLOCK_K tiles and not split: the main loop loads without a K mask
     USE_DOT: tl.constexpr,  # False: the GEMV form, products summed over K on CUDA cores (BLOCK_M may be < 16)
     WEIGHT_TMA: tl.constexpr,  # weight tiles through b_desc (zero past K) instead of pointer loads
-    ACT_DTYPE: tl.constexpr,  # the activations' dtype: A's roundings (silu, summed partials, W8A8 input)
-    B_FP8: tl.constexpr,  # B is e4m3 with block scales; BLOCK_K divides GROUP_K, so a K tile has one scale group
-    A_QUANT: tl.constexpr,  # B_FP8 only. 0: weight-only. W8A8 (fp8 MMA): 1 each [BLOCK_M, BLOCK_K == GROUP_K]
-    # A tile quantized per row here; 2 A is e4m3 already, scaled by a_scale_ptr
-    GROUP_N: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MIN_SCALE: tl.constexpr,
 ):
     # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight), or with
     # SPLIT_K > 1 the same over the K slice of program_id(2), into that slice's float32 partial.
@@ -150,11 +119,7 @@ def _fused_moe_kernel(
             a_mask = token_mask[:, None]
         else:
             a_mask = token_mask[:, None] & (offs_k[None, :] < k_left)
-        if A_QUANT == 2:  # e4m3 rows and their group's scale, quantized by the launch before
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + ((k_start + k * BLOCK_K) // GROUP_K) * stride_asg,
-                          mask=token_mask, other=0.0)  # [BLOCK_M]
-        elif A_SPLITS > 1:
+        if A_SPLITS > 1:
             # float32 partials of the previous GEMM, summed in a fixed order and rounded once to the
             # activation dtype, as the one-slice path stores them
             gate = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
@@ -163,35 +128,18 @@ def _fused_moe_kernel(
                 gate += tl.load(a_ptrs + s * stride_as, mask=a_mask, other=0.0)
                 if ACT_SILU:
                     up += tl.load(a_ptrs + s * stride_as + K * stride_ak, mask=a_mask, other=0.0)
-            gate = gate.to(ACT_DTYPE).to(tl.float32)
-            up = up.to(ACT_DTYPE).to(tl.float32)
+            gate = gate.to(b_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(b_ptr.dtype.element_ty).to(tl.float32)
         else:
             gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
             if ACT_SILU:
                 up = tl.load(a_ptrs + K * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
-        if A_QUANT == 2:
-            pass
-        elif ACT_SILU:
-            # Rounded twice to the activation dtype, as torch's F.silu(gate) * up rounds each result.
-            act = (gate / (1.0 + tl.exp(-gate))).to(ACT_DTYPE).to(tl.float32)
-            a = (act * up).to(ACT_DTYPE)
+        if ACT_SILU:
+            # Rounded twice to B's (the activation) dtype, as torch's F.silu(gate) * up rounds each result.
+            act = (gate / (1.0 + tl.exp(-gate))).to(b_ptr.dtype.element_ty).to(tl.float32)
+            a = (act * up).to(b_ptr.dtype.element_ty)
         else:
-            a = gate.to(ACT_DTYPE)
-        if A_QUANT == 1:
-            # Per row of the tile (one K group): as per_token_group_quant_fp8 -- scale = amax / 448 (at least
-            # FP8_MIN_SCALE), value / scale with IEEE divisions, saturated, rounded to nearest even.
-            af = a.to(tl.float32)
-            amax = tl.reduce(tl.abs(af), 1, tl.standard._elementwise_max)  # [BLOCK_M]
-            a_s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), FP8_MIN_SCALE)
-            v = tl.math.div_rn(af, tl.broadcast_to(a_s[:, None], af.shape))
-            a = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)  # [BLOCK_M, BLOCK_K] float32, cast at the dot
-            if UPCAST_DOT:
-                # The interpreter's fp8 cast drops the carry of a mantissa rounding into the next binade, so
-                # round to e4m3's grid here: 3 mantissa bits (ties to even), below 2^-6 multiples of 2^-9.
-                bits = a.to(tl.int32, bitcast=True)
-                normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-                tiny = (tl.abs(a) + 24576.0) - 24576.0  # 1.5 * 2^14: float32's ulp there is 2^-9
-                a = tl.where(tl.abs(a) < 0.015625, tl.where(bits < 0, -tiny, tiny), normal)
+            a = gate.to(b_ptr.dtype.element_ty)
         if WEIGHT_TMA:
             # rows of the next expert fill a ragged last N-block; its columns are never stored
             b = tl.trans(b_desc.load([(expert * N).to(tl.int32) + pid_n * BLOCK_N, k_start + k * BLOCK_K]))
@@ -199,26 +147,7 @@ def _fused_moe_kernel(
             b = tl.load(b_ptrs, mask=offs_n[None, :] < N, other=0.0)
         else:
             b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if B_FP8:
-            # this K tile's weight scales, one per column (zero past N and past K: those columns and tiles
-            # contribute nothing)
-            b_s = tl.load(b_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
-                          + ((k_start + k * BLOCK_K) // GROUP_K) * stride_sk,
-                          mask=(offs_n < N) & (offs_n * 0 + k_left > 0), other=0.0)  # [BLOCK_N]
-            if not USE_DOT:  # weight-only: e4m3 values times their scale, float32 products and sums
-                acc3 += a.to(tl.float32)[:, :, None] * (b.to(tl.float32) * b_s[None, :])[None, :, :]
-            elif UPCAST_DOT:  # interpreted: no fp8 (or 16-bit) dot, the same products in float32
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            elif A_QUANT > 0:  # W8A8: the fp8 MMA on raw tiles
-                part = tl.dot(a.to(b.dtype), b)
-            else:  # weight-only: e4m3 is exact in the 16-bit activation dtype (and float32)
-                part = tl.dot(a, b.to(ACT_DTYPE), input_precision=DOT_PRECISION)
-            if USE_DOT:
-                if A_QUANT > 0:
-                    acc += part * a_s[:, None] * b_s[None, :]
-                else:
-                    acc += part * b_s[None, :]
-        elif not USE_DOT:  # exact float32 products of 16-bit operands, float32 sums (as the dot accumulates)
+        if not USE_DOT:  # exact float32 products of 16-bit operands, float32 sums (as the dot accumulates)
             acc3 += a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
         else:
             if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
@@ -247,7 +176,7 @@ def _jitted(interpret: bool) -> Any:
     # warm-up's power-of-two token counts cover every count a step can have (an H200 run compiled two
     # more variants in its first batch).
     return triton.jit(_fused_moe_kernel, do_not_specialize=["num_valid_tokens", "num_m_blocks", "stride_as",
-                                                            "stride_cs", "stride_asm"])
+                                                            "stride_cs"])
 
 
 def live_block_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -261,7 +190,7 @@ def live_block_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def invoke_fused_moe_kernel(
     a: torch.Tensor,  # [rows_a, K] or gate_up [rows_a, 2 * K] (act_silu); or [a_splits, ...] of those, float32
-    b: torch.Tensor,  # [E, N, K]: the activation dtype, or e4m3 with b_scale
+    b: torch.Tensor,  # [E, N, K]
     c: torch.Tensor,  # [num_tokens * top_k, N], written; [split_k, num_tokens * top_k, N] float32 when split
     topk_weights: torch.Tensor | None,  # [num_tokens * top_k] float32
     sorted_ids: torch.Tensor,  # [max_padded] int32, padded to config.block_m
@@ -271,14 +200,10 @@ def invoke_fused_moe_kernel(
     config: MoETileConfig,
     act_silu: bool = False,
     even_k: bool | None = None,  # None: whenever K is whole BLOCK_K tiles and not split (benchmarks pass False)
-    *,
-    fp8: Fp8BlockOperands | None = None,  # e4m3 b: its block scales (and a's, when a is e4m3 already)
 ) -> None:
     """One grouped GEMM launch. `config.split_k` > 1 takes the small-M path: program_id(2) splits K and each
     slice writes its float32 partial of `c` ([split_k, rows, N]); a 3-D float32 `a` holds the previous
-    GEMM's partials, summed in the A load. With `fp8`, b is block-FP8 and `config.a_quant` (resolved by
-    `tile_config.fp8_block_tiles`) says how the activations enter: "none" weight-only, "load" quantized
-    per row and K group in the A load, "launch" a is e4m3 with `fp8.a_scale`."""
+    GEMM's partials, summed in the A load."""
     interpret = interpreter_enabled()
     kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
@@ -290,8 +215,6 @@ def invoke_fused_moe_kernel(
                                                                       or c.dtype != torch.float32)):
         raise ValueError(f"split GEMMs read and write float32 partials [splits, rows, N]; got a {tuple(a.shape)} "
                          f"{a.dtype}, c {tuple(c.shape)} {c.dtype} for split_k={split}")
-    a_quant = _check_fp8(a, b, config, act_silu, fp8)
-    act_dtype = fp8.act_dtype if fp8 is not None else b.dtype
     a2 = a[0] if a.dim() == 3 else a
     c2 = c[0] if c.dim() == 3 else c
     rows = c2.shape[0]
@@ -301,23 +224,19 @@ def invoke_fused_moe_kernel(
     grid_n = -(-n // config.block_n)
     grid = (grid_m, grid_n, split) if config.group_m == 1 else (grid_m * grid_n, 1, split)
     b_desc = _weight_descriptor(b, config) if config.weight_tma else None
-    b_scale = fp8.b_scale if fp8 is not None else c2
-    a_scale = fp8.a_scale if a_quant == 2 else c2
     kernel[grid](
-        a, b, b_desc, b_scale, a_scale, c, topk_weights if topk_weights is not None else c2, sorted_ids, expert_ids,
-        total, n, k, rows, grid_m,
+        a, b, b_desc, c, topk_weights if topk_weights is not None else c2, sorted_ids, expert_ids, total,
+        n, k, rows, grid_m,
         a2.stride(0), a2.stride(1), a.stride(0) if a.dim() == 3 else 0,
         b.stride(0), b.stride(1), b.stride(2),
-        *(b_scale.stride() if fp8 is not None else (0, 0, 0)),
-        *(a_scale.stride() if a_quant == 2 else (0, 0)),
         c2.stride(0), c2.stride(1), c.stride(0) if c.dim() == 3 else 0,
         A_ROW_DIV=a_row_div,
         A_SPLITS=a_splits,
         ACT_SILU=act_silu,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         # float32 must not silently drop to TF32 on GPUs: fidelity tests compare at 1e-4.
-        DOT_PRECISION="ieee" if act_dtype == torch.float32 else "tf32",
-        UPCAST_DOT=interpret and (act_dtype != torch.float32 or fp8 is not None),
+        DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=interpret and b.dtype != torch.float32,
         SPLIT_K=split,
         K_SLICE=k_slice if split > 1 else k,
         BLOCK_M=config.block_m,
@@ -327,52 +246,9 @@ def invoke_fused_moe_kernel(
         EVEN_K=(split == 1 and k % config.block_k == 0) if even_k is None else even_k,
         USE_DOT=config.kernel == "dot",
         WEIGHT_TMA=config.weight_tma,
-        ACT_DTYPE=_TL_DTYPES[act_dtype],
-        B_FP8=fp8 is not None,
-        A_QUANT=a_quant,
-        GROUP_N=fp8.block_shape[0] if fp8 is not None else 1,
-        GROUP_K=fp8.block_shape[1] if fp8 is not None else 1,
-        FP8_MAX=FP8_MAX,
-        FP8_MIN_SCALE=MIN_SCALE,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-
-
-@dataclass(frozen=True)
-class Fp8BlockOperands:
-    """What one grouped GEMM needs beside its e4m3 weights: their block scales, the block shape (bn, bk),
-    the activations' dtype (A's roundings, the weight-only dot) and, when A arrives quantized ("launch"),
-    its scales."""
-
-    b_scale: torch.Tensor  # float32 [E, ceil(N / bn), ceil(K / bk)]
-    block_shape: tuple[int, int]
-    act_dtype: torch.dtype
-    a_scale: torch.Tensor | None = None  # float32 [rows_a, ceil(K / bk)]
-
-
-def _check_fp8(a: torch.Tensor, b: torch.Tensor, config: MoETileConfig, act_silu: bool,
-               fp8: Fp8BlockOperands | None) -> int:
-    """The kernel's A_QUANT for this launch (0 without fp8 weights), after checking that the operands fit."""
-    if fp8 is None:
-        if b.dtype == FP8 or config.a_quant not in (None, "none"):
-            raise ValueError(f"e4m3 weights need their block scales (fp8=); got b {b.dtype}, a_quant {config.a_quant}")
-        return 0
-    bn, bk = fp8.block_shape
-    mode = A_QUANTS.index(config.a_quant or "none")
-    problems = []
-    if b.dtype != FP8 or fp8.b_scale.dtype != torch.float32:
-        problems.append(f"weights {b.dtype} with scales {fp8.b_scale.dtype} (want e4m3 and float32)")
-    if bk < 16 or bk & (bk - 1) or bk % config.block_k or (mode == 1 and config.block_k != bk):
-        problems.append(f"block_k {config.block_k} for K groups of {bk} (a K tile must lie in one group)")
-    if mode == 2 and (a.dtype != FP8 or a.dim() != 2 or fp8.a_scale is None or act_silu):
-        problems.append(f"a_quant 'launch' with a {a.dtype} {tuple(a.shape)}, a_scale "
-                        f"{'given' if fp8.a_scale is not None else None}, act_silu {act_silu}")
-    if mode != 2 and a.dtype == FP8:
-        problems.append(f"e4m3 activations with a_quant {config.a_quant!r}")
-    if problems:
-        raise ValueError(f"block-FP8 grouped GEMM ({bn}x{bk} blocks): " + "; ".join(problems))
-    return mode
 
 
 def _weight_descriptor(b: torch.Tensor, config: MoETileConfig) -> Any:  # b: [E, N, K], K contiguous
@@ -394,37 +270,23 @@ def fused_experts_triton(
     residual: torch.Tensor | None = None,  # [num_tokens, hidden_size], added to the result
     *,
     tile_configs: tuple[MoETileConfig, MoETileConfig] | None = None,  # (w13, w2); default: get_moe_tile_configs
-    fp8: FusedMoEQuantConfig | None = None,  # "fp8_block" experts: w13, w2 e4m3 with these block scales
 ) -> torch.Tensor:  # [num_tokens, hidden_size], dtype of hidden
-    """Same contract as `fused_experts_torch` (plus `residual`), computed by the grouped-GEMM kernel.
-
-    Block-FP8 experts (`fp8`) run the same kernel in its fp8 weight mode, the tiles fitted by
-    `tile_config.fp8_block_tiles`. Weight-only steps (decode sizes) compute closer to the dequantized
-    model than the W8A8 reference (`Fp8MoEMethod`'s, activations through e4m3): within the method's
-    tolerance. W8A8 steps quantize each GEMM input as that reference does, per token and K group --
-    in the A load or by `fp8.quantize_input` (else `per_token_group_quant_fp8`) before the GEMM."""
+    """Same contract as `fused_experts_torch` (plus `residual`), computed by the grouped-GEMM kernel."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden) if residual is None else residual.clone()
     hidden = hidden.contiguous()
-    if fp8 is not None and fp8.kind != "fp8_block":
-        raise ValueError(f"fused_experts_triton runs block-FP8 experts only, got {fp8.kind}")
-    group = fp8.block_shape[1] if fp8 is not None else 0
     if tile_configs is None:
         tile_configs = get_moe_tile_configs(num_tokens, tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype,
-                                            hidden.device, interpreter_enabled(),
-                                            fp8_block=fp8.block_shape if fp8 is not None else None)
-    elif fp8 is not None:
-        tile_configs = tuple(fp8_block_tiles(c, num_tokens, group) for c in tile_configs)
+                                            hidden.device, interpreter_enabled())
     c13, c2 = tile_configs
     if c13.block_m != c2.block_m:
         raise ValueError(f"both GEMMs of one MoE call need one block_m, got {c13.block_m} and {c2.block_m}")
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
     gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2 * I] or [split, rows, 2 * I] float32
-    x13, ops13 = _fp8_input(hidden, c13, fp8, fp8.w13_scale if fp8 is not None else None)
-    invoke_fused_moe_kernel(x13, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13, fp8=ops13)
-    fuse = activation.lower() in FUSED_ACTIVATIONS and c2.fused_act and c2.a_quant != "launch"
+    invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
+    fuse = activation.lower() in FUSED_ACTIVATIONS and c2.fused_act
     if not fuse:
         if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
             gate_up = gate_up.sum(0).to(hidden.dtype)
@@ -434,21 +296,8 @@ def fused_experts_triton(
             gate_up = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
     down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    x2, ops2 = _fp8_input(gate_up, c2, fp8, fp8.w2_scale if fp8 is not None else None, hidden.dtype)
-    invoke_fused_moe_kernel(x2, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse, fp8=ops2)
+    invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
     return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
-
-
-def _fp8_input(x: torch.Tensor, config: MoETileConfig, fp8: FusedMoEQuantConfig | None, scale: torch.Tensor | None,
-               act_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Fp8BlockOperands | None]:
-    """A GEMM's A operand and fp8 operands: x itself, or (a_quant "launch") x quantized per token and K group."""
-    if fp8 is None:
-        return x, None
-    ops = Fp8BlockOperands(scale, fp8.block_shape, act_dtype or x.dtype)
-    if config.a_quant != "launch":
-        return x, ops
-    x_q, x_s = (fp8.quantize_input or per_token_group_quant_fp8)(x, fp8.block_shape[1])
-    return x_q, dataclasses.replace(ops, a_scale=x_s)
 
 
 @functools.cache

@@ -66,8 +66,7 @@ class TritonSelectExperts(TritonOp):
 class TritonFusedExperts(TritonOp):
     """`fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, residual[, quant]) -> out`:
     alignment, both grouped GEMMs (activation in the second one's operand load) and the combine; quantized
-    experts through quant_gemm.py (block FP8: the grouped GEMM's fp8 weight mode; int4: its own
-    dequantizing GEMM). Declines (at bind time)
+    experts (block FP8, int4) through the dequantizing GEMMs of quant_gemm.py. Declines (at bind time)
     layers whose quantized experts it does not implement; their method's reference path serves them."""
 
     def supports_layer(self, layer: torch.nn.Module) -> bool:

@@ -21,22 +21,12 @@ GEMM (grouped_gemm.py: K split over programs, float32 partials summed by the con
 "SPLIT_K" leaves it to the small-M rule (`default_split_k`: steps of at most SMALL_M_MAX_TOKENS tokens
 split K; larger ones do not), so files tuned before the path existed get it at decode sizes, and a file
 can switch it off per token count with "SPLIT_K": 1.
-
-Block-FP8 experts (grouped_gemm.py's fp8 weight mode) look for their own files first, named as vLLM names
-them (`fp8_block_file_suffix`: `...,dtype=fp8_w8a8,block_shape=[128,128].json`), and take the 16-bit
-file's tiles where there is none. `fp8_block_tiles` then fits a config to the scale groups: BLOCK_K at
-most the K group (one weight scale per K tile) and how the activations enter (`a_quant`, JSON
-"A_QUANT"): "none" (weight-only: fp8 weight tiles widened in registers, activations as they are),
-"load" (W8A8: each [BLOCK_M, group] A tile quantized per row in the operand load, so BLOCK_K is the
-group) or "launch" (W8A8: the activations quantized by a separate launch first). Without "A_QUANT" the
-rule decides (`default_a_quant`): weight-only up to FP8_WEIGHT_ONLY_MAX_TOKENS tokens, W8A8 above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import json
 import os
 from dataclasses import dataclass
@@ -55,12 +45,6 @@ _GROUP_KEY = "GROUP_SIZE_M"  # optional (vLLM's key): absent means 1, M-blocks f
 _FUSED_ACT_KEY = "FUSED_ACT"  # optional, w2 files: false runs silu_and_mul as its own kernel first
 _KERNEL_KEY = "KERNEL"  # optional: the main loop's form, one of KERNELS; absent means "dot"
 _WEIGHT_TMA_KEY = "WEIGHT_TMA"  # optional: true loads weight tiles through a Hopper TMA descriptor
-_A_QUANT_KEY = "A_QUANT"  # optional, fp8-block files: how the activations enter, one of A_QUANTS
-A_QUANTS = ("none", "load", "launch")
-# Block-FP8 steps of at most this many tokens multiply fp8 weights widened in registers by the activations
-# as they are (what vLLM's and TRT-LLM's decode kernels do): the step is bound by the weight bytes, and an
-# activation quantization would only add work and error. Larger steps are compute-bound: fp8 MMA (W8A8).
-FP8_WEIGHT_ONLY_MAX_TOKENS = 256
 # "dot": tensor-core tiles (BLOCK_M >= 16); "gemv": rows times weight tiles summed over K on CUDA cores,
 # for 1-2 rows per expert, where BLOCK_M 1-8 pads no rows and many short-N programs stream the weights.
 KERNELS = ("dot", "gemv")
@@ -85,8 +69,7 @@ class MoETileConfig:
     silu once per N-block and halves the main loop's rate (H200, DSV2-Lite, 8192 tokens: 1.80 ms fused vs
     0.69 + 0.18 ms, `benchmarks/h200_moe_prefill.py`). `kernel` "gemv" (KERNELS) runs the main loop without
     tensor cores, so `block_m` may be 1-16 (decode: one or two rows per expert). `weight_tma`: weight tiles
-    come through a TMA descriptor (Hopper and newer; block_n and block_k of at most 256). `a_quant`
-    (block-FP8 experts only, A_QUANTS; None: the rule): see the module docstring."""
+    come through a TMA descriptor (Hopper and newer; block_n and block_k of at most 256)."""
 
     block_m: int
     block_n: int
@@ -98,7 +81,6 @@ class MoETileConfig:
     fused_act: bool = True
     kernel: str = "dot"
     weight_tma: bool = False
-    a_quant: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -120,10 +102,6 @@ class MoETileConfig:
             raise MoETileConfigError(f"split_k must be an int in 1..64, got {self.split_k!r}")
         if not isinstance(self.group_m, int) or not 1 <= self.group_m <= 64:
             raise MoETileConfigError(f"group_m must be an int in 1..64, got {self.group_m!r}")
-        if self.a_quant is not None and (self.a_quant not in A_QUANTS or (self.a_quant != "none"
-                                                                          and self.kernel != "dot")):
-            raise MoETileConfigError(f"a_quant ({_A_QUANT_KEY}) must be one of {A_QUANTS} (W8A8 on the dot kernel "
-                                     f"only), got {self}")
         if not isinstance(self.fused_act, bool):
             raise MoETileConfigError(f"fused_act ({_FUSED_ACT_KEY}) must be true or false, got {self.fused_act!r}")
 
@@ -139,8 +117,6 @@ class MoETileConfig:
             body[_KERNEL_KEY] = self.kernel
         if self.weight_tma:
             body[_WEIGHT_TMA_KEY] = True
-        if self.a_quant is not None:
-            body[_A_QUANT_KEY] = self.a_quant
         return body
 
     @classmethod
@@ -148,25 +124,18 @@ class MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY, _A_QUANT_KEY}
+        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY}
         unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - optional)
         if unknown:
             raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
         return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY),
                    group_m=entry.get(_GROUP_KEY, 1), fused_act=entry.get(_FUSED_ACT_KEY, True),
-                   kernel=entry.get(_KERNEL_KEY, "dot"), weight_tma=entry.get(_WEIGHT_TMA_KEY, False),
-                   a_quant=entry.get(_A_QUANT_KEY))
+                   kernel=entry.get(_KERNEL_KEY, "dot"), weight_tma=entry.get(_WEIGHT_TMA_KEY, False))
 
 
-def fp8_block_file_suffix(block_shape: tuple[int, int]) -> str:
-    """What block-FP8 experts' tile files add to the name (vLLM's spelling)."""
-    return f",dtype=fp8_w8a8,block_shape=[{block_shape[0]},{block_shape[1]}]"
-
-
-def config_file_name(num_experts: int, n: int, k: int, device_name: str, suffix: str = "") -> str:
-    """The file name tuned tiles for this GEMM shape on `device_name` are stored under; `suffix` names the
-    weight format when it is not the activations' 16-bit dtype (`fp8_block_file_suffix`)."""
-    return f"E={num_experts},N={n},K={k},device_name={device_name.replace(' ', '_')}{suffix}.json"
+def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
+    """The file name tuned tiles for this GEMM shape on `device_name` are stored under."""
+    return f"E={num_experts},N={n},K={k},device_name={device_name.replace(' ', '_')}.json"
 
 
 def read_tile_config_file(path: Path) -> dict[int, MoETileConfig]:
@@ -192,9 +161,8 @@ def _search_dirs() -> list[Path]:
 
 
 @functools.cache
-def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path, ...], suffix: str = ""
-           ) -> dict[int, MoETileConfig]:
-    name = config_file_name(num_experts, n, k, device_name, suffix)
+def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path, ...]) -> dict[int, MoETileConfig]:
+    name = config_file_name(num_experts, n, k, device_name)
     for d in dirs:
         if (d / name).is_file():
             return read_tile_config_file(d / name)
@@ -204,8 +172,7 @@ def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path,
     # the smaller expert count -- never to the path's spelling.
     near = []
     for rank, d in enumerate(dirs):
-        pattern = glob.escape(config_file_name(0, n, k, device_name, suffix)).replace("E=0,", "E=*,", 1)
-        for path in d.glob(pattern):
+        for path in d.glob(config_file_name(0, n, k, device_name).replace("E=0,", "E=*,", 1)):
             e = path.name.split(",", 1)[0].removeprefix("E=")
             if e.isdigit():
                 near.append((abs(int(e) - num_experts), rank, int(e), str(path)))
@@ -264,27 +231,23 @@ def get_moe_tile_config(
     dtype: torch.dtype,
     device: torch.device,
     interpret: bool | None = None,
-    suffix: str = "",
 ) -> MoETileConfig:
     """Tiles for one grouped GEMM with weights [num_experts, n, k] over num_tokens * top_k rows: the tuned
-    file's entry for this device and shape if there is one (16-bit dtypes, compiled; with `suffix` the
-    weight format's own file first, then the 16-bit one), else the default. `interpret` defaults to
-    whether TRITON_INTERPRET is set."""
+    file's entry for this device and shape if there is one (16-bit dtypes, compiled), else the default.
+    `interpret` defaults to whether TRITON_INTERPRET is set."""
     if interpret is None:
         interpret = interpreter_enabled()
-    return _lookup(num_tokens, num_experts, n, k, top_k, dtype, torch.device(device), interpret, suffix)
+    return _lookup(num_tokens, num_experts, n, k, top_k, dtype, torch.device(device), interpret)
 
 
 @functools.cache
 def _lookup(
     num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, device: torch.device,
-    interpret: bool, suffix: str,
+    interpret: bool,
 ) -> MoETileConfig:
     name = None if interpret or dtype.itemsize > 2 else _device_name(device)
     if name is not None:
-        dirs = tuple(_search_dirs())
-        tuned = (_tuned(num_experts, n, k, name, dirs, suffix) if suffix else {}) or _tuned(num_experts, n, k, name,
-                                                                                               dirs)
+        tuned = _tuned(num_experts, n, k, name, tuple(_search_dirs()))
         if tuned:
             cfg = pick_for_tokens(tuned, num_tokens)
             if cfg.split_k is None:
@@ -301,36 +264,15 @@ def get_moe_tile_configs(
     dtype: torch.dtype,
     device: torch.device,
     interpret: bool | None = None,
-    fp8_block: tuple[int, int] | None = None,  # block-FP8 experts' (bn, bk): their files, fitted (fp8_block_tiles)
 ) -> tuple[MoETileConfig, MoETileConfig]:
     """(w13 GEMM tiles, w2 GEMM tiles) for one MoE call; the w2 tiles take the w13 block_m (the sorted rows
     are padded once, to that block_m; the sweep writes both files with equal block_m per token count)."""
     e, n13, k13 = w13_shape
-    suffix = fp8_block_file_suffix(fp8_block) if fp8_block is not None else ""
-    c13 = get_moe_tile_config(num_tokens, e, n13, k13, top_k, dtype, device, interpret, suffix)
-    c2 = get_moe_tile_config(num_tokens, e, w2_shape[1], w2_shape[2], top_k, dtype, device, interpret, suffix)
+    c13 = get_moe_tile_config(num_tokens, e, n13, k13, top_k, dtype, device, interpret)
+    c2 = get_moe_tile_config(num_tokens, e, w2_shape[1], w2_shape[2], top_k, dtype, device, interpret)
     if c2.block_m != c13.block_m:  # below 16 rows only the gemv loop runs
         c2 = dataclasses.replace(c2, block_m=c13.block_m, kernel="gemv" if c13.block_m < 16 else c2.kernel)
-    if fp8_block is not None:
-        c13, c2 = (fp8_block_tiles(c, num_tokens, fp8_block[1]) for c in (c13, c2))
     return c13, c2
-
-
-def default_a_quant(num_tokens: int, config: MoETileConfig) -> str:
-    """The rule for block-FP8 experts without "A_QUANT": weight-only at decode sizes (and on the gemv
-    kernel, which has no fp8 MMA); above, W8A8 with the activations quantized by their own launch -- in
-    the operand load a [BLOCK_M, group] tile would be re-quantized once per N-block, the cost the fused
-    silu showed at prefill sizes (FUSED_ACT)."""
-    return "none" if num_tokens <= FP8_WEIGHT_ONLY_MAX_TOKENS or config.kernel != "dot" else "launch"
-
-
-def fp8_block_tiles(config: MoETileConfig, num_tokens: int, group_k: int) -> MoETileConfig:
-    """`config` fitted to block-FP8 weights with K groups of `group_k` (a power of two): a K tile lies in
-    one scale group (BLOCK_K at most the group; with "load" exactly the group, whose row amax the tile
-    then holds) and `a_quant` resolved by the rule where the entry has none."""
-    a_quant = config.a_quant or default_a_quant(num_tokens, config)
-    block_k = group_k if a_quant == "load" else min(config.block_k, group_k)
-    return dataclasses.replace(config, a_quant=a_quant, block_k=block_k)
 
 
 def clear_tile_config_cache() -> None:
