@@ -101,6 +101,9 @@ def test_warm_up_runs_every_power_of_two_step_size_on_device_platforms_only(tmp_
     # the dummy decode and mixed steps run for real (here on the CPU model)
     real_profile_run(0, 8, 64, decode_seq_lens=[64])
     real_profile_run(16, 8, 64, decode_seq_lens=[33, 1])
+    # past 512 tokens also one short of each power of two (Triton's other variant of M)
+    runs.clear()
+    assert worker.runner.warm_up(2048, 8, 64) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1023, 1024, 2047, 2048]
 
 
 def test_platform_base_memory_queries_default_to_unknown():
