@@ -162,7 +162,11 @@ def engine_steps(ns, device: str) -> dict:
                 # the fill thread's whole job per step, and how long sampling waited for it
                 "host_fill_ms": breakdown.get("fill_job_ms"), "runner_wait_ms": breakdown.get("runner_wait_ms")}
 
-    out = {"plain": run(False, 1)}
+    # A plain run first, not counted: the first run after start was the slowest in both H200 runs at
+    # 8c848ae / 9a29d57 (11.5-11.6 ms a step against 9.4-10.0 for the later plain run), which biased the
+    # means of plain and constrained runs against the plain step.
+    out = {"warm_up_plain": run(False, 0)}
+    out["plain"] = run(False, 1)
     out["constrained"] = run(True, 2)
     engine_interval = sys.getswitchinterval()
     sys.setswitchinterval(0.005)  # CPython's default: how long the fill thread may wait for the GIL
