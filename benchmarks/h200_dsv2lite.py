@@ -24,14 +24,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from keel.bench import source_commit
 
 DSV2_LITE = {
     "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
@@ -311,8 +311,7 @@ def main() -> None:
     result: dict = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 check=False).stdout.strip() or os.environ.get("KEEL_COMMIT", "unknown"),
+        "commit": source_commit(_here) or "unknown",
         "model_shape": shape, "dtype": "bfloat16", "enforce_eager": ns.eager,
     }
     result.update(ceilings())

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import subprocess
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from keel.bench import source_commit
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
@@ -236,8 +237,7 @@ def decode_b1_custom_ops(ns) -> None:
     import triton
 
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                             check=False).stdout.strip() or os.environ.get("KEEL_COMMIT", "unknown"),
+                    "commit": source_commit(Path(__file__).parent) or "unknown",
                     "num_layers": ns.layers, "dtype": "bfloat16", "target_ms_per_token": 4.7}
     variants = ("custom_ops", "native")
     for name in variants:
@@ -329,9 +329,7 @@ def main() -> None:
     result: dict = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 check=False).stdout.strip()
-        or os.environ.get("KEEL_COMMIT", "unknown"),
+        "commit": source_commit(Path(__file__).parent) or "unknown",
         "num_layers": ns.layers, "model_shape": {**LLAMA3_8B, "num_hidden_layers": ns.layers}, "dtype": "bfloat16",
     }
     result.update(ceilings())

@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import h200_vs_vllm as vs
 from h200_dsv2lite import _guarded, profile_kernels
 
+from keel.bench import source_commit
+
 
 def make_engine(model_dir: str, dummy: bool, **engine_args):
     from keel.config import EngineArgs
@@ -164,7 +166,7 @@ def main() -> None:
     engine = make_engine(model_dir, dummy=a.model_dir is None, **extra)
     result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint", **extra,
               "quantization_config": json.loads(a.quantization_config) if a.quantization_config else None,
-              "limits": vs.LIMITS, "commit": os.environ.get("KEEL_COMMIT", "?"),
+              "limits": vs.LIMITS, "commit": source_commit(Path(__file__).parent) or "?",
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
     try:
         for i, b in enumerate(int(x) for x in a.batch.split(",")):
