@@ -49,6 +49,19 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _dynamic_scale(amax):
+    """amax float32 -> per_token_group_quant_fp8's scale, elementwise: amax / 448 (IEEE), at least MIN_SCALE."""
+    return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32)), _MIN_SCALE)
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """x float32 and its scale (broadcast to x's shape) -> x / scale saturated and rounded to e4m3, float32."""
+    v = tl.math.div_rn(x, scale)
+    return _round_to_e4m3(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX))
+
+
+@triton.jit
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr,
     M, K, GROUP, NUM_GROUPS,
@@ -66,11 +79,8 @@ def _quant_fp8_kernel(
     if STATIC:
         scale = tl.load(static_ptr + groups * 0).to(tl.float32)  # [G], the one static scale
     else:
-        amax = tl.max(tl.abs(x), axis=1)  # [G]
-        scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32)), _MIN_SCALE)
-    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
-    q = _round_to_e4m3(v)
+        scale = _dynamic_scale(tl.max(tl.abs(x), axis=1))  # [G]
+    q = _to_e4m3(x, tl.broadcast_to(scale[:, None], x.shape))
     tl.store(q_ptr + row * stride_qm + k * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < NUM_GROUPS)
 
@@ -95,14 +105,13 @@ def _quant_fp8_row_loop_kernel(
             k = c * CHUNK + cols
             x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=(k < K) & in_x, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        top = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.math.div_rn(top, _FP8_MAX + top * 0.0), _MIN_SCALE)
+        # the scale is monotone in the amax: the largest of the chunk's scales is the token's
+        scale = tl.max(_dynamic_scale(amax), axis=0)
     for c in range(NUM_CHUNKS):
         k = c * CHUNK + cols
         x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=(k < K) & in_x, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, tl.full((CHUNK,), 1.0, tl.float32) * scale)
-        v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
-        tl.store(q_ptr + row * stride_qm + k * stride_qk, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=k < K)
+        q = _to_e4m3(x, tl.full((CHUNK,), 1.0, tl.float32) * scale)
+        tl.store(q_ptr + row * stride_qm + k * stride_qk, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row * stride_sm, scale)
 
 
