@@ -24,12 +24,16 @@ parts and the structured-output manager's fill, and records per step:
   rows), `launch_sampling_metadata_ms` and `launch_sampler_ms` (enqueueing the sampler's kernels) -- on a
   GPU each tensor op issued there is host time.
 
+- the cyclic garbage collector, whichever thread it runs on (it holds the GIL, so every thread waits):
+  `gc` gives each generation's collections during the recorded steps, their total and longest pause.
+
 `summary()` gives the median of each over the recorded steps.
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -47,6 +51,8 @@ class StepTimeline:
         self._plans: list = []
         self._events: list[tuple[str, float]] = []  # the fill thread's jobs, in order: (what, when in ms)
         self._spans: list[tuple[str, float, float]] = []  # every timed part: (name, begin, end) in ms
+        self._gc: list[tuple[int, float, float]] = []  # each collection: (generation, begin, end) in ms
+        self._gc_begin = 0.0
 
     def clear(self) -> None:
         self.samples.clear()
@@ -54,6 +60,13 @@ class StepTimeline:
         self._plans.clear()
         self._events.clear()
         self._spans.clear()
+        self._gc.clear()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_begin = _now_ms()
+        else:
+            self._gc.append((info["generation"], self._gc_begin, _now_ms()))
 
     def _add(self, name: str, value: float) -> None:
         self.samples[name].append(value)
@@ -101,6 +114,7 @@ class StepTimeline:
         self._wrap_output(engine)
         self._wrap_plans(manager)
         self._wrap_handle(GrammarBitmask)
+        gc.callbacks.append(self._on_gc)
         return self
 
     def _wrap_nested(self, outer, outer_attr: str, inner, inner_attr: str, report) -> None:
@@ -230,6 +244,8 @@ class StepTimeline:
         self._wrap(cls, "result", make_result)
 
     def detach(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         for obj, attr, original in reversed(self._restore):
             setattr(obj, attr, original)
         self._restore.clear()
@@ -269,19 +285,31 @@ class StepTimeline:
                 landed = None
         out = {name: statistics.median(values) for name, values in {**self.samples, **derived}.items() if values}
         out["steps_with_bitmask"] = len(self._plans)
+        steps = self.samples.get("engine_step_ms", [])
+        # the step's spread: a few long steps move a run's mean (what the overhead compares) off its median
+        out["engine_step_max_ms"] = max(steps, default=None)
+        out["engine_steps_over_2x_median"] = sum(1 for v in steps if v > 2 * statistics.median(steps)) if steps else 0
+        out["gc"] = {f"gen{g}": {"count": len(p), "total_ms": round(sum(p), 3), "max_ms": round(max(p), 3)}
+                     for g in range(3) if (p := [e - b for gen, b, e in self._gc if gen == g])}
         out["trace"] = self.trace()
+        out["trace_slowest"] = self.trace(steps=3, slowest=True)
         return out
 
-    def trace(self, steps: int = 4) -> list:
-        """Every timed part and fill-thread event of `steps` consecutive steps from the run's middle, as
-        [name, begin, end] in ms from the window's start (an event has begin == end): which parts of the
-        engine loop, the fill thread and the runner overlap, step by step."""
+    def trace(self, steps: int = 4, slowest: bool = False) -> list:
+        """Every timed part and fill-thread event of `steps` consecutive steps from the run's middle (or
+        from the one before its longest launch-to-launch step, with `slowest`), as [name, begin, end] in
+        ms from the window's start (an event has begin == end): which parts of the engine loop, the fill
+        thread, the runner and the garbage collector overlap, step by step."""
         launches = sorted(t for name, t, _ in self._spans if name == "launch")
         if len(launches) < steps + 2:
             return []
         mid = len(launches) // 2
+        if slowest:
+            longest = max(range(len(launches) - 1), key=lambda i: launches[i + 1] - launches[i])
+            mid = min(max(longest - 1, 0), len(launches) - steps - 1)
         lo, hi = launches[mid], launches[mid + steps]
         points = [(f"fill:{k}", t, t) for k, t in self._events]
         points += [(f"plan:{k}", t, t) for m in self._marks.values() for k, t in m.items()]
-        rows = [(n, b, e) for n, b, e in self._spans + points if e >= lo and b <= hi]
+        spans = self._spans + [(f"gc{g}", b, e) for g, b, e in self._gc if g == 2 or e - b > 1.0]
+        rows = [(n, b, e) for n, b, e in spans + points if e >= lo and b <= hi]
         return [[n, round(b - lo, 3), round(e - lo, 3)] for n, b, e in sorted(rows, key=lambda r: r[1])]

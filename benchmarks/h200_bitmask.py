@@ -197,6 +197,13 @@ def engine_steps(ns, device: str) -> dict:
     out["default_switch_interval_overhead_fraction"] = (
         out["constrained_default_switch_interval"]["ms_per_token_step"] / plain - 1)
     out["every_other_step_overhead_fraction"] = out["every_other_step"]["ms_per_token_step"] / plain - 1
+    # The same by each run's median engine step: a run's mean moves with its few long steps (see each
+    # breakdown's engine_step_max_ms, gc and trace_slowest), which the plain runs have too.
+    med = {k: out[k]["breakdown"].get("engine_step_ms") for k in ("plain", "plain_after", "constrained",
+                                                                    "constrained_after")}
+    if all(med.values()):
+        out["median_step_overhead_fraction"] = (statistics.mean([med["constrained"], med["constrained_after"]])
+                                                / statistics.mean([med["plain"], med["plain_after"]]) - 1)
     out["plain_drift_fraction"] = out["plain_after"]["ms_per_token_step"] / out["plain"]["ms_per_token_step"] - 1
     return out
 
@@ -396,7 +403,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per engine run (48; --smoke 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per engine run (128; --smoke 3)")
     parser.add_argument("--warm-steps", type=int, default=8, help="decode steps before timing")
     parser.add_argument("--fill-steps", type=int, default=30)
     parser.add_argument("--vocab", choices=("bpe", "synthetic"), default="bpe",
@@ -409,7 +416,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch: the script runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here (also printed)")
     ns = parser.parse_args()
-    ns.steps = ns.steps if ns.steps or ns.smoke else 48
+    ns.steps = ns.steps if ns.steps or ns.smoke else 128
     device = "cpu" if ns.smoke else "cuda"
     if ns.smoke:
         ns.batch, ns.layers, ns.input_len, ns.warm_steps, ns.fill_steps = 4, 1, 8, 1, 3
@@ -443,6 +450,11 @@ def main() -> None:
           f"{100 * result['device_fraction']:.2f}% of the plain step; plain step drift over the runs "
           f"{100 * eng['plain_drift_fraction']:+.2f}% ({ns.vocab} vocabulary, {result['fill_threads']} fill threads, "
           f"{result['vocab_stats']})", flush=True)
+    runs = {k: v for k, v in eng.items() if isinstance(v, dict) and "breakdown" in v}
+    print(f"by the median engine step: {100 * eng.get('median_step_overhead_fraction', float('nan')):+.2f}%; "
+          "longest step / garbage collections per run: " + "; ".join(
+              f"{k} {v['breakdown'].get('engine_step_max_ms') or 0:.1f} ms / {v['breakdown'].get('gc')}"
+              for k, v in runs.items()), flush=True)
     parts = eng["constrained"]["breakdown"]
     print("constrained step breakdown (median ms): " + ", ".join(
         f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms"))
