@@ -36,7 +36,7 @@ import bisect
 import gc
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 
 def _now_ms() -> float:
@@ -51,7 +51,7 @@ class StepTimeline:
         self._plans: list = []
         self._events: list[tuple[str, float]] = []  # the fill thread's jobs, in order: (what, when in ms)
         self._spans: list[tuple[str, float, float]] = []  # every timed part: (name, begin, end) in ms
-        self._gc: list[tuple[int, float, float]] = []  # each collection: (generation, begin, end) in ms
+        self._gc: list[tuple[int, float, float, int]] = []  # each collection: (generation, begin, end in ms, collected)
         self._gc_begin = 0.0
 
     def clear(self) -> None:
@@ -66,7 +66,7 @@ class StepTimeline:
         if phase == "start":
             self._gc_begin = _now_ms()
         else:
-            self._gc.append((info["generation"], self._gc_begin, _now_ms()))
+            self._gc.append((info["generation"], self._gc_begin, _now_ms(), info["collected"]))
 
     def _add(self, name: str, value: float) -> None:
         self.samples[name].append(value)
@@ -289,8 +289,16 @@ class StepTimeline:
         # the step's spread: a few long steps move a run's mean (what the overhead compares) off its median
         out["engine_step_max_ms"] = max(steps, default=None)
         out["engine_steps_over_2x_median"] = sum(1 for v in steps if v > 2 * statistics.median(steps)) if steps else 0
-        out["gc"] = {f"gen{g}": {"count": len(p), "total_ms": round(sum(p), 3), "max_ms": round(max(p), 3)}
-                     for g in range(3) if (p := [e - b for gen, b, e in self._gc if gen == g])}
+        out["gc"] = {f"gen{g}": {"count": len(p), "total_ms": round(sum(p), 3), "max_ms": round(max(p), 3),
+                                 "collected": sum(c for gen, _, _, c in self._gc if gen == g)}
+                     for g in range(3) if (p := [e - b for gen, b, e, _ in self._gc if gen == g])}
+        # what a full collection walks: the objects the collector tracks outside the frozen startup heap
+        tracked = gc.get_objects()
+        out["gc"]["tracked"] = len(tracked)
+        out["gc"]["frozen"] = gc.get_freeze_count()
+        out["gc"]["tracked_by_type"] = dict(Counter(type(o).__qualname__ for o in tracked).most_common(15))
+        out["gc"]["tracked_by_module"] = dict(Counter(type(o).__module__ for o in tracked).most_common(10))
+        del tracked
         out["trace"] = self.trace()
         out["trace_slowest"] = self.trace(steps=3, slowest=True)
         return out
@@ -310,6 +318,6 @@ class StepTimeline:
         lo, hi = launches[mid], launches[mid + steps]
         points = [(f"fill:{k}", t, t) for k, t in self._events]
         points += [(f"plan:{k}", t, t) for m in self._marks.values() for k, t in m.items()]
-        spans = self._spans + [(f"gc{g}", b, e) for g, b, e in self._gc if g == 2 or e - b > 1.0]
+        spans = self._spans + [(f"gc{g}", b, e) for g, b, e, _ in self._gc if g == 2 or e - b > 1.0]
         rows = [(n, b, e) for n, b, e in spans + points if e >= lo and b <= hi]
         return [[n, round(b - lo, 3), round(e - lo, 3)] for n, b, e in sorted(rows, key=lambda r: r[1])]

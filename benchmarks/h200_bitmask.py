@@ -453,8 +453,12 @@ def main() -> None:
     runs = {k: v for k, v in eng.items() if isinstance(v, dict) and "breakdown" in v}
     print(f"by the median engine step: {100 * eng.get('median_step_overhead_fraction', float('nan')):+.2f}%; "
           "longest step / garbage collections per run: " + "; ".join(
-              f"{k} {v['breakdown'].get('engine_step_max_ms') or 0:.1f} ms / {v['breakdown'].get('gc')}"
+              f"{k} {v['breakdown'].get('engine_step_max_ms') or 0:.1f} ms / "
+              f"{ {g: c for g, c in v['breakdown'].get('gc', {}).items() if g.startswith('gen')} }"
               for k, v in runs.items()), flush=True)
+    gc_seen = eng["constrained_after"]["breakdown"].get("gc", {})
+    print(f"tracked by the collector at the last run: {gc_seen.get('tracked')} (frozen {gc_seen.get('frozen')}): "
+          f"{gc_seen.get('tracked_by_type')} {gc_seen.get('tracked_by_module')}", flush=True)
     parts = eng["constrained"]["breakdown"]
     print("constrained step breakdown (median ms): " + ", ".join(
         f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms"))
