@@ -106,6 +106,33 @@ def test_warm_up_runs_every_power_of_two_step_size_on_device_platforms_only(tmp_
     assert worker.runner.warm_up(2048, 8, 64) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1023, 1024, 2047, 2048]
 
 
+def test_warm_up_runs_the_samplers_compiled_noise_for_one_row_and_for_max_num_seqs(tmp_path, monkeypatch):
+    """The random rows' noise compiles at startup (before the heap freeze), not in the first sampled step."""
+    from keel.layers import sampler as sampler_mod
+
+    _config_only(tmp_path)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64,
+        max_num_batched_tokens=64, platform="cpu"))
+    runner = engine.core.worker.runner
+    calls = []
+
+    def noise_for(device):
+        def noise(seeds, step, vocab):
+            calls.append((seeds.shape[0], step.shape[0], vocab, device.type))
+            return sampler_mod.log_exponential_noise(seeds, step, vocab)
+        return noise
+    monkeypatch.setattr(sampler_mod, "_noise_for", noise_for)
+    monkeypatch.setattr(runner, "profile_run", lambda *a, **k: None)  # the width it would record:
+    vocab = json.loads((tmp_path / "config.json").read_text())["vocab_size"]
+    runner._profiled_vocab = vocab
+    runner.warm_up(64, 8, 64)
+    assert calls == [(1, 1, vocab, "cpu"), (8, 8, vocab, "cpu")]
+    calls.clear()
+    runner.sampler.warm_up(vocab, 1, torch.device("cpu"))
+    assert calls == [(1, 1, vocab, "cpu"), (2, 2, vocab, "cpu")]
+
+
 def test_platform_base_memory_queries_default_to_unknown():
     p = Platform()
     p.reset_peak_memory_stats()
