@@ -133,6 +133,36 @@ def test_warm_up_runs_the_samplers_compiled_noise_for_one_row_and_for_max_num_se
     assert calls == [(1, 1, vocab, "cpu"), (2, 2, vocab, "cpu")]
 
 
+def test_sampling_after_the_samplers_warm_up_compiles_nothing(tmp_path, monkeypatch):
+    """The warm-up's compiled noise is the variant the sampling step takes (same guards: inference mode,
+    seeds and step distinct, sizes 1 and many): sampled steps after it add no graph. The CPU samples
+    eagerly, so the noise is compiled here with dynamo's eager backend, which guards as inductor does."""
+    from torch._dynamo.utils import counters
+
+    from keel.layers import sampler as sampler_mod
+
+    torch._dynamo.reset()
+    compiled = torch.compile(sampler_mod.log_exponential_noise, dynamic=True, fullgraph=True, backend="eager")
+    monkeypatch.setattr(sampler_mod, "_noise_for", lambda device: compiled)
+    _config_only(tmp_path)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", load_format="dummy", max_model_len=64,
+        max_num_batched_tokens=64, max_num_seqs=8, platform="cpu", async_scheduling=True))
+    runner = engine.core.worker.runner
+    counters.clear()
+    runner.sampler.warm_up(json.loads((tmp_path / "config.json").read_text())["vocab_size"], 8, runner.device)
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed == 2  # one row; two or more
+    for n in (1, 3, 8):  # batches of sampled rows
+        for i in range(n):
+            engine.add_request(f"r{n}-{i}", {"prompt_token_ids": [1 + i, 2, 3]},
+                               SamplingParams(temperature=1.0, max_tokens=4, seed=i, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert counters["stats"]["unique_graphs"] == warmed
+    torch._dynamo.reset()
+
+
 def test_platform_base_memory_queries_default_to_unknown():
     p = Platform()
     p.reset_peak_memory_stats()

@@ -256,11 +256,14 @@ class Sampler(torch.nn.Module):
         stall of seconds under load -- and leave ~200k compiler objects beside the frozen startup heap
         (keel.gc_heap) for every later full collection to walk: on the H200 at 3d8d7e5 one 55-140 ms
         gen-2 pause every ~100 batch-256 steps. One row is a shape of its own (dynamic shapes specialize
-        sizes 0 and 1); two or more share one."""
+        sizes 0 and 1); two or more share one. The compiled graphs are guarded on what the sampling step
+        passes: inference mode, and seeds and step as two tensors (one tensor passed as both compiles a
+        variant serving never takes)."""
         noise = _noise_for(device)
-        for rows in sorted({1, max(2, max_num_seqs)}):
-            zeros = torch.zeros(rows, dtype=torch.int64, device=device)
-            noise(zeros, zeros, vocab_size)
+        with torch.inference_mode():
+            for rows in sorted({1, max(2, max_num_seqs)}):
+                noise(torch.zeros(rows, dtype=torch.int64, device=device),
+                      torch.zeros(rows, dtype=torch.int64, device=device), vocab_size)
 
     def compute_probs(
         self,
