@@ -52,11 +52,17 @@ _spec.loader.exec_module(_common)
 ceilings, events_ms, hf_generate_throughput = _common.ceilings, _common._events_ms, _common.hf_generate_throughput
 
 
-def active_bytes_b1(cfg: dict, layers: int, elt: int = 2) -> int:
-    """Weight bytes one batch-1 decode step reads: every dense weight, only top-k routed experts."""
+def mla_projection_params(cfg: dict) -> int:
+    """One MLA layer's projection weights (q, kv_a, kv_b, o; no q LoRA), without its norms."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, v, lora = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
-    attn = h * heads * (nope + rope) + h * (lora + rope) + lora * heads * (nope + v) + heads * v * h + lora + 2 * h
+    return h * heads * (nope + rope) + h * (lora + rope) + lora * heads * (nope + v) + heads * v * h
+
+
+def active_bytes_b1(cfg: dict, layers: int, elt: int = 2) -> int:
+    """Weight bytes one batch-1 decode step reads: every dense weight, only top-k routed experts."""
+    h, lora = cfg["hidden_size"], cfg["kv_lora_rank"]
+    attn = mla_projection_params(cfg) + lora + 2 * h  # + the kv_a, input and post-attention norms
     dense_mlp = 3 * h * cfg["intermediate_size"]
     expert = 3 * h * cfg["moe_intermediate_size"]
     moe = cfg["n_shared_experts"] * expert + cfg["num_experts_per_tok"] * expert + h * cfg["n_routed_experts"]

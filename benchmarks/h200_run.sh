@@ -39,11 +39,11 @@ for part in "$@"; do
     profile-llama) timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch 1,256 \
                      --out "$W/h200-step-profile-llama8b.json" >"$W/profile-llama.log" 2>&1
                    tail -c 800 "$W/profile-llama.log";;
-    profile-gptq|profile-fp8)  # Llama-8B shape with dummy weights in GPTQ int4 g128 / fp8 per-tensor layout
-      q='{"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false, "checkpoint_format": "gptq", "lm_head": false}'; b=1
-      [ "$part" = profile-fp8 ] && q='{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}' && b=1,256
+    profile-gptq|profile-fp8)  # Llama-8B shape with dummy weights in h200_quant.py's GPTQ int4 g128 / fp8 per-tensor layout
+      q=llama8b-gptq; b=1
+      [ "$part" = profile-fp8 ] && q=llama8b-fp8-tensor && b=1,256
       timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch $b --mixed "" \
-        --quantization-config "$q" --out "$W/h200-step-profile-llama8b-${part#profile-}.json" >"$W/$part.log" 2>&1
+        --quantization-case $q --out "$W/h200-step-profile-llama8b-${part#profile-}.json" >"$W/$part.log" 2>&1
       tail -c 800 "$W/$part.log";;
     spec) timeout 120 python3 benchmarks/h200_spec.py --engines plain,mtp_k3 --out "$W/h200-spec.json" \
             >"$W/spec.log" 2>&1; grep -E "^(plain|mtp)" "$W/spec.log" | cut -c1-600;;

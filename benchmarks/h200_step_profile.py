@@ -3,7 +3,7 @@ batch of B running requests (CUDA graphs replayed), and of one full prefill step
 keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py), with the same engine limits.
 
     python benchmarks/h200_step_profile.py --arch dsv2lite|llama8b [--model-dir DIR] [--batch 256,64]
-        [--out FILE.json] [--disable-shared-experts-fusion] [--quantization-config JSON]
+        [--out FILE.json] [--disable-shared-experts-fusion] [--quantization-config JSON | --quantization-case CASE]
 
 Per batch: the wall time of `engine.step()` (median of 30 consecutive decode steps, every request past
 its prompt), the GPU time the profiler saw per step (kernels, graph replays included), their difference
@@ -148,7 +148,17 @@ def main() -> None:
     ap.add_argument("--quantization-config", default=None, metavar="JSON",
                     help="dummy weights in a quantized checkpoint's layout: this `quantization_config` goes into "
                          "config.json (e.g. one of h200_quant.py's cases)")
+    ap.add_argument("--quantization-case", default=None, metavar="CASE",
+                    help="the quantization_config of one of h200_quant.py's cases (instead of the JSON)")
     a = ap.parse_args()
+    if a.quantization_case:
+        from h200_quant import CASES  # benchmarks/ is on sys.path when this script runs
+
+        arch, _, config, _, _ = CASES[a.quantization_case]
+        if a.quantization_config or {"llama": "llama8b", "deepseek_v2": "dsv2lite"}[arch] != a.arch:
+            raise SystemExit(f"--quantization-case {a.quantization_case} is a {arch} case, and replaces "
+                             "--quantization-config")
+        a.quantization_config = json.dumps(config)
     mixed = {int(x) for x in a.mixed.split(",") if x}
     model_dir = a.model_dir
     if model_dir is None:

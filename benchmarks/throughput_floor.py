@@ -41,16 +41,19 @@ def llama_shape() -> dict:
 
 
 def dsv2lite_shape() -> dict:
-    h, layers, heads, lora, rope, nope, v = 2048, 27, 16, 512, 64, 128, 128
-    attn = h * heads * (nope + rope) + h * (lora + rope) + lora * heads * (nope + v) + heads * v * h
-    expert = 3 * h * 1408
-    active_moe = (6 + 2) * expert  # top-6 routed + 2 shared, per token
-    all_moe = (64 + 2) * expert  # every routed expert is read at batch 256
-    dense = 3 * h * 10944  # layer 0
+    from h200_dsv2lite import DSV2_LITE as c, mla_projection_params  # benchmarks/ is on sys.path here
+
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    attn = mla_projection_params(c)
+    expert = 3 * h * c["moe_intermediate_size"]
+    active_moe = (c["num_experts_per_tok"] + c["n_shared_experts"]) * expert  # per token
+    all_moe = (c["n_routed_experts"] + c["n_shared_experts"]) * expert  # every routed expert is read at batch 256
+    dense = 3 * h * c["intermediate_size"]  # layer 0
+    lm_head = c["vocab_size"] * h
     return {"prefill_params": layers * attn + dense + (layers - 1) * active_moe,
-            "decode_params": layers * attn + dense + (layers - 1) * active_moe + 102400 * h,
-            "decode_weight_params": layers * attn + dense + (layers - 1) * all_moe + 102400 * h,
-            "kv_bytes_per_token": layers * (lora + rope) * 2}
+            "decode_params": layers * attn + dense + (layers - 1) * active_moe + lm_head,
+            "decode_weight_params": layers * attn + dense + (layers - 1) * all_moe + lm_head,
+            "kv_bytes_per_token": layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2}
 
 
 def measured_rates() -> dict:
