@@ -21,11 +21,12 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import time
+from pathlib import Path
 
 import torch
 
+from keel.bench import source_commit
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.engine.sampling_params import SamplingParams
@@ -118,8 +119,7 @@ def main() -> None:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": __import__("transformers").__version__,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
-                                 text=True).stdout.strip(),
+        "commit": source_commit(Path(__file__).parent),
         "model": ns.model,
         "model_shape": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size},
         "num_prompts": ns.num_prompts,

@@ -43,13 +43,13 @@ import platform
 import pstats
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from keel.bench import source_commit
 from keel.config import EngineArgs
 from keel.engine.llm_engine import LLMEngine
 from keel.engine.output_processor import RequestOutputKind
@@ -294,14 +294,6 @@ def measure_step_kinds(kinds: list[str], repeats: int, profile: bool, profile_to
     return out
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -385,7 +377,7 @@ def main() -> None:
     if args.out is not None:
         record = {
             "benchmark": "host_overhead",
-            "commit": git_commit(),
+            "commit": source_commit(Path(__file__).parent) or "unknown",
             "cpu": cpu_name(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from keel.bench import source_commit
+
 PROBE = {"model": "demo", "prompt": "Hello", "max_tokens": 1, "temperature": 0}
 HEAVY_LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 HUGE_STRING = "{% set s = 'x' * 10**9 %}{{ s }}"
@@ -151,7 +153,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    commit = source_commit(Path(__file__).parent)
     report = {"benchmark": "hostile_requests", "script": "benchmarks/hostile_requests.py", "commit": commit,
               "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **results}
     text = json.dumps(report, indent=2)
