@@ -36,7 +36,7 @@ logger = logging.getLogger("keel.worker")
 _ROW = operator.attrgetter("row")  # a CachedRequestState's InputBatch row
 
 
-# Prefill warm-up sizes past this many tokens also run one short of each power of two (ModelRunner.warm_up).
+# Prefill warm-up sizes past this many tokens also run one and five short of each power of two (ModelRunner.warm_up).
 ODD_WARM_UP_PAST = 512
 
 
@@ -239,8 +239,8 @@ class ModelRunner:
         `max_model_len`, alone and beside a small prefill (decode kernels pick launch variants such as
         split-K counts from the context length; mixed steps launch them another way). Without it the
         first big batch after start compiled them under load: on an H200 ~7.6 s for the MoE tiles of
-        DeepSeek-V2-Lite, and 0.7 s for an MLA decode variant. Past ODD_WARM_UP_PAST tokens also one count
-        short of each power of two (a size not a multiple of 16). Then the sampler's compiled noise
+        DeepSeek-V2-Lite, and 0.7 s for an MLA decode variant. Past ODD_WARM_UP_PAST tokens also one and
+        five counts short of each power of two (sizes not a multiple of 16, padded to 4 or not). Then the sampler's compiled noise
         (`Sampler.warm_up`). Returns the prefill token counts run.
         """
         sizes = sorted({min(1 << i, max_num_tokens) for i in range(max_num_tokens.bit_length() + 1)})
@@ -248,7 +248,10 @@ class ModelRunner:
         # one variant. Kernels some paths take only at large sizes (fp8 activation quantization's chunked
         # launch, from 512 rows) met their other variant in the first big batch (H200 at 8c848ae: 2 compiles
         # in round 1 of the fp8 Llama engine, 0.44 s): one count short of each power of two past 512 too.
-        sizes = sorted(set(sizes) | {n - 1 for n in sizes if n > ODD_WARM_UP_PAST})
+        # Five short too: the block-fp8 cuBLAS path pads M to 4 rows and passes that count as its scales'
+        # stride, so n - 1 (padded to n) and n - 5 (padded to n - 4, not a multiple of 16) are two variants
+        # (H200 at 548c96a: two _quant_fp8_kernel compiles at a 634-token step in round 1 of block-fp8 DSV2).
+        sizes = sorted(set(sizes) | {n - d for n in sizes if n > ODD_WARM_UP_PAST for d in (1, 5)})
         for n in sizes:
             self.profile_run(n, max_num_seqs, max_model_len)
         contexts = sorted({min(1 << i, max_model_len) for i in range(max_model_len.bit_length() + 1)})
