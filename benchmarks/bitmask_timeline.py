@@ -77,7 +77,10 @@ class StepTimeline:
     def _wrap(self, obj, attr: str, make) -> None:
         original = getattr(obj, attr)
         setattr(obj, attr, make(original))
-        self._restore.append((obj, attr, original))
+        # An instance's method is looked up on its class again at detach (`original` is a bound method:
+        # stored back on the instance, it would hold the instance in a reference cycle).
+        own = not isinstance(obj, type) and attr not in vars(obj)
+        self._restore.append((obj, attr, None if own else original))
 
     @staticmethod
     def _timer(record):
@@ -142,6 +145,8 @@ class StepTimeline:
         self._wrap_nested(scheduler, "update_from_output", scheduler, "_advance_grammar", report)
 
     def _wrap_launch(self, executor) -> None:
+        from keel.worker.async_output import AsyncModelRunnerOutput
+
         def make(fn):
             def wrapped(scheduler_output):
                 t = _now_ms()
@@ -152,19 +157,23 @@ class StepTimeline:
                 if scheduler_output.grammar_bitmask is not None:
                     self._marks.setdefault(id(scheduler_output.grammar_bitmask), {})["launch"] = end
                     self._plans.append(scheduler_output.grammar_bitmask)
-                get_output = pending.get_output
-
-                def timed_get_output():
-                    t0 = _now_ms()
-                    try:
-                        return get_output()
-                    finally:
-                        self._add("tokens_wait_ms", _now_ms() - t0)
-                        self._spans.append(("tokens_wait", t0, _now_ms()))
-                pending.get_output = timed_get_output
                 return pending
             return wrapped
         self._wrap(executor, "execute_model_async", make)
+
+        def make_get_output(fn):
+            # On the class, not on each step's output: a closure over `pending.get_output` stored on
+            # `pending` held every step's output (its launch, tensors, event) in a reference cycle, so
+            # the runs measured the cyclic collector freeing what the engine's own steps never leave.
+            def timed_get_output(pending):
+                t0 = _now_ms()
+                try:
+                    return fn(pending)
+                finally:
+                    self._add("tokens_wait_ms", _now_ms() - t0)
+                    self._spans.append(("tokens_wait", t0, _now_ms()))
+            return timed_get_output
+        self._wrap(AsyncModelRunnerOutput, "get_output", make_get_output)
 
     def _wrap_launch_parts(self, runner) -> None:
         for name, (obj, attr) in {
@@ -191,13 +200,14 @@ class StepTimeline:
             def wrapped(*args, **kwargs):
                 plan = fn(*args, **kwargs)
                 fill = plan._fill
+                key = id(plan)  # not `plan` itself: plan._fill would hold it in a reference cycle
 
                 def timed_fill():
-                    self._mark(plan, "fill_begin")
+                    self._marks.setdefault(key, {})["fill_begin"] = _now_ms()
                     try:
                         return fill()
                     finally:
-                        self._mark(plan, "fill_end")
+                        self._marks.setdefault(key, {})["fill_end"] = _now_ms()
                         self._events.append(("filled", _now_ms()))
                 plan._fill = timed_fill
                 return plan
@@ -247,7 +257,10 @@ class StepTimeline:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         for obj, attr, original in reversed(self._restore):
-            setattr(obj, attr, original)
+            if original is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, original)
         self._restore.clear()
 
     def summary(self) -> dict[str, float | None]:
