@@ -93,26 +93,33 @@ def _use_vocabulary(ns, vocab: int) -> None:
     backend.XGrammarBackend.__init__ = init
 
 
-def engine_steps(ns, device: str) -> dict:
-    """ms per decode step of one engine at `batch` requests, none vs every one JSON-schema constrained."""
-    from bitmask_timeline import StepTimeline  # benchmarks/ is on sys.path when this script runs
-
-    from keel.bench import random_prompts
+def make_engine(ns, device: str):
+    """(engine, vocab): the benchmark's engine (also benchmarks/gc_per_step.py's) -- async scheduling, the
+    runner in this process, xgrammar over the `ns.vocab` vocabulary; `ns.batch` requests at most."""
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
-    from keel.engine.output_processor import RequestOutputKind
-    from keel.engine.sampling_params import SamplingParams
 
     model_dir, vocab = _model_dir(ns)
     _use_vocabulary(ns, vocab)
-    engine = LLMEngine.from_engine_args(EngineArgs(
+    return LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), profile="cpu" if device == "cpu" else "cuda", load_format="dummy",
         plugins=(["platform-cpu", "attention-torch", "models-llama"] if device == "cpu" else
                  ["platform-cuda", "attention-flash", "attention-torch", "kernels-triton", "models-llama"])
         + ["structured-output-xgrammar"],
         dtype="float32" if device == "cpu" else "bfloat16", max_model_len=512, async_scheduling=True,
         max_num_seqs=ns.batch, max_num_batched_tokens=8192, seed=0,
-        **({} if device == "cpu" else {"gpu_memory_utilization": 0.6})))
+        **({} if device == "cpu" else {"gpu_memory_utilization": 0.6}))), vocab
+
+
+def engine_steps(ns, device: str) -> dict:
+    """ms per decode step of one engine at `batch` requests, none vs every one JSON-schema constrained."""
+    from bitmask_timeline import StepTimeline  # benchmarks/ is on sys.path when this script runs
+
+    from keel.bench import random_prompts
+    from keel.engine.output_processor import RequestOutputKind
+    from keel.engine.sampling_params import SamplingParams
+
+    engine, vocab = make_engine(ns, device)
     core = engine.core
     timeline = StepTimeline().attach(engine)  # the step's breakdown: main thread, fill thread, runner
     counter = iter(range(1 << 30))
@@ -396,6 +403,15 @@ def host_fill_ms(ns, batch: int, vocab: int, steps: int) -> dict:
             "compile_s": compile_s}
 
 
+def emit(result: dict, out: str | None) -> None:
+    """Print the results as JSON, and write them to `out` when given (also benchmarks/gc_per_step.py's)."""
+    print(json.dumps(result, indent=2))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        print("wrote", out)
+
+
 def main() -> None:
     from keel.bench import source_commit
 
@@ -463,11 +479,7 @@ def main() -> None:
     print("constrained step breakdown (median ms): " + ", ".join(
         f"{k.removesuffix('_ms')} {v:.3f}" for k, v in parts.items() if k.endswith("_ms"))
         + f"; bitmask buffers allocated in the timed steps: {parts.get('buffers_allocated')}", flush=True)
-    print(json.dumps(result, indent=2))
-    if ns.out:
-        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", ns.out)
+    emit(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
 #             h200_bitmask.bpe_tokenizer_info, or leave it absent and the part trains it, ~1-2 min), then
 #             bitmask_gil.py (the fill thread's GIL cost to a busy loop, host only, ~20 s; with the backend's
 #             fill threads and with 4)
+#   gc        gc_per_step.py: objects left in reference cycles per decode step, collections per 100 steps
+#             (batch 256, plain and constrained, with and without bitmask_timeline's wrappers)
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
@@ -55,6 +57,8 @@ for part in "$@"; do
                  $([ $t = default ] || echo --fill-threads $t) --out "$W/h200-bitmask-gil-$t.json" \
                  >"$W/bitmask-gil-$t.log" 2>&1; head -1 "$W/bitmask-gil-$t.log"
              done;;
+    gc) timeout 150 python3 benchmarks/gc_per_step.py --out "$W/h200-gc-per-step.json" >"$W/gc.log" 2>&1
+        grep -E '^(plain|constrained)' "$W/gc.log" | cut -c1-600;;
     quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
              dsv2lite-fp8-block llama8b-gptq} --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
