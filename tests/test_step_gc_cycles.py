@@ -2,12 +2,13 @@
 
 LLMEngine.step over EngineCore with async scheduling and the in-process runner (the path of
 benchmarks/h200_bitmask.py): plain requests (greedy, random sampling with logprobs) and, with the xgrammar
-plugin, a JSON-constrained one, whose bitmask is filled on the manager's thread and whose sampling may
-wait for it (`SampledLaunch.pending`). Every per-step object -- scheduler output, GrammarBitmask, the fill
-and advance futures, AsyncModelRunnerOutput, SampledLaunch and its threading.Event, ModelRunnerOutput,
-engine-core and request outputs -- must die by reference count: one left in a cycle is freed only by the
-cyclic collector, and each collection holds the GIL for every thread (on an H200, 0.1-1 ms a young
-collection, 8-30 ms a full one, in the middle of a ~10 ms decode step).
+plugin, a JSON-constrained one, whose bitmask is filled on the manager's thread and whose sampling here
+waits for it every step (`SampledLaunch.pending`, as on a GPU; on the CPU the fill is mostly done at
+launch), its pending sampling never holding the launch that holds it. Every per-step object -- scheduler
+output, GrammarBitmask, the fill and advance futures, AsyncModelRunnerOutput, SampledLaunch and its
+threading.Event, ModelRunnerOutput, engine-core and request outputs -- must die by reference count: one
+left in a cycle is freed only by the cyclic collector, and each collection holds the GIL for every thread
+(on an H200, 0.1-1 ms a young collection, 8-30 ms a full one, in the middle of a ~10 ms decode step).
 
 The bound held is exact: 0 objects found by `gc.collect()` after the warm-up and STEPS more steps with
 the collector off -- a request finishing and one arriving within them included -- so a single
@@ -18,6 +19,8 @@ the compiled sampler noise) are measured by benchmarks/gc_per_step.py.
 
 from __future__ import annotations
 
+import gc
+import types
 from collections import Counter
 
 import pytest
@@ -28,6 +31,8 @@ from keel.engine.output_processor import RequestOutputKind
 from keel.engine.sampling_params import SamplingParams
 from keel.testing.cycles import cyclic_garbage
 from keel.testing.tokenizer import make_tiny_model
+from keel.worker.async_output import SampledLaunch
+from keel.worker.grammar_constraint import GrammarConstraint
 
 WARM_UP, STEPS = 12, 40
 # A string of at least 200 characters: the constrained request cannot finish within the steps measured.
@@ -92,9 +97,33 @@ def test_plain_decode_steps_leave_no_reference_cycles(engine):
     run_mix(engine, "p", None)
 
 
-def test_constrained_decode_steps_leave_no_reference_cycles(engine):
+def reaches(source, target, depth: int = 8) -> bool:
+    """Whether `target` is reachable from the function `source` through closures (functions, their cells and
+    closure tuples, `depth` links at most; not through globals)."""
+    frontier = [source]
+    for _ in range(depth):
+        frontier = [r for obj in frontier for r in gc.get_referents(obj)
+                    if isinstance(r, (types.FunctionType, types.CellType, tuple)) or r is target]
+        if any(r is target for r in frontier):
+            return True
+    return False
+
+
+def test_constrained_decode_steps_leave_no_reference_cycles(engine, monkeypatch):
     pytest.importorskip("xgrammar")
     pytest.importorskip("keel_structured_output_xgrammar")
     assert engine.core.constrained_in_flight  # its grammar advances on the fill thread as tokens land
+    # Every constrained step's sampling pends until its bitmask is read (as when the fill runs behind a
+    # GPU's forward): `SampledLaunch.pending` holds it from the launch to the next step's start.
+    monkeypatch.setattr(GrammarConstraint, "ready", property(lambda self: False))
+    pended: list[bool] = []  # per pending launch: whether its pending sampling holds it (a cycle)
+    finish = SampledLaunch.finish
+
+    def spy(launch) -> None:
+        if launch.pending is not None:
+            pended.append(reaches(launch.pending, launch))
+        finish(launch)
+    monkeypatch.setattr(SampledLaunch, "finish", spy)
     run_mix(engine, "c", SamplingParams(temperature=1.0, max_tokens=LONG, ignore_eos=True,
                                        structured_outputs={"json": SCHEMA}))
+    assert len(pended) >= STEPS and not any(pended), pended

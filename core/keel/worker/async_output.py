@@ -38,14 +38,16 @@ class SampledLaunch:
     sampled_host: torch.Tensor | None = None  # [S] int64, pinned when the device is not the host
     logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [S, k + 1] ids, logprobs, ranks
     event: torch.Event | None = None  # recorded after the copies; None on the host
-    pending: Callable[[], None] | None = None  # enqueues sampling (and sets the tensors above)
+    # Enqueues sampling and sets the tensors above on the launch it is given; it does not hold the launch
+    # (a closure over it, stored here, would make every pending step a reference cycle).
+    pending: Callable[[SampledLaunch], None] | None = None
     enqueued: threading.Event = field(default_factory=threading.Event)  # set once the tensors above are set
 
     def finish(self) -> None:
         """Enqueue the pending sampling, if any (waits for the grammar bitmask's fill on the host)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending()
+            pending(self)
 
 
 class AsyncModelRunnerOutput:

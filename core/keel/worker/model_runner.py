@@ -465,25 +465,25 @@ class ModelRunner:
         )
 
         @torch.inference_mode()  # also when run from get_output
-        def sample() -> None:
+        def sample(into: SampledLaunch) -> None:  # not a closure over `launch`: launch.pending holds it
             masked = logits if constraint is None else self.token_bitmask(logits, *constraint.on_device(self.device))
             result = self.sampler(masked, meta)
             sampled = result.sampled_token_ids  # [S] int64, device
             self.sampling_state.record_sampled(batch, sample_batch_rows, sampled,
                                                None if staged is None else staged["rows"])
             lps = None if result.logprobs is None else (result.logprob_token_ids, result.logprobs, result.ranks)
-            launch.sampled, launch.sampled_host, launch.logprobs_host = sampled, sampled, lps
+            into.sampled, into.sampled_host, into.logprobs_host = sampled, sampled, lps
             if self.device.type != "cpu":
-                launch.sampled_host = pinned_empty(sampled.shape, sampled.dtype, self.device).copy_(
+                into.sampled_host = pinned_empty(sampled.shape, sampled.dtype, self.device).copy_(
                     sampled, non_blocking=True)
                 if lps is not None:
-                    launch.logprobs_host = tuple(pinned_empty(x.shape, x.dtype, self.device).copy_(x, non_blocking=True)
-                                                 for x in lps)
-                launch.event = record_event(self.device)
-            launch.enqueued.set()
+                    into.logprobs_host = tuple(pinned_empty(x.shape, x.dtype, self.device).copy_(x, non_blocking=True)
+                                               for x in lps)
+                into.event = record_event(self.device)
+            into.enqueued.set()
 
         if constraint is None or constraint.ready:
-            sample()
+            sample(launch)
         else:
             launch.pending = sample
         return launch
