@@ -6,8 +6,16 @@ int4 GEMMs per Llama-3-8B layer shape and M, against bf16 cuBLAS and the bytes f
 
 Families: "fp8_row" (per-row / per-tensor scales: vLLM "fp8" per-tensor Llama), "fp8_block" (128x128 block
 scales), "int4_g128" (GPTQ / AWQ, group 128 in order). Candidates (`candidates`): the shipped default
-(`small_m_plan`), the tensor-core "dot" kernel over a few tiles x K splits 1-8, and the "gemv" kernel
-(M <= 8) over a few tiles x K splits 1-4. Each is timed as CUDA-graph replays over weight copies larger
+(`small_m_plan`), the tensor-core "dot" kernel over a few tiles x K splits 1-8, the "gemv" kernel
+(M <= 8) over a few tiles x K splits 1-4, and for int4 the "gemv_fold" kernel (M <= 16, zero point folded
+out of the inner loop) over a few tiles x K splits 1-8. Only the int4 kernels, against the current plans:
+    python benchmarks/h200_quant_small_m.py --families int4_g128 --out benchmarks/results/h200-int4-fold.json
+Prediction for gemv_fold (not measured): Llama-8B's four layers at M = 1 ~40-50 us (best plan today
+140 us, floor 26.6 us), M = 2 ~55-65, M = 4 ~80-95, M = 8 ~120-130 (dot today 142), M = 16 ~200+ (dot
+stays): sm_90 SASS of the loop gives ~4.0 / 6.8 / 10.3 / 16 / 28 instructions per weight element at
+M = 1 / 2 / 4 / 8 / 16 (the dot plan ~7.7 and an I2F per element, the plain gemv ~13); at 4
+warp-instructions per clock per SM and ~1.75 GHz over 132 SMs that is ~29 / 50 / 77 / 118 / 206 us of
+issue for the 218 M weight elements, and M = 1 is then held up by memory (~75% of copy bandwidth). Each is timed as CUDA-graph replays over weight copies larger
 than L2 (h200_quant.graph_us), so neither launch cost nor cache hits flatter it. Per row: each
 candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, fp8's W8A8 path ("w8a8_us":
 activation quantization + _scaled_mm / Triton block GEMM, what fp8_native runs past WEIGHT_ONLY_MAX_M),
@@ -40,6 +48,17 @@ DOT_SPLITS = (1, 2, 4, 8)
 GEMV_SPLITS = (1, 2, 4)
 GEMV_MAX_M = 8
 GEMV_MAX_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K float32 products a 4-warp program holds
+# int4 "gemv_fold" (int4_gemv_fold_triton): (BLOCK_N, BLOCK_K, num_warps); each thread holds BLOCK_M x 4 words
+# x 4 columns of the tile per 128 threads, so wide tiles share each activation over more columns. sm_90
+# SASS (no GPU): 4 warps spill from BLOCK_M * BLOCK_N * BLOCK_K = 65536 at BLOCK_M >= 8 (8x64x128,
+# 16x32x128), not at 4x128x128; 1x128x128 is ~4.0 instructions per weight element, 1x32x128 ~5.0.
+FOLD_TILES = [(128, 128, 4), (256, 64, 4), (64, 128, 4), (32, 128, 4), (128, 64, 4), (32, 64, 4), (256, 128, 8)]
+FOLD_SPLITS = (1, 2, 4, 8)
+FOLD_MAX_M = 16
+
+
+def _fold_fits(bm: int, bn: int, bk: int, warps: int) -> bool:
+    return bm * bn * bk <= (65536 if bm <= 4 else 32768) * warps // 4
 
 
 def _pow2(m: int) -> int:
@@ -52,6 +71,12 @@ def candidates(family: str, m: int) -> dict:
 
     out: dict = {"default": None}
     stages = 4 if family != "int4_g128" else None
+    if family == "int4_g128" and m <= FOLD_MAX_M:  # first: a budget cut never skips the new kernel
+        for bn, bk, warps in FOLD_TILES:
+            if _fold_fits(_pow2(m), bn, bk, warps):
+                for split in FOLD_SPLITS:
+                    out[f"gemv_fold {_pow2(m)}x{bn}x{bk} w{warps} s{split}"] = SmallMPlan(
+                        "gemv_fold", _pow2(m), bn, bk, split, num_warps=warps)
     for bm in sorted({16, _block_m(m)}):  # M > 16 in M tiles of 16 too: smaller tiles, more programs
         for bn, bk in DOT_TILES[family]:
             for split in DOT_SPLITS:
@@ -67,7 +92,7 @@ def candidates(family: str, m: int) -> dict:
 
 def compile_count(family: str) -> int:
     """Distinct kernels the family's candidates compile (the split is a runtime argument)."""
-    return len({(p.kernel, p.block_m, p.block_n, p.block_k, p.num_stages)
+    return len({(p.kernel, p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages)
                 for m in MS for p in candidates(family, m).values() if p is not None})
 
 

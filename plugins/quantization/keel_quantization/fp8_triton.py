@@ -97,6 +97,8 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
         return y
     dst = SplitKOutput(y, k, bk, plan.split_k)
     (scs, scm, scn), options = dst.strides, plan.launch_options()
+    if plan.kernel == "gemv_fold":
+        raise ValueError("fp8_gemm: the gemv_fold kernel is int4 only")
     if plan.kernel == "gemv":
         if a_s is not None:
             raise ValueError("fp8_gemm: the gemv kernel is weight-only (no activation scales)")

@@ -8,7 +8,7 @@ its scales and zeros are one row per tile: the tile multiplies (q - zero), exact
 dtype, and the scale multiplies the tile's float32 partial product. Otherwise (desc_act) scales and
 zeros are gathered per input through g_idx, so GPTQ's activation order needs no reordering. At decode
 sizes the plan (`small_m_plan.int4_plan`) may split K (float32 partials, then `splitk_reduce`) or run
-the GEMV kernel (`int4_gemv_triton`) instead, so a decode step spreads each layer over all the SMs. Runs on CUDA; on the
+a GEMV kernel (`int4_gemv_triton`, or `int4_gemv_fold_triton` with the zero point folded out) instead, so a decode step spreads each layer over all the SMs. Runs on CUDA; on the
 CPU only under TRITON_INTERPRET=1 (tests, small shapes).
 """
 
@@ -119,11 +119,16 @@ def int4_gemm(
     dst = SplitKOutput(y, k, bk, plan.split_k)
     args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
-    if plan.kernel == "gemv":
+    if plan.kernel in ("gemv", "gemv_fold"):
+        from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
         from keel_quantization.int4_gemv_triton import _int4_gemv_kernel
 
-        _int4_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
-            *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
+        grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
+        if plan.kernel == "gemv":
+            _int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
+        else:
+            _int4_gemv_fold_kernel[grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                         EVEN=k % bk == 0 and n % bn == 0, **plan.launch_options())
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,

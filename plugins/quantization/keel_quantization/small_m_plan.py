@@ -7,6 +7,8 @@ that sums them in a fixed order -- deterministic, and nothing to zero, so CUDA g
 - "dot": the tensor-core GEMM (each weight tile widened / dequantized in registers, then tl.dot), any M.
 - "gemv": no tensor cores; every M row (BLOCK_M >= M, a few) multiplies the widened tile in float32 and
   sums over K, so a program reads wide, contiguous weight rows and spends no MMA padding on M = 1.
+- "gemv_fold" (int4 only): "gemv" with the zero point and the float conversion folded out of the inner
+  loop (`int4_gemv_fold_triton`): a nibble extraction and one FMA per weight element.
 
 `fp8_plan` / `int4_plan` are pure functions of the GEMM's shape (M, N, K, scale group): the plan is
 fixed per CUDA-graph bucket (M is static there), never decided per step from data.
@@ -17,12 +19,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-KERNELS = ("dot", "gemv")
+KERNELS = ("dot", "gemv", "gemv_fold")
 
 
 @dataclass(frozen=True)
 class SmallMPlan:
-    kernel: str  # "dot" | "gemv"
+    kernel: str  # "dot" | "gemv" | "gemv_fold" (int4 only)
     block_m: int
     block_n: int
     block_k: int
