@@ -1,7 +1,8 @@
-"""Every decode-size GEMM plan the H200 sweep times (benchmarks/h200_quant_small_m.py: dot / gemv kernels,
-tiles, K splits) compiled on a GPU (skipped without one) against float64 on the operands it multiplies,
-bf16 activations, NaN-poisoned outputs: weight-only fp8 with per-row and 128x128 block scales (partial
-edge blocks), int4 with group 128 in order; M 1-64. A candidate the sweep could pick is a correct one."""
+"""Every decode-size GEMM plan the H200 sweep times (benchmarks/h200_quant_small_m.py: dot / gemv /
+gemv_fold kernels, tiles, K splits) compiled on a GPU (skipped without one) against float64 on the operands
+it multiplies, bf16 activations, NaN-poisoned outputs: weight-only fp8 with per-row and 128x128 block
+scales (partial edge blocks), int4 with group 128 in order; M 1-64. A candidate the sweep could pick is a
+correct one. And gemv_fold's gathered path (desc_act g_idx out of order) compiled."""
 
 from __future__ import annotations
 
@@ -62,3 +63,22 @@ def test_every_swept_plan_matches_float64(sweep, family):
                 fp8_weight_only_gemm(x, *weights, *((1, k) if family == "fp8_row" else (128, 128)), out=out,
                                      plan=plan)
             torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=2e-2, msg=f"{family} M={m} {label}")
+
+
+@pytest.mark.parametrize("plan", [("gemv_fold", 1, 32, 128), ("gemv_fold", 4, 64, 64, 2)])
+def test_gemv_fold_gathers_desc_act_groups_compiled(plan):
+    from keel_quantization.int4_triton import int4_gemm
+    from keel_quantization.small_m_plan import SmallMPlan
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n, k = 200, 1280
+    (words, scales, zeros, g_idx), _ = _operands("int4_g128", n, k, gen)
+    g_idx = g_idx[torch.randperm(k, device="cuda", generator=gen)]  # activation order: groups out of order
+    shifts = torch.arange(8, device="cuda", dtype=torch.int32) * 4
+    q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n).double()
+    deq = (q - zeros.double()[g_idx.long()]) * scales.double()[g_idx.long()]  # [K, N]
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        int4_gemm(x, words, scales, zeros, g_idx, out=out, group_size=0, plan=SmallMPlan(*plan))
+        torch.testing.assert_close(out.double(), x.double() @ deq, atol=3e-2, rtol=2e-2, msg=f"M={m} {plan}")

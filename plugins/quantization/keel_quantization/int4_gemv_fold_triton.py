@@ -57,6 +57,19 @@ def _nibble_pair(packed, j: tl.constexpr, one, sixteenth):
 
 
 @triton.jit
+def _words(qw_ptr, k0, k_end, offs_w, offs_n, mask_n, stride_qk, stride_qn, EVEN: tl.constexpr):
+    """Packed words [1, BK / 8, BN] int32 of the tile at input k0 (0 past k_end / N): loaded 3D, so the
+    accumulators take the load's layout (no register shuffle per tile)."""
+    words = k0 // 8 + offs_w
+    ptrs = qw_ptr + words[None, :, None] * stride_qk + offs_n[None, None, :] * stride_qn
+    if EVEN:
+        packed = tl.load(ptrs)
+    else:
+        packed = tl.load(ptrs, mask=(words < k_end // 8)[None, :, None] & mask_n[None, None, :], other=0)
+    return packed
+
+
+@triton.jit
 def _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN: tl.constexpr):
     """Float32 activations [BM, BK / 8, 1] of inputs k [BK / 8] (0 past the split; rows are clamped to
     real ones, their outputs never stored)."""
@@ -92,6 +105,7 @@ def _int4_gemv_fold_kernel(
     GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP and BLOCK_K divides GROUP; 0: read g_idx
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_K divides K and BLOCK_N divides N: no masks in the loop
+    PREFETCH: tl.constexpr,  # load each tile's words one iteration ahead (registers; the plan's num_stages 2)
 ):
     pid_s = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,15 +121,18 @@ def _int4_gemv_fold_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)
     # elementwise over (row, word row, column); summed over word rows once, after the loop
     total = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        ahead = _words(qw_ptr, k_start, k_end, offs_w, offs_n, mask_n, stride_qk, stride_qn, EVEN)
     for k0 in range(k_start, k_end, BLOCK_K):
         words = k0 // 8 + offs_w  # [BK / 8]
         mask_w = words < k_end // 8
-        # loaded as [1, BK / 8, BN]: the accumulator's layout is the load's, no register shuffle per tile
-        w_ptrs = qw_ptr + words[None, :, None] * stride_qk + offs_n[None, None, :] * stride_qn
-        if EVEN:
-            packed = tl.load(w_ptrs)
+        if PREFETCH:  # this tile's words came one iteration ago; the next tile's load flies during its math
+            packed = ahead
+            # EVEN: past the split's end it reads the last tile of K again (in bounds, never used)
+            ahead = _words(qw_ptr, tl.minimum(k0 + BLOCK_K, K - BLOCK_K) if EVEN else k0 + BLOCK_K, k_end,
+                           offs_w, offs_n, mask_n, stride_qk, stride_qn, EVEN)
         else:
-            packed = tl.load(w_ptrs, mask=mask_w[None, :, None] & mask_n[None, None, :], other=0)  # int32
+            packed = _words(qw_ptr, k0, k_end, offs_w, offs_n, mask_n, stride_qk, stride_qn, EVEN)
         if GROUP > 0:
             sz = (k0 // GROUP) * stride_sg + offs_n * stride_sn
             s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[None, None, :]  # [1, 1, BN]

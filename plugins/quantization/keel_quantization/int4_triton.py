@@ -128,7 +128,8 @@ def int4_gemm(
             _int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
         else:
             _int4_gemv_fold_kernel[grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                         EVEN=k % bk == 0 and n % bn == 0, **plan.launch_options())
+                                         EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
+                                         **plan.launch_options())
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,

@@ -30,7 +30,7 @@ class SmallMPlan:
     block_k: int
     split_k: int = 1  # K splits requested (fewer where K has fewer BLOCK_K tiles)
     num_warps: int = 4
-    num_stages: int | None = None
+    num_stages: int | None = None  # "gemv_fold": 2 loads each tile's words one iteration ahead
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:

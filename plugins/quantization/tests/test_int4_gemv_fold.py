@@ -40,10 +40,15 @@ def _bound(x: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.
 
 
 PLANS = [SmallMPlan("gemv_fold", 1, 16, 32), SmallMPlan("gemv_fold", 2, 8, 16, split_k=3),
-         SmallMPlan("gemv_fold", 4, 16, 16, split_k=2), SmallMPlan("gemv_fold", 8, 32, 64)]
+         SmallMPlan("gemv_fold", 4, 16, 16, split_k=2, num_stages=2), SmallMPlan("gemv_fold", 8, 32, 64),
+         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=2)]  # num_stages 2: words loaded a tile ahead
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.block_m}x{p.block_n}x{p.block_k}-s{p.split_k}")
+def _id(p: SmallMPlan) -> str:
+    return f"{p.block_m}x{p.block_n}x{p.block_k}-s{p.split_k}" + ("-ahead" if p.num_stages else "")
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=_id)
 @pytest.mark.parametrize("m,k,n,group,sym", [(1, 128, 64, 32, False), (3, 192, 40, 64, True),
                                              (5, 256, 24, 128, False), (2, 72, 56, -1, False)])
 def test_fold_matches_the_reference_on_in_order_groups(plan, m, k, n, group, sym):
@@ -58,7 +63,7 @@ def test_fold_matches_the_reference_on_in_order_groups(plan, m, k, n, group, sym
     assert bool((err <= _bound(x, s, g_idx)).all()), f"max error {err.max():.3g}"
 
 
-@pytest.mark.parametrize("plan", PLANS[:2], ids=lambda p: f"{p.block_m}x{p.block_n}x{p.block_k}-s{p.split_k}")
+@pytest.mark.parametrize("plan", PLANS[1:3], ids=_id)
 def test_fold_gathers_desc_act_groups_exactly(plan):
     """desc_act: no group per tile, so no folding -- (q - z[g]) s[g] per element, float32-exact products."""
     x, qw, s, z, g_idx, deq = _case(5, 96, 40, 32, False, True, seed=7)
