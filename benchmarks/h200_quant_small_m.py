@@ -54,7 +54,10 @@ GEMV_MAX_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K float32 products a 4-war
 # x 4 columns of the tile per 128 threads, so wide tiles share each activation over more columns. sm_90
 # SASS (no GPU): 4 warps spill from BLOCK_M * BLOCK_N * BLOCK_K = 65536 at BLOCK_M >= 8 (8x64x128,
 # 16x32x128), not at 4x128x128; 1x128x128 is ~4.0 instructions per weight element, 1x32x128 ~5.0.
-FOLD_TILES = [(128, 128, 4), (256, 64, 4), (64, 128, 4), (32, 128, 4), (128, 64, 4), (32, 64, 4), (256, 128, 8)]
+# BLOCK_K past the group (512, 1024: s / z per word row, ~+0.25 instructions per element) gives each program
+# fewer, longer tiles: K reach without a split's second launch (o / qkv: 4096 inputs, 32 tiles of 128).
+FOLD_TILES = [(128, 128, 4), (256, 64, 4), (64, 128, 4), (32, 128, 4), (128, 64, 4), (32, 64, 4), (256, 128, 8),
+              (32, 512, 4), (16, 1024, 4), (32, 1024, 8)]
 FOLD_SPLITS = (1, 2, 4, 8)
 FOLD_MAX_M = 16
 FOLD_AHEAD_MAX_M = 2  # num_stages 2 (the next tile's words in registers): +~30 registers, +~0.2 instructions

@@ -111,8 +111,10 @@ def int4_gemm(
     if plan is None:
         plan = SmallMPlan("dot", *tiles) if tiles else int4_plan(m, n, k, group)
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
-    if (group and group < k and group % bk) or bk % 8:
-        raise ValueError(f"int4_gemm: BLOCK_K {bk} must be a multiple of 8 dividing the group size {group}")
+    fold_rows = plan.kernel == "gemv_fold" and group and bk % group == 0  # its tiles may span whole groups
+    if (group and group < k and group % bk and not fold_rows) or bk % 8:
+        raise ValueError(f"int4_gemm: BLOCK_K {bk} must be a multiple of 8 dividing the group size {group}"
+                         + (" or, for gemv_fold, a multiple of it" if plan.kernel == "gemv_fold" else ""))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y

@@ -77,8 +77,10 @@ def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]]) -> 
 
 def _measured(family: str, m: int, group: int) -> SmallMPlan | None:
     for max_m, plan in TABLES.get(family, ()):
-        if m <= max_m:  # a K tile must lie in one scale group
-            return plan if plan is not None and (group == 0 or group % plan.block_k == 0) else None
+        if m <= max_m:  # a K tile must lie in one scale group (gemv_fold: or hold whole ones)
+            fits = plan is not None and (group == 0 or group % plan.block_k == 0
+                                         or (plan.kernel == "gemv_fold" and plan.block_k % group == 0))
+            return plan if fits else None
     return None
 
 

@@ -41,7 +41,8 @@ def _bound(x: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.
 
 PLANS = [SmallMPlan("gemv_fold", 1, 16, 32), SmallMPlan("gemv_fold", 2, 8, 16, split_k=3),
          SmallMPlan("gemv_fold", 4, 16, 16, split_k=2, num_stages=2), SmallMPlan("gemv_fold", 8, 32, 64),
-         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=2)]  # num_stages 2: words loaded a tile ahead
+         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=2),  # num_stages 2: words loaded a tile ahead
+         SmallMPlan("gemv_fold", 2, 16, 128, split_k=2)]  # tiles of several groups of 32 / 64
 
 
 def _id(p: SmallMPlan) -> str:
@@ -55,8 +56,8 @@ def test_fold_matches_the_reference_on_in_order_groups(plan, m, k, n, group, sym
     x, qw, s, z, g_idx, deq = _case(m, k, n, group, sym, False, seed=m * 1000 + k + n)
     group_size = tileable_group(g_idx, k if group == -1 else group)
     assert group_size > 0
-    if group_size < k and group_size % plan.block_k:
-        pytest.skip(f"BLOCK_K {plan.block_k} does not divide the group {group_size}")
+    if group_size < k and group_size % plan.block_k and plan.block_k % group_size:
+        pytest.skip(f"BLOCK_K {plan.block_k} neither divides the group {group_size} nor is a multiple of it")
     out = torch.full((m, n), float("nan"))
     int4_triton.int4_gemm(x, qw, s, z, g_idx, out=out, group_size=group_size, plan=plan)
     err = (out.double() - reference_linear(x, deq)).abs()
@@ -90,3 +91,20 @@ def test_fp8_refuses_the_int4_kernel():
     with pytest.raises(ValueError, match="gemv_fold kernel is int4 only"):
         fp8_triton.fp8_weight_only_gemm(torch.randn(2, 32), q, s.reshape(-1, 1), 1, 32,
                                         plan=SmallMPlan("gemv_fold", 2, 16, 16))
+
+
+def test_tables_take_gemv_fold_tiles_of_whole_groups():
+    """A K tile must lie in one scale group -- or, for gemv_fold only, hold whole groups."""
+    from keel_quantization import small_m_plan
+
+    fold, dot = SmallMPlan("gemv_fold", 1, 32, 512), SmallMPlan("dot", 16, 64, 512)
+    try:
+        small_m_plan.use_tables({"int4": ((1, fold), (2, dot))})
+        assert small_m_plan.int4_plan(1, 4096, 4096, 128) == fold
+        assert small_m_plan.int4_plan(2, 4096, 4096, 128).block_k == 128  # the default: 512 spans groups
+        assert small_m_plan.int4_plan(1, 4096, 4096, 96) != fold  # 512 is no multiple of 96
+    finally:
+        small_m_plan.use_tables(small_m_plan.SHIPPED)
+    x, qw, s, z, g_idx, _ = _case(1, 128, 16, 32, False, False, seed=3)
+    with pytest.raises(ValueError, match="for gemv_fold, a multiple of it"):
+        int4_triton.int4_gemm(x, qw, s, z, g_idx, group_size=32, plan=SmallMPlan("gemv_fold", 1, 16, 48))
