@@ -15,12 +15,13 @@ bits 15..18 and 19..22; masking each and or-ing in an exponent gives, exactly,
     lo = bits(1.0) | q_j << 15 = 1 + q_j / 256,     hi = bits(1/16) | q_{j+1} << 19 = 1/16 + q_{j+1} / 256,
 so sum_j x_j v_j over a word = E + O / 16 + Q / 256, with E / O the sums of its even / odd inputs' x.
 `a` starts at -(E + O / 16) - z (E + O) / 256 (per word row and column: E, O are per word row, shared
-by every column) and takes one FMA per element; then total += 256 s a. A tile may also span whole groups
-(BLOCK_K a multiple of GROUP): s and z are then loaded per word row (~+0.25 instructions per element),
-and a program's loop runs fewer, longer tiles -- its K reach without a split's second launch. Per element at M = 1: half a
+by every column) and takes one FMA per element; then total += 256 s a. Per element at M = 1: half a
 shift, one mask-or (LOP3), one FMA, ~1/4 for the two per-word FMAs, ~1/2 for the activations (a load and
 a bf16 -> f32 shift per input, shared over the thread's 4 columns) -- ~4.0 instructions in the SASS of
 the 1x128x128 plan's loop (the exponents sit in registers, see below; immediates cost a MOV per LOP3).
+A tile may also span whole groups (BLOCK_K a multiple of GROUP): s and z are then loaded per word row
+(~+0.25 instructions per element) and a program runs fewer, longer tiles, reaching over K without a
+split's second launch. Every output (or split partial) is written; rows past M read row M - 1, unstored.
 Precision: `a` holds ~2 sum |x_j| per word while it carries (Q - z X) / 256, so float32 rounding costs
 up to ~3.4e-4 sum_k |x_k| s_k (worst case, test_int4_gemv_fold's bound; ~1e-5 of |y| typically), far
 below a bf16 output's rounding.

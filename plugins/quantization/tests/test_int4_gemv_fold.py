@@ -41,7 +41,7 @@ def _bound(x: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.
 
 PLANS = [SmallMPlan("gemv_fold", 1, 16, 32), SmallMPlan("gemv_fold", 2, 8, 16, split_k=3),
          SmallMPlan("gemv_fold", 4, 16, 16, split_k=2, num_stages=2), SmallMPlan("gemv_fold", 8, 32, 64),
-         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=2),  # num_stages 2: words loaded a tile ahead
+         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=2),  # num_stages 2: words a tile ahead
          SmallMPlan("gemv_fold", 2, 16, 128, split_k=2)]  # tiles of several groups of 32 / 64
 
 
