@@ -4,7 +4,8 @@
 #       profile-dsv2 profile-llama spec bitmask quant tests
 # The device returns only a few files, so every result goes to $OUT/w and leaves as one $OUT/h200-run.tgz
 # (untar it, then commit the figures you rely on to benchmarks/results/); each part prints its key lines.
-#   wheels    the xgrammar wheels carried in .whl/ (the device has no network) into /tmp/site
+#   wheels    the xgrammar wheels carried in .whl/ (the device has no network) into /tmp/site; fetch them here
+#             first with benchmarks/device_wheels.sh (xgrammar alone fails there: it needs pydantic too)
 #   install   keel and every plugin, editable, no dependencies
 #   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs its two chunk calls)
 #   bitmask   h200_bitmask.py with the BPE vocabulary (BPE_FILE, default dev/bpe128k.json: train one with
