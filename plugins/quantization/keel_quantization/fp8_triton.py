@@ -107,7 +107,8 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
         _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
             a, b_q, b_s, dst.buf, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0), b_q.stride(1),
             b_s.stride(0), b_s.stride(1), scs, scm, scn,
-            GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **options)
+            GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
+            **options)
         return dst.finish()
     has_a_scale = a_s is not None
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE

@@ -56,7 +56,8 @@ SCRIPT = textwrap.dedent('''
         sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": c_dt, "M": i32, "N": i32, "K": i32,
                "K_PER_SPLIT": i32, **{s: i32 for s in gemv_strides}}
         compile_(fp8_gemv_triton._fp8_gemv_kernel, sig, {"GROUP_N": group_n, "GROUP_K": group_k,
-                                                         "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2]})
+                                                         "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
+                                                         "SCALE_AFTER": group_k >= 4096})
     for y_dt in ("*bf16", "*fp16"):
         sig = {"ws_ptr": "*fp32", "y_ptr": y_dt, "M": i32, "N": i32, "SPLITS": i32,
                **{s: i32 for s in ("stride_ws", "stride_wm", "stride_ym", "stride_yn")}}
