@@ -42,6 +42,8 @@ import statistics
 import time
 from collections import Counter, defaultdict
 
+from keel.testing.cycles import CollectionLog
+
 
 def _now_ms() -> float:
     return time.perf_counter() * 1e3
@@ -55,8 +57,7 @@ class StepTimeline:
         self._plans: list = []
         self._events: list[tuple[str, float]] = []  # the fill thread's jobs, in order: (what, when in ms)
         self._spans: list[tuple[str, float, float]] = []  # every timed part: (name, begin, end) in ms
-        self._gc: list[tuple[int, float, float, int]] = []  # each collection: (generation, begin, end in ms, collected)
-        self._gc_begin = 0.0
+        self._gc = CollectionLog()
 
     def clear(self) -> None:
         self.samples.clear()
@@ -64,13 +65,7 @@ class StepTimeline:
         self._plans.clear()
         self._events.clear()
         self._spans.clear()
-        self._gc.clear()
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_begin = _now_ms()
-        else:
-            self._gc.append((info["generation"], self._gc_begin, _now_ms(), info["collected"]))
+        self._gc.runs.clear()
 
     def _add(self, name: str, value: float) -> None:
         self.samples[name].append(value)
@@ -121,7 +116,7 @@ class StepTimeline:
         self._wrap_output(engine)
         self._wrap_plans(manager)
         self._wrap_handle(GrammarBitmask)
-        gc.callbacks.append(self._on_gc)
+        self._gc.attach()
         return self
 
     def _wrap_nested(self, outer, outer_attr: str, inner, inner_attr: str, report) -> None:
@@ -258,8 +253,7 @@ class StepTimeline:
         self._wrap(cls, "result", make_result)
 
     def detach(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+        self._gc.detach()
         for obj, attr, original in reversed(self._restore):
             if original is None:
                 delattr(obj, attr)
@@ -306,9 +300,7 @@ class StepTimeline:
         # the step's spread: a few long steps move a run's mean (what the overhead compares) off its median
         out["engine_step_max_ms"] = max(steps, default=None)
         out["engine_steps_over_2x_median"] = sum(1 for v in steps if v > 2 * statistics.median(steps)) if steps else 0
-        out["gc"] = {f"gen{g}": {"count": len(p), "total_ms": round(sum(p), 3), "max_ms": round(max(p), 3),
-                                 "collected": sum(c for gen, _, _, c in self._gc if gen == g)}
-                     for g in range(3) if (p := [e - b for gen, b, e, _ in self._gc if gen == g])}
+        out["gc"] = {g: v for g, v in self._gc.by_generation().items() if v["count"]}
         # what a full collection walks: the objects the collector tracks outside the frozen startup heap
         tracked = gc.get_objects()
         out["gc"]["tracked"] = len(tracked)
@@ -335,6 +327,6 @@ class StepTimeline:
         lo, hi = launches[mid], launches[mid + steps]
         points = [(f"fill:{k}", t, t) for k, t in self._events]
         points += [(f"plan:{k}", t, t) for m in self._marks.values() for k, t in m.items()]
-        spans = self._spans + [(f"gc{g}", b, e) for g, b, e, _ in self._gc if g == 2 or e - b > 1.0]
+        spans = self._spans + [(f"gc{g}", b, e) for g, b, e, _ in self._gc.runs if g == 2 or e - b > 1.0]
         rows = [(n, b, e) for n, b, e in spans + points if e >= lo and b <= hi]
         return [[n, round(b - lo, 3), round(e - lo, 3)] for n, b, e in sorted(rows, key=lambda r: r[1])]

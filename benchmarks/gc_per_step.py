@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -46,30 +45,17 @@ import torch
 
 def collections_during(step, steps: int) -> dict:
     """Per generation, the collector's runs during `steps` calls of `step()`, the collector on."""
-    seen: list[tuple[int, float, int]] = []  # (generation, pause ms, objects freed)
-    began = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            seen.append((info["generation"], (time.perf_counter() - began[0]) * 1e3, info["collected"]))
+    from keel.testing.cycles import CollectionLog
 
     gc.collect()
-    gc.callbacks.append(on_gc)
+    log = CollectionLog().attach()
     try:
         for _ in range(steps):
             step()
     finally:
-        gc.callbacks.remove(on_gc)
-    out = {}
-    for g in range(3):
-        runs = [(ms, n) for gen, ms, n in seen if gen == g]
-        out[f"gen{g}"] = {"count": len(runs), "per_100_steps": 100 * len(runs) / steps,
-                          "collected_per_step": sum(n for _, n in runs) / steps,
-                          "total_ms": round(sum(ms for ms, _ in runs), 3),
-                          "max_ms": round(max((ms for ms, _ in runs), default=0.0), 3)}
-    return out
+        log.detach()
+    return {g: {**v, "per_100_steps": 100 * v["count"] / steps, "collected_per_step": v["collected"] / steps}
+            for g, v in log.by_generation().items()}
 
 
 def cycles_during(step, steps: int) -> dict:
@@ -143,7 +129,8 @@ def main() -> None:
     engine, vocab = make_engine(ns, device)
     assert vocab == (SMOKE_VOCAB if ns.smoke else 128256)
     result = {"batch": ns.batch, "steps": ns.steps, "vocab": vocab, "layers": ns.layers,
-              "python": platform.python_version(), "device": "cpu" if ns.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "device": "cpu" if ns.smoke else torch.cuda.get_device_name(),
+              "torch": torch.__version__,
               "commit": source_commit(Path(__file__).parent), "gc_threshold": gc.get_threshold(),
               "frozen": gc.get_freeze_count(), "runs": {}}
     runs = result["runs"]

@@ -17,9 +17,9 @@ Prediction for gemv_fold (not measured): Llama-8B's four layers at M = 1 ~40-50 
 stays): sm_90 SASS of the loop gives ~4.0 / 6.8 / 10.3 / 16 / 28 instructions per weight element at
 M = 1 / 2 / 4 / 8 / 16 (the dot plan ~7.7 and an I2F per element, the plain gemv ~13); at 4
 warp-instructions per clock per SM and ~1.75 GHz over 132 SMs that is ~29 / 50 / 77 / 118 / 206 us of
-issue for the 218 M weight elements, and M = 1 is then held up by memory (~75% of copy bandwidth). Each is timed as CUDA-graph replays over weight copies larger
-than L2 (h200_quant.graph_us), so neither launch cost nor cache hits flatter it. Per row: each
-candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, fp8's W8A8 path ("w8a8_us":
+issue for the 218 M weight elements, and M = 1 is then held up by memory (~75% of copy bandwidth).
+Each is timed as CUDA-graph replays over weight copies larger than L2 (h200_quant.graph_us), so neither
+launch cost nor cache hits flatter it. Per row: each candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, fp8's W8A8 path ("w8a8_us":
 activation quantization + _scaled_mm / Triton block GEMM, what fp8_native runs past WEIGHT_ONLY_MAX_M),
 and "floor_us" = weight bytes over the copy bandwidth. Then per family and M the plan with the least total time over the four layers
 ("best_per_bucket": what small_m_plan's tables take), printed and written. Meant to finish in < 3

@@ -124,9 +124,9 @@ def test_warm_up_runs_the_samplers_compiled_noise_for_one_row_and_for_max_num_se
             return sampler_mod.log_exponential_noise(seeds, step, vocab)
         return noise
     monkeypatch.setattr(sampler_mod, "_noise_for", noise_for)
-    monkeypatch.setattr(runner, "profile_run", lambda *a, **k: None)  # the width it would record:
+    monkeypatch.setattr(runner, "profile_run", lambda *a, **k: None)
     vocab = json.loads((tmp_path / "config.json").read_text())["vocab_size"]
-    runner._profiled_vocab = vocab
+    runner._profiled_vocab = vocab  # the logits' width the real profile_run records
     runner.warm_up(64, 8, 64)
     assert calls == [(1, 1, vocab, "cpu"), (8, 8, vocab, "cpu")]
     calls.clear()
@@ -151,17 +151,19 @@ def test_sampling_after_the_samplers_warm_up_compiles_nothing(tmp_path, monkeypa
         max_num_batched_tokens=64, max_num_seqs=8, platform="cpu", async_scheduling=True))
     runner = engine.core.worker.runner
     counters.clear()
-    runner.sampler.warm_up(json.loads((tmp_path / "config.json").read_text())["vocab_size"], 8, runner.device)
-    warmed = counters["stats"]["unique_graphs"]
-    assert warmed == 2  # one row; two or more
-    for n in (1, 3, 8):  # batches of sampled rows
-        for i in range(n):
-            engine.add_request(f"r{n}-{i}", {"prompt_token_ids": [1 + i, 2, 3]},
-                               SamplingParams(temperature=1.0, max_tokens=4, seed=i, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert counters["stats"]["unique_graphs"] == warmed
-    torch._dynamo.reset()
+    try:
+        runner.sampler.warm_up(json.loads((tmp_path / "config.json").read_text())["vocab_size"], 8, runner.device)
+        warmed = counters["stats"]["unique_graphs"]
+        assert warmed == 2  # one row; two or more
+        for n in (1, 3, 8):  # batches of sampled rows
+            for i in range(n):
+                engine.add_request(f"r{n}-{i}", {"prompt_token_ids": [1 + i, 2, 3]},
+                                   SamplingParams(temperature=1.0, max_tokens=4, seed=i, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert counters["stats"]["unique_graphs"] == warmed
+    finally:
+        torch._dynamo.reset()
 
 
 def test_platform_base_memory_queries_default_to_unknown():

@@ -69,6 +69,9 @@ class ModelRunner:
         self.sampling_state = BatchSamplingState(device)
         self.staging = StagingBuffer(device)
         self.vocab_size: int | None = None  # the logits' width, known after the first sampling step
+        # The logits' width of the last profile_run (None: pooling models, non-last pipeline stages): the
+        # startup warm-up compiles the sampler for it before any step has sampled.
+        self._profiled_vocab: int | None = None
         self.in_flight = InFlightTokens(self.input_batch)
         self.kv_caches: list[torch.Tensor] = []
         self.attn_layers = list(model.attention_layers())
@@ -223,7 +226,7 @@ class ModelRunner:
         if hidden is not None and not self.pooling_model:
             rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
             logits = self.model.compute_logits(hidden[rows])  # [rows, vocab]
-            self._profiled_vocab = logits.shape[-1]  # for warm_up's sampler
+            self._profiled_vocab = logits.shape[-1]
             if getattr(self.token_bitmask, "bound_ops", None):  # compiled here, not in the first constrained step
                 words = -(-logits.shape[-1] // 32)
                 self.token_bitmask(logits, torch.full((1, words), -1, dtype=torch.int32, device=dev), rows[:1])
@@ -240,8 +243,8 @@ class ModelRunner:
         split-K counts from the context length; mixed steps launch them another way). Without it the
         first big batch after start compiled them under load: on an H200 ~7.6 s for the MoE tiles of
         DeepSeek-V2-Lite, and 0.7 s for an MLA decode variant. Past ODD_WARM_UP_PAST tokens also one and
-        five counts short of each power of two (sizes not a multiple of 16, padded to 4 or not). Then the sampler's compiled noise
-        (`Sampler.warm_up`). Returns the prefill token counts run.
+        five counts short of each power of two (sizes not a multiple of 16, padded to 4 or not). Then the
+        sampler's compiled noise (`Sampler.warm_up`). Returns the prefill token counts run.
         """
         sizes = sorted({min(1 << i, max_num_tokens) for i in range(max_num_tokens.bit_length() + 1)})
         # Triton specializes integer arguments on divisibility by 16, so from 16 up every power of two is
@@ -258,9 +261,8 @@ class ModelRunner:
         for s in contexts:
             self.profile_run(0, max_num_seqs, max_model_len, decode_seq_lens=[s])
             self.profile_run(min(16, max_num_tokens - 1), max_num_seqs, max_model_len, decode_seq_lens=[s])
-        vocab = getattr(self, "_profiled_vocab", None)  # None: pooling models and non-last pipeline stages
-        if vocab is not None:
-            self.sampler.warm_up(vocab, max_num_seqs, self.device)
+        if self._profiled_vocab is not None:
+            self.sampler.warm_up(self._profiled_vocab, max_num_seqs, self.device)
         return sizes
 
     # ---------------------------------------------------------------- step

@@ -8,8 +8,9 @@ its scales and zeros are one row per tile: the tile multiplies (q - zero), exact
 dtype, and the scale multiplies the tile's float32 partial product. Otherwise (desc_act) scales and
 zeros are gathered per input through g_idx, so GPTQ's activation order needs no reordering. At decode
 sizes the plan (`small_m_plan.int4_plan`) may split K (float32 partials, then `splitk_reduce`) or run
-a GEMV kernel (`int4_gemv_triton`, or `int4_gemv_fold_triton` with the zero point folded out) instead, so a decode step spreads each layer over all the SMs. Runs on CUDA; on the
-CPU only under TRITON_INTERPRET=1 (tests, small shapes).
+a GEMV kernel (`int4_gemv_triton`, or `int4_gemv_fold_triton` with the zero point folded out) instead,
+so a decode step spreads each layer over all the SMs. Runs on CUDA; on the CPU only under
+TRITON_INTERPRET=1 (tests, small shapes).
 """
 
 from __future__ import annotations
@@ -111,8 +112,7 @@ def int4_gemm(
     if plan is None:
         plan = SmallMPlan("dot", *tiles) if tiles else int4_plan(m, n, k, group)
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
-    fold_rows = plan.kernel == "gemv_fold" and group and bk % group == 0  # its tiles may span whole groups
-    if (group and group < k and group % bk and not fold_rows) or bk % 8:
+    if not plan.fits_groups(group if group < k else 0) or bk % 8:
         raise ValueError(f"int4_gemm: BLOCK_K {bk} must be a multiple of 8 dividing the group size {group}"
                          + (" or, for gemv_fold, a multiple of it" if plan.kernel == "gemv_fold" else ""))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -121,17 +121,17 @@ def int4_gemm(
     dst = SplitKOutput(y, k, bk, plan.split_k)
     args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
-    if plan.kernel in ("gemv", "gemv_fold"):
-        from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
+    gemv_grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
+    if plan.kernel == "gemv":
         from keel_quantization.int4_gemv_triton import _int4_gemv_kernel
 
-        grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
-        if plan.kernel == "gemv":
-            _int4_gemv_kernel[grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
-        else:
-            _int4_gemv_fold_kernel[grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                         EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
-                                         **plan.launch_options())
+        _int4_gemv_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
+    elif plan.kernel == "gemv_fold":
+        from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
+
+        _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                          EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
+                                          **plan.launch_options())
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,

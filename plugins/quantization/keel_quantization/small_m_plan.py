@@ -38,6 +38,12 @@ class SmallMPlan:
         if self.split_k < 1 or min(self.block_m, self.block_n, self.block_k) < 1:
             raise ValueError(f"SmallMPlan: tiles and split_k must be >= 1: {self}")
 
+    def fits_groups(self, group: int) -> bool:
+        """Whether this plan's K tiles fit scale groups of `group` inputs (0: one group over K, or gathered):
+        a tile lies in one group, or -- gemv_fold only -- holds whole ones (scale and zero per word row)."""
+        return (group == 0 or group % self.block_k == 0
+                or (self.kernel == "gemv_fold" and self.block_k % group == 0))
+
     def launch_options(self) -> dict:
         """Triton launch options (num_warps, num_stages where set)."""
         return {"num_warps": self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages})}
@@ -77,10 +83,8 @@ def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]]) -> 
 
 def _measured(family: str, m: int, group: int) -> SmallMPlan | None:
     for max_m, plan in TABLES.get(family, ()):
-        if m <= max_m:  # a K tile must lie in one scale group (gemv_fold: or hold whole ones)
-            fits = plan is not None and (group == 0 or group % plan.block_k == 0
-                                         or (plan.kernel == "gemv_fold" and plan.block_k % group == 0))
-            return plan if fits else None
+        if m <= max_m:
+            return plan if plan is not None and plan.fits_groups(group) else None
     return None
 
 
