@@ -62,12 +62,17 @@ def _dot(bm: int, bn: int, split: int, stages: int | None = 4) -> SmallMPlan:
 # M=32 218 -> 130; int4 M 1-16 246 -> 140-143, M=32 272 -> 180, M=64 348 -> 192. fp8_row M 4-64 were cut
 # by the sweep's budget on down_proj: they take the plans fp8_block measured (same kernel, K tiles of 128)
 # and fp8_row's own on the other three layers (qkv / o / gate_up: dot 16x64x128 s4 within 3% of the best).
+# At 0b338b1 (h200-quant-small-m-0b338b1.json): fp8_row's gemv with the scale after the loop M=1 80.4
+# (86.1 before); int4's gemv_fold M=1 137.9 -> 70.5 (floor 25.9), M=2 139.8 -> 92.7, M >= 4 no better
+# than the dot rows. The gemv_fold rows serve scale groups in order only: with a gathered g_idx the
+# kernel runs its unfolded math, unmeasured against dot, so those GEMMs take the default.
 TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {
     "fp8_row": ((1, SmallMPlan("gemv", 1, 8, 512)), (16, _dot(16, 64, 4)), (32, _dot(32, 64, 4)),
                 (64, _dot(64, 64, 4))),
     "fp8_block": ((1, SmallMPlan("gemv", 1, 32, 128, 4)), (8, _dot(16, 64, 4)), (16, _dot(16, 32, 4)),
                   (32, _dot(32, 64, 4)), (64, _dot(64, 64, 4))),
-    "int4": ((16, _dot(16, 64, 8, None)), (32, _dot(32, 64, 4, None)), (64, _dot(64, 64, 4, None))),
+    "int4": ((1, SmallMPlan("gemv_fold", 1, 16, 1024)), (2, SmallMPlan("gemv_fold", 2, 32, 512, 2)),
+             (16, _dot(16, 64, 8, None)), (32, _dot(32, 64, 4, None)), (64, _dot(64, 64, 4, None))),
 }
 SHIPPED = dict(TABLES)
 
@@ -108,7 +113,7 @@ def fp8_plan(m: int, n: int, k: int, group_k: int) -> SmallMPlan:
 def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
     """The int4 GEMM's plan for x [m, k] with `group` > 0 inputs per scale row in order (0: gathered)."""
     measured = _measured("int4", m, group if group < k else 0)
-    if measured is not None:
+    if measured is not None and not (measured.kernel == "gemv_fold" and group == 0):
         return measured
     block_n = 32 if m <= 32 else 64  # small M: 128 programs for a 4096-output layer
     return SmallMPlan("dot", _block_m(m), block_n, 128 if group == 0 else min(128, group))

@@ -91,11 +91,13 @@ def test_split_k_covers_k_on_the_tile_grid():
 def test_default_plans_are_fixed_per_shape():
     assert fp8_plan(1, 4096, 4096, 4096) is fp8_plan(1, 4096, 4096, 4096)  # chosen once per shape (graph bucket)
     assert fp8_plan(1, 4096, 4096, 4096).kernel == "gemv" and fp8_plan(16, 4096, 4096, 4096).split_k == 4  # measured
-    assert fp8_plan(65, 4096, 4096, 4096).split_k == 1 and int4_plan(1, 4096, 4096, 128).split_k == 8
+    assert fp8_plan(65, 4096, 4096, 4096).split_k == 1 and int4_plan(4, 4096, 4096, 128).split_k == 8
     assert fp8_plan(1, 4096, 4096, 32).kernel == "dot"  # block 32: the measured K tile of 128 does not fit
+    assert int4_plan(1, 4096, 4096, 128).kernel == int4_plan(2, 4096, 4096, 128).kernel == "gemv_fold"
+    assert int4_plan(1, 4096, 4096, 0).kernel == "dot"  # gathered g_idx: gemv_fold unmeasured there
     for m in (1, 2, 4, 8, 16, 32, 64, 65):
         assert fp8_plan(m, 4096, 14336, 128).block_k <= 128  # block scales: a K tile lies in one group
-        assert int4_plan(m, 4096, 4096, 128).block_k <= 128
+        assert int4_plan(m, 4096, 4096, 128).fits_groups(128)  # a K tile in one group, or whole ones
     with pytest.raises(ValueError, match="kernel 'mma'"):
         SmallMPlan("mma", 16, 16, 16)
     with pytest.raises(ValueError, match="split_k must be >= 1"):
