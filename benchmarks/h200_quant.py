@@ -9,7 +9,7 @@ quantized on the device by `load_format="dummy"` into the checkpoint config's qu
   llama8b-fp8-block    Llama-3-8B shape, DeepSeek-style 128x128 block FP8, per-token-group activations
   dsv2lite-fp8-block   DeepSeek-V2-Lite shape, block FP8 everywhere (routed experts too: the fused-MoE
                        grouped GEMMs dequantize inside the kernel) but layer 0's dense MLP (see CASES)
-  llama8b-gptq         Llama-3-8B shape, GPTQ 4-bit, group 128 (batch-1 decode only)
+  llama8b-gptq         Llama-3-8B shape, GPTQ 4-bit, group 128
   gemm-tiles           no engine: the weight-only fp8 and int4 GEMMs' (BLOCK_N, BLOCK_K) swept at M 1 / 16 / 32
                        on the same shapes and the same way (data for their small-M tiles)
   fp8-gemms            no engine: each FP8 linear path alone on Llama-8B's four layer shapes per M
@@ -68,7 +68,7 @@ CASES = {
     # block-FP8 checkpoint of this shape would have to leave it (vLLM refuses the split too).
     "dsv2lite-fp8-block": ("deepseek_v2", DSV2_LITE, {**FP8_BLOCK, "ignored_layers": ["model.layers.0.mlp"]},
                            True, None),
-    "llama8b-gptq": ("llama", LLAMA3_8B, GPTQ, False, 1.5),
+    "llama8b-gptq": ("llama", LLAMA3_8B, GPTQ, True, 1.5),
     # fp8 weights and an fp8 KV cache, as TensorRT-LLM's published fp8 figures run: the batch-256 decode
     # step's attention reads half the bytes (1.72 of 7.50 GPU ms at 186f88e; predicted ~-0.85 ms a step,
     # throughput ~+9%)

@@ -16,6 +16,7 @@
 #             (batch 256, plain and constrained, with and without bitmask_timeline's wrappers)
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
+#   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -63,6 +64,8 @@ for part in "$@"; do
     quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
              dsv2lite-fp8-block llama8b-gptq} --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
+    int4-prefill) timeout 150 python3 benchmarks/h200_int4_prefill.py --budget-s 90 --out "$W/h200-int4-prefill.json" \
+                    >"$W/int4-prefill.log" 2>&1; tail -n 40 "$W/int4-prefill.log" | cut -c1-400;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \

@@ -5,7 +5,8 @@ on quantized checkpoints (keel's quantizer) against transformers on the dequanti
   Triton for small M, _scaled_mm, Triton W8A8, cuBLAS's block-scaled GEMM on sm90 and its load probe) vs
   float64 on the operands it multiplies; the fused activation quantization bit-equal to torch's; the
   fused-MoE quant GEMMs (block FP8 with the fused quantizer, int4 with a shuffled g_idx) vs the torch
-  reference on the dequantized experts.
+  reference on the dequantized experts; the int4 prefill dequantize bit-equal to the reference's, and the
+  prefill-sized int4 path through it.
 - An fp8 Llama (block 128x128 and per-channel) and a GPTQ Llama on CUDA: the fp8 layers take their GPU
   paths (no per-step dequantization); float32 logprobs within the CPU tests' tolerances (W8A8 0.6,
   weight-only 1e-3: the int4 GEMM sums in another order than the reference), greedy tokens equal where
@@ -251,6 +252,32 @@ def _engine(path, **kw) -> LLMEngine:
     args = {"model": str(path), "skip_tokenizer_init": True, "dtype": "float32", "block_size": 16,
             "max_model_len": 256, "profile": "cuda", "max_num_seqs": 16, "gpu_memory_utilization": 0.3, **kw}
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+@pytest.mark.parametrize("desc_act", [False, True], ids=["in-order", "desc-act"])
+def test_int4_prefill_dequantize_compiled_is_bit_equal_and_multiplies(desc_act):
+    from keel_quantization import int4_linear, int4_math
+    from keel_quantization.int4_dequant_triton import int4_dequantize
+    from keel_quantization.quantizer_int4 import int4_tensors
+
+    k, n, m = 512, 328, int4_linear.DEQUANT_GEMM_MIN_M
+    gen = torch.Generator().manual_seed(11)
+    t, _ = int4_tensors("gptq", "x.weight", torch.randn(n, k, generator=gen), group_size=128, sym=False,
+                        desc_act=desc_act, seed=11)
+    qw, g_idx = t["x.qweight"].cuda(), t["x.g_idx"].to(torch.int32).cuda()
+    s = t["x.scales"].to(torch.bfloat16).cuda()
+    z = (int4_math.unpack_cols(t["x.qzeros"]) + 1).to(torch.bfloat16).cuda()
+    want = int4_math.dequantize_int4(int4_math.unpack_rows(qw), z, s, g_idx, torch.bfloat16)  # [K, N]
+    got = int4_dequantize(qw, s, z, g_idx, torch.bfloat16, 0 if desc_act else 128)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    method = int4_linear.Int4LinearMethod(int4_linear.Int4Format("gptq", 128, 1, desc_act))
+    layer = torch.nn.Module()
+    layer.qweight, layer.scales, layer.zeros, layer.g_idx = qw, s, z, g_idx
+    method.group_in_order = 0 if desc_act else 128
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = method.apply(layer, x)
+    assert method.last_backend == "triton_dequant"
+    torch.testing.assert_close(out.float(), (x.double() @ want.double()).float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.fixture(scope="module")

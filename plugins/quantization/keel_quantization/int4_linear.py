@@ -4,7 +4,8 @@ Loading keeps the checkpoint's tensors (see `int4_math` for the layouts); after 
 `qweight` int32 [in / 8, out] packed along the input (GPTQ's order), `zeros` and `scales` [groups, out]
 in the model dtype (zeros already decoded) and `g_idx` int32 [in]. Forward: on a CUDA device the Triton
 kernel dequantizes tiles inside the GEMM (`int4_triton`); elsewhere the reference path dequantizes the
-weight and multiplies (CPU, or `backend="torch"`). Where inputs are in group order the kernel reads one
+weight and multiplies (CPU, or `backend="torch"`); prefill-sized steps on CUDA dequantize the weight with a
+Triton kernel and run one cuBLAS GEMM (`DEQUANT_GEMM_MIN_M`). Where inputs are in group order the kernel reads one
 scale row per K tile (`group_in_order`, decided once after loading).
 """
 
@@ -20,6 +21,10 @@ from keel_quantization import int4_dummy, int4_math
 from keel_quantization.loading import add_param, load_per_shard, load_sharded
 
 BACKENDS = ("auto", "torch", "triton")
+# Steps of at least this many tokens dequantize the weight in full and run one cuBLAS GEMM
+# (`int4_dequant_triton`): compute-bound there, and cuBLAS's bf16 rate beats the in-register dequantizing
+# GEMM. Measured per M on an H200 by benchmarks/h200_int4_prefill.py (its "crossover").
+DEQUANT_GEMM_MIN_M = 1024
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,14 @@ class Int4LinearMethod:
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
-        if use_triton:
+        if use_triton and x2.shape[0] >= DEQUANT_GEMM_MIN_M:
+            from keel_quantization.int4_dequant_triton import int4_dequantize
+
+            self.last_backend = "triton_dequant"
+            w = int4_dequantize(module.qweight, module.scales, module.zeros, module.g_idx, x.dtype,
+                                self.group_in_order)  # [in, out]
+            out = x2 @ w if bias is None else torch.addmm(bias, x2, w)
+        elif use_triton:
             from keel_quantization.int4_triton import int4_gemm
 
             self.last_backend = "triton"

@@ -1,8 +1,8 @@
 """The quantization plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, every
 kind of variant the launchers use: fused activation quantization (dynamic and static; bf16 and fp32
 inputs), the FP8 GEMM (W8A8; weight-only in bf16 and fp16), the weight-only fp8 GEMV (per-row and block scales),
-the int4 GEMM and GEMV (one scale row per tile, and gathered through g_idx; float32 split-K partials)
-and the split-K reduce. The interpreter accepts code the compiler rejects."""
+the int4 GEMM and GEMV (one scale row per tile, and gathered through g_idx; float32 split-K partials),
+the int4 prefill dequantize and the split-K reduce. The interpreter accepts code the compiler rejects."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, int4_gemv_triton, int4_triton,
-                                   splitk_reduce)
+    from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, int4_dequant_triton,
+                                   int4_gemv_triton, int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
@@ -74,6 +74,10 @@ SCRIPT = textwrap.dedent('''
         for block_m in (1, 4):  # one row: the 2-D accumulator
             compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
                      {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128})
+        compile_(int4_dequant_triton._int4_dequant_kernel,
+                 {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "w_ptr": "*bf16",
+                  **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
+                 {"GROUP": group, "BLOCK_K": 64, "BLOCK_N": 128})
     print("compiled")
 ''')
 
