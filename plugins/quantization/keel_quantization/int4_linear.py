@@ -22,9 +22,11 @@ from keel_quantization.loading import add_param, load_per_shard, load_sharded
 
 BACKENDS = ("auto", "torch", "triton")
 # Steps of at least this many tokens dequantize the weight in full and run one cuBLAS GEMM
-# (`int4_dequant_triton`): compute-bound there, and cuBLAS's bf16 rate beats the in-register dequantizing
-# GEMM. Measured per M on an H200 by benchmarks/h200_int4_prefill.py (its "crossover").
-DEQUANT_GEMM_MIN_M = 1024
+# (`int4_dequant_triton`): cuBLAS's bf16 rate beats the in-register dequantizing GEMM there. H200 at 3158d24
+# (h200-int4-prefill-3158d24.json, Llama-8B's four layers, us): M=128 in-GEMM 529 / dequantize + cuBLAS 480
+# (gate_up still loses), M=256 769 / 477 (every layer wins: the crossover), M=8192 18,774 / 4,838 (bf16
+# cuBLAS on a ready weight 4,950). The dequantize alone is ~250 us of the four (~52% of copy bandwidth).
+DEQUANT_GEMM_MIN_M = 256
 
 
 @dataclass(frozen=True)
