@@ -18,6 +18,13 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
+def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax (float32) -> the fp8 scale amax / 448, at least MIN_SCALE, by IEEE division on every device:
+    torch's CUDA division by a Python scalar multiplies by its reciprocal (1 ulp off for some amax), which
+    the GPU kernels' div_rn and the CPU's division would not match."""
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+
+
 def per_token_group_quant_fp8(
     x: torch.Tensor,  # [tokens, k]
     group: int,
@@ -30,7 +37,7 @@ def per_token_group_quant_fp8(
     if kb * group != k:
         xf = torch.nn.functional.pad(xf, (0, kb * group - k))
     g = xf.view(t, kb, group)
-    scale = (g.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [t, kb]
+    scale = dynamic_scale(g.abs().amax(dim=-1))  # [t, kb]
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(t, kb * group)[:, :k], scale
 

@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from keel.layers.fp8_utils import FP8, FP8_MAX, MIN_SCALE, dequant_per_token_group, per_token_group_quant_fp8
+from keel.layers.fp8_utils import (FP8, FP8_MAX, MIN_SCALE, dequant_per_token_group, dynamic_scale,
+                                   per_token_group_quant_fp8)
 
 __all__ = ["FP8", "FP8_MAX", "MIN_SCALE"]
 
@@ -22,13 +23,13 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (fp8 tensor, scalar float32 scale)."""
-    scale = (w.abs().amax().float() / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = dynamic_scale(w.abs().amax().float())
     return to_fp8(w, scale), scale
 
 
 def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [rows, cols] -> (fp8 [rows, cols], float32 scale [rows])."""
-    scale = (w.abs().amax(dim=-1).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = dynamic_scale(w.abs().amax(dim=-1).float())
     return to_fp8(w, scale[..., None]), scale
 
 
@@ -47,7 +48,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
     padded[:rows, :cols] = w.float()
     amax = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3))
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = dynamic_scale(amax)
     return to_fp8(w, expand_blocks(scale, block, (rows, cols))), scale
 
 
