@@ -1,8 +1,9 @@
-"""The int4 weight dequantized in full, for prefill-sized GEMMs: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]
+"""The int4 weight dequantized in full, for GEMMs of `int4_linear.DEQUANT_GEMM_MIN_M` (256) tokens or more --
+prefill chunks, and decode steps of a full batch: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]
 (g = g_idx[k], or k // GROUP where inputs are in group order), written in the activations' dtype, then one
-cuBLAS GEMM (`int4_linear`). At thousands of tokens a GEMM is compute-bound and cuBLAS's bf16 rate beats
-a Triton GEMM that dequantizes every tile in registers; the extra traffic (int4 read, bf16 written and read
-back: ~4.5 bytes a weight) is a few percent of the GEMM there. Decode sizes never take this path: there the
+cuBLAS GEMM (`int4_linear`). There cuBLAS's bf16 rate beats a Triton GEMM that dequantizes every tile in
+registers by more than the extra traffic costs (int4 read, bf16 written and read back: ~4.5 bytes a
+weight; a few percent of the GEMM at thousands of tokens). Smaller steps never take this path: there the
 weight's bytes are the cost, and the in-GEMM kernels read 0.5 bytes a weight.
 
 Each program writes a [BLOCK_K, BLOCK_N] tile from [BLOCK_K / 8, BLOCK_N] packed words, storing each

@@ -4,8 +4,8 @@ Loading keeps the checkpoint's tensors (see `int4_math` for the layouts); after 
 `qweight` int32 [in / 8, out] packed along the input (GPTQ's order), `zeros` and `scales` [groups, out]
 in the model dtype (zeros already decoded) and `g_idx` int32 [in]. Forward: on a CUDA device the Triton
 kernel dequantizes tiles inside the GEMM (`int4_triton`); elsewhere the reference path dequantizes the
-weight and multiplies (CPU, or `backend="torch"`); prefill-sized steps on CUDA dequantize the weight with a
-Triton kernel and run one cuBLAS GEMM (`DEQUANT_GEMM_MIN_M`). Where inputs are in group order the kernel reads one
+weight and multiplies (CPU, or `backend="torch"`); steps of `DEQUANT_GEMM_MIN_M` tokens or more on CUDA
+(prefill chunks, full-batch decode) dequantize the weight with a Triton kernel and run one cuBLAS GEMM. Where inputs are in group order the kernel reads one
 scale row per K tile (`group_in_order`, decided once after loading).
 """
 
