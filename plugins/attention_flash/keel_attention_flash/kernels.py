@@ -14,12 +14,17 @@ query length and the split count, so such steps can be captured as CUDA graphs.
 Softmax runs in float32 in the log2 domain. The running max starts at a large finite negative value
 (not -inf) so that fully masked rows never compute inf - inf; masked K/V loads read 0 because cache
 slots outside a request's context may hold anything (NaN in the conformance suite).
+
+An fp8 (e4m3) cache is written quantized by the write kernel itself (`e4m3.quantize_e4m3_bits`: the bytes of
+torch's `quantize_kv`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from keel_attention_flash.e4m3 import quantize_e4m3_bits
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
@@ -28,11 +33,13 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def reshape_and_cache_kernel(
     k_ptr, v_ptr,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
-    cache_ptr,  # [2, num_slots, num_kv_heads, head_size] contiguous
+    cache_ptr,  # [2, num_slots, num_kv_heads, head_size] contiguous; FP8_KV: a uint8 view of the e4m3 cache
     slot_ptr,  # [num_tokens] int64, -1 = skip
     stride_kt, stride_kh, stride_vt, stride_vh,
     cache_kv_stride,  # elements between the K and the V half of the cache
+    k_scale_ptr, v_scale_ptr,  # float32 [1] each (read when FP8_KV): stored = x / scale
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -43,8 +50,12 @@ def reshape_and_cache_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = cache_ptr + slots * (NUM_KV_HEADS * HEAD) + h * HEAD + d
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    if FP8_KV:  # quantize_kv's bytes, computed here: in torch it took ~4 kernels a tensor before this copy
+        tl.store(dst, quantize_e4m3_bits(k.to(tl.float32), tl.load(k_scale_ptr)), mask=mask)
+        tl.store(dst + cache_kv_stride, quantize_e4m3_bits(v.to(tl.float32), tl.load(v_scale_ptr)), mask=mask)
+    else:
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -21,12 +21,17 @@ the split count, so such steps can be captured as CUDA graphs.
 Softmax runs in float32 in the log2 domain, the running max starting at a large finite negative
 value so fully masked rows never compute inf - inf; masked latent loads read 0 because slots outside
 a request's context (and the null block) may hold anything, NaN included.
+
+An fp8 (e4m3) latent cache is written quantized by the write kernel (`e4m3.quantize_e4m3_bits`: the bytes of
+torch's `quantize_kv`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from keel_attention_flash.e4m3 import quantize_e4m3_bits
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -35,24 +40,30 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 def mla_write_latent_kernel(
     kv_c_ptr,  # [num_tokens, L], last dim contiguous
     k_pe_ptr,  # [num_tokens, R], last dim contiguous
-    cache_ptr,  # [num_blocks, block_size, L + R], last dim contiguous
+    cache_ptr,  # [num_blocks, block_size, L + R], last dim contiguous; FP8_KV: a uint8 view of the e4m3 cache
     slot_ptr,  # [num_tokens] int64, -1 = skip
     stride_ct, stride_pt, stride_cb, stride_cs,
+    k_scale_ptr,  # float32 [1] (read when FP8_KV): stored = latent / k_scale, both parts
     PAGE: tl.constexpr, LORA: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, FP8_KV: tl.constexpr,
 ):
-    """One program per new token: cat(kv_c, k_pe) into its slot."""
+    """One program per new token: cat(kv_c, k_pe) into its slot (FP8_KV: quantize_kv's bytes of each)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
     dl = tl.arange(0, BLOCK_L)
     lmask = (dl < LORA) & ((tl.zeros([BLOCK_L], dtype=tl.int64) + slot) >= 0)
     c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_ct + dl, mask=lmask)
-    tl.store(dst + dl, c.to(cache_ptr.dtype.element_ty), mask=lmask)
     dr = tl.arange(0, BLOCK_R)
     rmask = (dr < ROPE) & ((tl.zeros([BLOCK_R], dtype=tl.int64) + slot) >= 0)
     pe = tl.load(k_pe_ptr + t.to(tl.int64) * stride_pt + dr, mask=rmask)
-    tl.store(dst + LORA + dr, pe.to(cache_ptr.dtype.element_ty), mask=rmask)
+    if FP8_KV:
+        scale = tl.load(k_scale_ptr)
+        tl.store(dst + dl, quantize_e4m3_bits(c.to(tl.float32), scale), mask=lmask)
+        tl.store(dst + LORA + dr, quantize_e4m3_bits(pe.to(tl.float32), scale), mask=rmask)
+    else:
+        tl.store(dst + dl, c.to(cache_ptr.dtype.element_ty), mask=lmask)
+        tl.store(dst + LORA + dr, pe.to(cache_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
