@@ -1,13 +1,14 @@
 """Decode attention alone, as the engine's CUDA graphs run it: Llama-3-8B's GQA (triton_flash) and
 DeepSeek-V2-Lite's MLA (triton_mla) over batch x context x split count x launch configuration.
 
-    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick]
+    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8]
 
 The graphs are captured with max_seq_len = max_model_len (4096 here), so the split count a batch size
 gets is fixed at capture while real contexts are often far shorter; this sweep times the kernels in
 that situation (metadata max_seq_len 4096, every request's context `ctx`), as graph replays (no Python
 launch gaps), and reports ms per layer and the fraction of measured copy bandwidth the cached K/V (or
-latent) bytes represent. `default` is the split count the engine would choose.
+latent) bytes represent. `default` is the split count the engine would choose. --fp8: over an e4m3 cache
+(kv_cache_dtype fp8, scales != 1 folded out of the tiles), its bytes (half of bf16's) in the fraction.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from h200_moe_tiles import copy_bandwidth_GBps
 
 CAPTURE_MAX_SEQ = 4096
 BLOCK = 16
+FP8_SCALES = (0.05, 0.02)  # (k_scale, v_scale) of --fp8; MLA's latent takes k_scale
 
 
 def common_md(batch: int, ctx: int):
@@ -55,7 +57,20 @@ def graph_ms(fn) -> float:
     return _events_ms(g.replay, iters=50, warmup=5)
 
 
-def flash_case(batch: int, ctx: int, splits, launch) -> float:
+def cache_and_scales(shape: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                   torch.Tensor | None]:
+    """A random bf16 cache, or an e4m3 one holding those values quantized, and its (k_scale, v_scale)."""
+    from keel.layers.fp8_utils import FP8
+    from keel.layers.kv_scales import quantize_kv
+
+    cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    if not fp8:
+        return cache, None, None
+    k_scale, v_scale = (torch.tensor([s], device="cuda") for s in FP8_SCALES)
+    return quantize_kv(cache, k_scale, FP8), k_scale, v_scale  # timing only: one scale for K and V
+
+
+def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
     from keel_attention_flash.backend import TritonFlashAttentionBackend
     from keel_attention_flash.impl import TritonFlashAttentionImpl
 
@@ -63,30 +78,35 @@ def flash_case(batch: int, ctx: int, splits, launch) -> float:
 
     h, hkv, d = 32, 8, 128
     common, num_blocks = common_md(batch, ctx)
-    cache = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda")
+    cache, k_scale, v_scale = cache_and_scales((2, num_blocks, BLOCK, hkv, d), fp8)
     md = TritonFlashAttentionBackend.get_metadata_builder(torch.device("cuda")).build(common)
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     k, v = torch.randn(batch, hkv, d, dtype=torch.bfloat16, device="cuda"), torch.randn(
         batch, hkv, d, dtype=torch.bfloat16, device="cuda")
-    impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK),
+    impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
+                                                         kv_cache_dtype=cache.dtype if fp8 else None),
                                     decode_splits=splits, decode_launch=launch)
+    if fp8:
+        impl.set_kv_scales(k_scale, v_scale)
     return graph_ms(lambda: impl.forward(q, k, v, cache, md))
 
 
-def mla_case(batch: int, ctx: int, splits, launch) -> float:
+def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
     from keel_attention_flash.mla_backend import TritonMLABackend
     from keel_attention_flash.mla_impl import TritonMLAImpl
 
     from keel.attention.backend import AttentionLayerConfig
 
     H, N, R, V, L = 16, 128, 64, 128, 512
+    common, num_blocks = common_md(batch, ctx)
+    cache, k_scale, _ = cache_and_scales((num_blocks, BLOCK, L + R), fp8)
     layer = AttentionLayerConfig(
         num_heads=H, num_kv_heads=1, head_size=L + R, scale=(N + R) ** -0.5, dtype=torch.bfloat16,
-        block_size=BLOCK, use_mla=True,
+        block_size=BLOCK, use_mla=True, kv_cache_dtype=cache.dtype if fp8 else None,
         extra=(("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)))
-    common, num_blocks = common_md(batch, ctx)
-    cache = torch.randn(num_blocks, BLOCK, L + R, dtype=torch.bfloat16, device="cuda")
     impl = TritonMLAImpl(layer, decode_splits=splits, decode_launch=launch)
+    if fp8:
+        impl.set_kv_scales(k_scale, k_scale)
     impl.process_weights_after_loading(torch.randn(H, N, L, dtype=torch.bfloat16, device="cuda") / L**0.5,
                                        torch.randn(H, V, L, dtype=torch.bfloat16, device="cuda") / L**0.5)
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
@@ -100,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="an e4m3 KV cache (kv_cache_dtype fp8)")
     a = ap.parse_args()
     bw = copy_bandwidth_GBps()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -110,16 +131,18 @@ def main() -> None:
     if a.quick:
         shapes, flash_launches, mla_launches = shapes[:2], flash_launches[:2], mla_launches[:2]
     rows = []
-    # Cached bytes per context token and layer: K and V of 8 KV heads x 128 (bf16); one 576-wide latent.
-    for kind, case, launches, per_token in (("flash", flash_case, flash_launches, 8 * 128 * 2 * 2),
-                                            ("mla", mla_case, mla_launches, 576 * 2)):
+    # Cached bytes per context token and layer: K and V of 8 KV heads x 128; one 576-wide latent (2 bytes
+    # an element in bf16, 1 in fp8).
+    elem = 1 if a.fp8 else 2
+    for kind, case, launches, per_token in (("flash", flash_case, flash_launches, 8 * 128 * 2 * elem),
+                                            ("mla", mla_case, mla_launches, 576 * elem)):
         for batch, ctx in shapes:
             kv_bytes = batch * (ctx + 1) * per_token
             best = None
             for launch in launches:
                 for splits in split_opts:
                     try:
-                        ms = case(batch, ctx, splits, launch)
+                        ms = case(batch, ctx, splits, launch, a.fp8)
                     except Exception as exc:  # noqa: BLE001 -- a config that does not fit is a data point
                         rows.append({"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
                                      "error": repr(exc)[:160]})
@@ -135,7 +158,7 @@ def main() -> None:
                               "default_bw": default["bw_frac"], "best": best[1] if best else None}), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"copy_bw_GBps": bw, "device": torch.cuda.get_device_name(),
-                                           "torch": torch.__version__, "rows": rows}, indent=1))
+                                           "torch": torch.__version__, "fp8": a.fp8, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
+#   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
+#             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -68,6 +70,8 @@ for part in "$@"; do
                     >"$W/int4-prefill.log" 2>&1; tail -n 40 "$W/int4-prefill.log" | cut -c1-400;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
+    kv-write) timeout 90 python3 benchmarks/h200_kv_write.py --out "$W/h200-kv-write.json" \
+                >"$W/kv-write.log" 2>&1; tail -n 20 "$W/kv-write.log" | cut -c1-400;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.

@@ -5,8 +5,9 @@ the checkpoint has them: vLLM / llm-compressor checkpoints store `self_attn.k_sc
 `self_attn.v_scale`, which `load_mapped_weights` routes to the attention layer under `self_attn`). They are
 optional parameters: a checkpoint without them keeps 1.0. The layer hands them to its backend impl once
 (`set_kv_scales`); a backend that stores fp8 caches must accept them, so a checkpoint's scales are never
-silently ignored. Every backend quantizes a cache write with `quantize_kv` and dequantizes reads as
-(fp8 value as float32 * scale) rounded to the model dtype.
+silently ignored. Every backend stores `quantize_kv`'s bytes (the Triton ones compute them in their write
+kernels); the torch backends read (fp8 value as float32 * scale) rounded to the model dtype, the Triton ones
+fold the scales out of their tiles (k_scale into the scores, v_scale into the output).
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ import math
 import torch
 
 from keel.attention.backend import AttentionLayerConfig
-from keel.layers.kv_scales import quantize_kv
 from keel_attention_flash import kernels
 from keel_attention_flash.metadata import FlashAttentionMetadata
 
@@ -98,19 +97,9 @@ uniform speculative verify step), else the varlen kernel over
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         common = metadata.common
         page = kv_cache.shape[2]
-        kv_stride = kv_cache.stride(0)
         n = metadata.num_actual_tokens
-        if n and self.fp8_kv:
-            # Quantized in torch, copied as bytes by the kernel: Triton's CPU interpreter rounds in-kernel
-            # fp8 casts wrongly at binade edges, and torch's rounding is the reference's.
-            k = quantize_kv(k, self.k_scale, kv_cache.dtype)
-            v = quantize_kv(v, self.v_scale, kv_cache.dtype)
         if n:
-            kernels.reshape_and_cache_kernel[(n,)](
-                k, v, kv_cache, common.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                kv_stride, NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size,
-                BLOCK_H=_pow2(self.num_kv_heads), BLOCK_D=self.block_d,
-            )
+            self.write_kv(k[:n], v[:n], kv_cache, common.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if metadata.is_decode:
             self._decode(q, kv_cache, metadata, out, page)
@@ -121,6 +110,22 @@ uniform speculative verify step), else the varlen kernel over
         if rows < out.shape[0]:
             out[rows:].zero_()  # padding rows: unspecified, but never garbage
         return out
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [n, num_kv_heads, head_size], last dim contiguous
+        v: torch.Tensor,  # [n, num_kv_heads, head_size], last dim contiguous
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [>= n] int64, -1 = skip
+    ) -> None:
+        """The cache write: one program per token. fp8: quantized in the kernel and stored as quantize_kv's
+        bytes through a uint8 view of the cache (see e4m3.py)."""
+        cache = kv_cache.view(torch.uint8) if self.fp8_kv else kv_cache
+        kernels.reshape_and_cache_kernel[(k.shape[0],)](
+            k, v, cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
+            *self._scales(k), NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size,
+            BLOCK_H=_pow2(self.num_kv_heads), BLOCK_D=self.block_d, FP8_KV=self.fp8_kv,
+        )
 
     def _varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
                 out: torch.Tensor, page: int) -> None:

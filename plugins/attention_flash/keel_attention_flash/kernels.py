@@ -14,12 +14,18 @@ query length and the split count, so such steps can be captured as CUDA graphs.
 Softmax runs in float32 in the log2 domain. The running max starts at a large finite negative value
 (not -inf) so that fully masked rows never compute inf - inf; masked K/V loads read 0 because cache
 slots outside a request's context may hold anything (NaN in the conformance suite).
+
+An fp8 (e4m3) cache is written quantized by the write kernel itself (`e4m3.quantize_e4m3_bits`: the bytes of
+torch's `quantize_kv`) and read as raw e4m3 tiles in q's dtype, the layer's scales folded into the score
+scale (k_scale) and the output (v_scale).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from keel_attention_flash.e4m3 import quantize_e4m3_bits
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
@@ -28,11 +34,13 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def reshape_and_cache_kernel(
     k_ptr, v_ptr,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
-    cache_ptr,  # [2, num_slots, num_kv_heads, head_size] contiguous
+    cache_ptr,  # [2, num_slots, num_kv_heads, head_size] contiguous; FP8_KV: a uint8 view of the e4m3 cache
     slot_ptr,  # [num_tokens] int64, -1 = skip
     stride_kt, stride_kh, stride_vt, stride_vh,
     cache_kv_stride,  # elements between the K and the V half of the cache
+    k_scale_ptr, v_scale_ptr,  # float32 [1] each (read when FP8_KV): stored = x / scale
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -43,8 +51,21 @@ def reshape_and_cache_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = cache_ptr + slots * (NUM_KV_HEADS * HEAD) + h * HEAD + d
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    if FP8_KV:  # quantize_kv's bytes, computed here: in torch it took ~4 kernels a tensor before this copy
+        tl.store(dst, quantize_e4m3_bits(k.to(tl.float32), tl.load(k_scale_ptr)), mask=mask)
+        tl.store(dst + cache_kv_stride, quantize_e4m3_bits(v.to(tl.float32), tl.load(v_scale_ptr)), mask=mask)
+    else:
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_scales(sm_scale_log2, k_scale_ptr, v_scale_ptr, FP8_KV: tl.constexpr):
+    """(score scale, output scale). An fp8 cache's scales are folded out of the tiles: scores are
+    q . stored_k * k_scale and the output is (p @ stored_v) * v_scale, so no tile is ever multiplied."""
+    if FP8_KV:
+        return sm_scale_log2 * tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    return sm_scale_log2, 1.0
 
 
 @triton.jit
@@ -52,8 +73,7 @@ def _attend_tile(
     acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row_ptr, kv_head, n_start, seq_len,
     q_pos,  # [BLOCK_M] int32 position of each row's query token
     key_lo,  # lowest key position any row may see (sliding window), else 0
-    sm_scale_log2,
-    k_scale, v_scale,  # fp8 caches: real = stored * scale (FP8_KV), else unused
+    sm_scale_log2,  # FP8_KV: times k_scale (see _fp8_scales)
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     FP8_KV: tl.constexpr,
@@ -66,8 +86,8 @@ def _attend_tile(
     kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
     kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
     k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    if FP8_KV:  # dequantized as the reference reads the cache: value * scale, rounded once to q's dtype
-        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+    if FP8_KV:  # the stored e4m3 value, exact in q's dtype; its scale is in sm_scale_log2
+        k = k.to(q.dtype)
     if DOT_F32:  # Triton's interpreter mis-multiplies 16-bit dot operands: give it float32
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -82,8 +102,8 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
-    if FP8_KV:
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    if FP8_KV:  # likewise; v_scale multiplies the output once
+        v = v.to(q.dtype)
     p = p.to(v.dtype)
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -130,11 +150,7 @@ def varlen_paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8_KV:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    qk_scale, v_scale = _fp8_scales(sm_scale_log2, k_scale_ptr, v_scale_ptr, FP8_KV)
     # Keys this tile can see: up to its last query's position, from the window of its first query.
     hi = tl.minimum(seq_len, ctx_len + q0 + BLOCK_Q)
     key_lo = 0
@@ -144,11 +160,10 @@ def varlen_paged_attention_kernel(
     for n_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, seq_len, q_pos, key_lo,
-            sm_scale_log2, k_scale, v_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION,
-            DOT_F32, FP8_KV,
+            qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None] * v_scale
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -208,19 +223,14 @@ def split_decode_kernel(
     l_i = tl.zeros([Q_PAD * G_PAD], dtype=tl.float32)
     q_pos_rows = ctx_len + j
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8_KV:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    qk_scale, v_scale = _fp8_scales(sm_scale_log2, k_scale_ptr, v_scale_ptr, FP8_KV)
     for n_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
-            sm_scale_log2, k_scale, v_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION,
-            DOT_F32, FP8_KV,
+            qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV,
         )
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # per split: the reduce is linear in it
     if DIRECT:  # an empty context gives 0, as the reduce does
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from keel.attention.backend import AttentionLayerConfig
-from keel.layers.kv_scales import quantize_kv
 from keel_attention_flash import kernels as flash_kernels
 from keel_attention_flash import mla_kernels
 from keel_attention_flash.impl import _pow2, _sm_count, choose_num_splits
@@ -89,7 +88,9 @@ class TritonMLAImpl:
                 "triton_mla: process_weights_after_loading was never called; the model must hand over "
                 "kv_b_proj's W_UK/W_UV after loading its weights"
             )
-        self._write(kv_c, k_pe, kv_cache, metadata)
+        num = metadata.num_actual_tokens
+        if num:
+            self.write_latent(kv_c[:num], k_pe[:num], kv_cache, metadata.common.slot_mapping)
         # The kernels read q_pe by its strides (the last one must be 1); no concatenation with q_c.
         q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
         # W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides.
@@ -110,20 +111,23 @@ class TritonMLAImpl:
         torch.bmm(o_latent.transpose(0, 1), self.w_uv_t, out=out.transpose(0, 1))
         return out
 
-    def _write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-               md: TritonMLAMetadata) -> None:
-        num = md.num_actual_tokens
-        if not num:
-            return
+    def write_latent(
+        self,
+        kv_c: torch.Tensor,  # [num, L]
+        k_pe: torch.Tensor,  # [num, R]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
+        slot_mapping: torch.Tensor,  # [>= num] int64, -1 = skip
+    ) -> None:
+        """cat(kv_c, k_pe) of each token into its slot. fp8: quantized in the kernel and stored as
+        quantize_kv's bytes through a uint8 view of the cache (see e4m3.py)."""
         kv_c = kv_c if kv_c.stride(-1) == 1 else kv_c.contiguous()
         k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
-        if self.fp8_kv:  # quantized in torch, copied as bytes (see impl.TritonFlashAttentionImpl.forward)
-            kv_c = quantize_kv(kv_c, self.k_scale, kv_cache.dtype)
-            k_pe = quantize_kv(k_pe, self.k_scale, kv_cache.dtype)
-        mla_kernels.mla_write_latent_kernel[(num,)](
-            kv_c, k_pe, kv_cache, md.common.slot_mapping, kv_c.stride(0), k_pe.stride(0),
-            kv_cache.stride(0), kv_cache.stride(1), PAGE=kv_cache.shape[1], LORA=self.kv_lora_rank,
-            BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim, BLOCK_R=self.block_r,
+        cache = kv_cache.view(torch.uint8) if self.fp8_kv else kv_cache
+        mla_kernels.mla_write_latent_kernel[(kv_c.shape[0],)](
+            kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), self.k_scale if self.fp8_kv else kv_c,
+            PAGE=kv_cache.shape[1], LORA=self.kv_lora_rank, BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim,
+            BLOCK_R=self.block_r, FP8_KV=self.fp8_kv,
         )
 
     def _launch(self, grid: tuple[int, int, int], q_c: torch.Tensor, q_pe: torch.Tensor,

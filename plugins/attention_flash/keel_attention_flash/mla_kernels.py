@@ -21,12 +21,18 @@ the split count, so such steps can be captured as CUDA graphs.
 Softmax runs in float32 in the log2 domain, the running max starting at a large finite negative
 value so fully masked rows never compute inf - inf; masked latent loads read 0 because slots outside
 a request's context (and the null block) may hold anything, NaN included.
+
+An fp8 (e4m3) latent cache is written quantized by the write kernel (`e4m3.quantize_e4m3_bits`: the bytes of
+torch's `quantize_kv`) and read as raw e4m3 tiles in q's dtype, k_scale folded into the score scale and
+the output.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from keel_attention_flash.e4m3 import quantize_e4m3_bits
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -35,24 +41,30 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 def mla_write_latent_kernel(
     kv_c_ptr,  # [num_tokens, L], last dim contiguous
     k_pe_ptr,  # [num_tokens, R], last dim contiguous
-    cache_ptr,  # [num_blocks, block_size, L + R], last dim contiguous
+    cache_ptr,  # [num_blocks, block_size, L + R], last dim contiguous; FP8_KV: a uint8 view of the e4m3 cache
     slot_ptr,  # [num_tokens] int64, -1 = skip
     stride_ct, stride_pt, stride_cb, stride_cs,
+    k_scale_ptr,  # float32 [1] (read when FP8_KV): stored = latent / k_scale, both parts
     PAGE: tl.constexpr, LORA: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, FP8_KV: tl.constexpr,
 ):
-    """One program per new token: cat(kv_c, k_pe) into its slot."""
+    """One program per new token: cat(kv_c, k_pe) into its slot (FP8_KV: quantize_kv's bytes of each)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
     dl = tl.arange(0, BLOCK_L)
     lmask = (dl < LORA) & ((tl.zeros([BLOCK_L], dtype=tl.int64) + slot) >= 0)
     c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_ct + dl, mask=lmask)
-    tl.store(dst + dl, c.to(cache_ptr.dtype.element_ty), mask=lmask)
     dr = tl.arange(0, BLOCK_R)
     rmask = (dr < ROPE) & ((tl.zeros([BLOCK_R], dtype=tl.int64) + slot) >= 0)
     pe = tl.load(k_pe_ptr + t.to(tl.int64) * stride_pt + dr, mask=rmask)
-    tl.store(dst + LORA + dr, pe.to(cache_ptr.dtype.element_ty), mask=rmask)
+    if FP8_KV:
+        scale = tl.load(k_scale_ptr)
+        tl.store(dst + dl, quantize_e4m3_bits(c.to(tl.float32), scale), mask=lmask)
+        tl.store(dst + LORA + dr, quantize_e4m3_bits(pe.to(tl.float32), scale), mask=rmask)
+    else:
+        tl.store(dst + dl, c.to(cache_ptr.dtype.element_ty), mask=lmask)
+        tl.store(dst + LORA + dr, pe.to(cache_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -67,7 +79,7 @@ def mla_attention_kernel(
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qct, stride_qch, stride_qpt, stride_qph, stride_cb, stride_cs, stride_ot, stride_oh,
     sm_scale_log2,
-    k_scale_ptr,  # float32 [1]: FP8_KV latents are stored / k_scale
+    k_scale_ptr,  # float32 [1]: FP8_KV latents are stored / k_scale (read when FP8_KV)
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     LORA: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -121,9 +133,13 @@ def mla_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_scale = 1.0
+    # fp8: the stored latent times k_scale is the key and the value: the scale goes into the scores and,
+    # once, into the output, and the tiles stay raw e4m3 values (exact in q's dtype)
+    qk_scale = sm_scale_log2
+    out_scale = 1.0
     if FP8_KV:
-        k_scale = tl.load(k_scale_ptr)
+        out_scale = tl.load(k_scale_ptr)
+        qk_scale = sm_scale_log2 * out_scale
     for n_start in range(lo, hi, BLOCK_N):
         pos = n_start + tl.arange(0, BLOCK_N)
         in_ctx = pos < hi
@@ -132,9 +148,9 @@ def mla_attention_kernel(
         c = tl.load(base[:, None] + dl[None, :], mask=in_ctx[:, None] & (dl[None, :] < LORA), other=0.0)
         pe = tl.load(base[:, None] + LORA + dr[None, :], mask=in_ctx[:, None] & (dr[None, :] < ROPE),
                      other=0.0)
-        if FP8_KV:  # dequantized as the reference reads the cache: value * scale, rounded once to q's dtype
-            c = (c.to(tl.float32) * k_scale).to(q_c_ptr.dtype.element_ty)
-            pe = (pe.to(tl.float32) * k_scale).to(q_c_ptr.dtype.element_ty)
+        if FP8_KV:
+            c = c.to(q_c_ptr.dtype.element_ty)
+            pe = pe.to(q_c_ptr.dtype.element_ty)
         if DOT_F32:
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
@@ -143,7 +159,7 @@ def mla_attention_kernel(
         else:
             s = tl.dot(q_c, tl.trans(c), input_precision=PRECISION)
             s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-        s = s * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -157,7 +173,7 @@ def mla_attention_kernel(
         m_i = m_new
 
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * out_scale  # per split: the reduce is linear in it
     if SPLIT_OUT:
         part = ((tile.to(tl.int64) * QUERY_LEN + q_tok) * NUM_SPLITS + split) * NUM_HEADS + head
         # An empty split writes only its -inf lse; the reduce never reads its partial.

@@ -12,6 +12,8 @@ from keel_attention_flash.backend import TritonFlashAttentionBackend
 from keel_attention_flash.impl import TritonFlashAttentionImpl, choose_num_splits
 
 from keel.attention.backend import AttentionLayerConfig
+from keel.layers.fp8_utils import FP8
+from keel.layers.kv_scales import quantize_kv
 from keel.testing.attention import AttentionCase, make_step
 from keel.testing.reference import ref_varlen_attention
 
@@ -19,16 +21,29 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None = None) -> None:
+def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None = None,
+         fp8_scales: tuple[float, float] | None = None) -> None:
+    """`fp8_scales` (k_scale, v_scale): an e4m3 cache, the context written by torch's quantize_kv, the new
+    tokens by the kernel; the reference reads it as torch_paged does, (stored * scale) rounded to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     step, num_blocks, (slots, k, v) = make_step(case, gen, dtype, DEVICE)
     spec_shape = (2, num_blocks, case.block_size, case.num_kv_heads, case.head_size)
-    cache = torch.full(spec_shape, float("nan"), dtype=dtype, device=DEVICE)
+    layer = AttentionLayerConfig(case.num_heads, case.num_kv_heads, case.head_size, 1 / math.sqrt(case.head_size),
+                                 dtype, case.block_size, sliding_window=case.sliding_window,
+                                 kv_cache_dtype=FP8 if fp8_scales else None)
+    impl = TritonFlashAttentionImpl(layer, decode_splits=splits)
+    keys, values = step.keys, step.values
+    if fp8_scales:
+        scales = [torch.tensor([s], device=DEVICE) for s in fp8_scales]
+        impl.set_kv_scales(*scales)
+        cache = torch.full(spec_shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8)  # e4m3fn NaN
+        k, v = quantize_kv(k, scales[0], FP8), quantize_kv(v, scales[1], FP8)
+        keys = [(quantize_kv(t, scales[0], FP8).float() * scales[0]).to(dtype) for t in keys]
+        values = [(quantize_kv(t, scales[1], FP8).float() * scales[1]).to(dtype) for t in values]
+    else:
+        cache = torch.full(spec_shape, float("nan"), dtype=dtype, device=DEVICE)
     flat = cache.view(2, -1, case.num_kv_heads, case.head_size)
     flat[0, slots], flat[1, slots] = k, v
-    layer = AttentionLayerConfig(case.num_heads, case.num_kv_heads, case.head_size, 1 / math.sqrt(case.head_size),
-                                 dtype, case.block_size, sliding_window=case.sliding_window)
-    impl = TritonFlashAttentionImpl(layer, decode_splits=splits)
     md = TritonFlashAttentionBackend.get_metadata_builder(torch.device(DEVICE)).build(step.common)
     # Poison: NaN-filled memory freed just before, so an unwritten output row is caught.
     junk = torch.full((step.q.numel() * 8,), float("nan"), dtype=dtype, device=DEVICE)
@@ -36,7 +51,7 @@ def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None 
     out = impl.forward(step.q, step.k, step.v, cache, md)
     n = step.num_actual_tokens
     assert torch.isfinite(out).all()
-    ref = ref_varlen_attention(step.q[:n], step.keys, step.values, list(case.query_lens),
+    ref = ref_varlen_attention(step.q[:n], keys, values, list(case.query_lens),
                                scale=1 / math.sqrt(case.head_size), sliding_window=case.sliding_window)
     tol = TOL[dtype]
     torch.testing.assert_close(out[:n].double(), ref, atol=tol, rtol=tol)
@@ -72,6 +87,24 @@ def test_odd_group_and_long_chunk() -> None:
     case = AttentionCase(context_lens=(33, 0), query_lens=(77, 2), num_heads=6, num_kv_heads=2, head_size=64,
                          block_size=16, num_padding_tokens=3)
     _run(case, torch.bfloat16, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens,query_lens,splits", [
+    ((0, 90, 37), (1, 1, 1), 1),  # decode, one program per request and KV head
+    ((0, 90, 37), (1, 1, 1), 3),  # split-K: v_scale applied to each split's partial
+    ((21, 0), (5, 19), None),  # varlen: a chunk over a cached prefix next to a prefill
+])
+def test_fp8_cache_with_scales_folded_out_of_the_tiles(context_lens, query_lens, splits, dtype) -> None:
+    """The kernels read raw e4m3 tiles (exact in q's dtype) with k_scale folded into the score scale and
+    v_scale into the output; the reference rounds each stored value * scale to q's dtype first. Tolerance: the
+    unquantized path's (TOL). float32: the two differ by float32 rounding alone. bfloat16: the fold skips the
+    reference's rounding of every dequantized element (<= 2^-9 relative, unbiased, averaged over 64-wide dots
+    and the softmax-weighted sum of values), far inside the error of the bf16 q, p and output the tolerance
+    already covers. Scales != 1 (the stored values span e4m3's range), GQA group 3, padding tokens."""
+    case = AttentionCase(context_lens=context_lens, query_lens=query_lens, num_heads=6, num_kv_heads=2,
+                         head_size=64, block_size=16, num_padding_tokens=2)
+    _run(case, dtype, 12 + sum(context_lens), splits=splits, fp8_scales=(0.05, 0.02))
 
 
 def test_choose_num_splits() -> None:

@@ -16,6 +16,9 @@ from keel_attention_flash.mla_impl import TritonMLAImpl
 
 from keel.attention.backend import AttentionLayerConfig
 from keel.attention.metadata import CommonAttentionMetadata
+from keel.layers.fp8_utils import FP8
+from keel.layers.kv_scales import quantize_kv
+from keel.testing.e4m3_edges import assert_same_e4m3_bytes
 
 H, N, R, V, L = 4, 16, 8, 16, 32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,18 +96,27 @@ def nan_empty(monkeypatch):
 
 
 def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, dtype=torch.float32,
-             atol=2e-5):
+             atol=2e-5, k_scale=None):
+    """`k_scale`: an e4m3 latent cache (the context quantized by torch's quantize_kv, NaN elsewhere), the
+    reference reading it as torch_mla does, (stored * k_scale) rounded to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     latents, new_latents, common, cache = make_step(context_lens, query_lens, bs, gen, pad_rows)
     w_uk = torch.randn(H, N, L, generator=gen, dtype=torch.float64) / L**0.5
     w_uv = torch.randn(H, V, L, generator=gen, dtype=torch.float64) / L**0.5
     q = torch.randn(new_latents.shape[0], H, N + R, generator=gen, dtype=torch.float64)
-    layer = mla_layer(bs, dtype)
+    layer = mla_layer(bs, dtype, kv_cache_dtype=FP8 if k_scale else None)
     impl = TritonMLAImpl(layer, decode_splits=splits)
     impl.process_weights_after_loading(w_uk.to(DEVICE, dtype), w_uv.to(DEVICE, dtype))
     md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
-    cache = cache.to(dtype)
     dev = new_latents.to(DEVICE, dtype)
+    if k_scale:
+        scale = torch.tensor([k_scale], device=DEVICE)
+        impl.set_kv_scales(scale, scale)
+        cache = quantize_kv(cache, scale, FP8)  # NaN stays NaN
+        latents = [(quantize_kv(lat.to(DEVICE, dtype), scale, FP8).float() * scale).to(dtype).double().cpu()
+                   for lat in latents]
+    else:
+        cache = cache.to(dtype)
     qd = q.to(DEVICE, dtype)
     out = impl.forward(qd[..., :N], qd[..., N:], dev[:, :L], dev[:, L:], cache, md)
     num = common.num_actual_tokens
@@ -114,7 +126,10 @@ def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, d
     assert torch.isfinite(out).all()  # padding rows included
     torch.testing.assert_close(out[:num].double().cpu(), ref, atol=atol, rtol=0)
     written = cache.view(-1, L + R)[common.slot_mapping[:num]]
-    torch.testing.assert_close(written.double().cpu(), new_latents[:num].to(dtype).double(), atol=0, rtol=0)
+    if k_scale:
+        assert_same_e4m3_bytes(written, quantize_kv(dev[:num], scale, FP8))
+    else:
+        torch.testing.assert_close(written.double().cpu(), new_latents[:num].to(dtype).double(), atol=0, rtol=0)
     return cache, common
 
 
@@ -146,6 +161,22 @@ def test_slot_minus_one_padding_rows_are_skipped_and_finite():
 
 def test_bfloat16_within_rounding():
     run_case((0, 23, 9), (11, 1, 4), 8, seed=5, splits=2, dtype=torch.bfloat16, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("context_lens,query_lens,bs,splits", [
+    ((0, 5, 31, 16, 70), (1, 1, 1, 1, 1), 8, 4),  # split-K decode: k_scale applied to each split's partial
+    ((0, 17, 9), (21, 1, 5), 4, None),  # prefill tiles next to a decode
+])
+def test_fp8_latent_cache_with_the_scale_folded_out_of_the_tiles(context_lens, query_lens, bs, splits, dtype, atol):
+    """Raw e4m3 latent tiles (exact in q's dtype), k_scale folded into the score scale and the output, against
+    a reference whose keys and values are each stored latent * k_scale rounded to q's dtype. Tolerances: the
+    unquantized path's. float32: the two differ by float32 rounding alone; bfloat16: the fold only skips the
+    reference's rounding of each dequantized element (<= 2^-9 relative, unbiased, averaged over the 40-wide
+    scores and the weighted sum of values), inside the bf16 rounding of q, p and the output that 5e-2 covers.
+    The scale spreads the stored values over e4m3's range; the new tokens' bytes are quantize_kv's."""
+    run_case(context_lens, query_lens, bs, seed=sum(context_lens), splits=splits, dtype=dtype, atol=atol,
+             k_scale=0.02, pad_rows=2)
 
 
 def test_decode_is_absorbed_and_never_expands(monkeypatch):

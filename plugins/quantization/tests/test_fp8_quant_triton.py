@@ -2,7 +2,7 @@
 tests/test_cuda_quant.py) against the torch functions the reference path rounds with: bit-equal fp8
 values and scales, per token and group (a partial last group; more groups than one program takes), per
 token (K not a power of two), static (saturating), on inputs spanning e4m3's subnormals, zero rows and
-negative zeros, into NaN-poisoned outputs."""
+negative zeros, the shared e4m3 edge list (keel.testing.e4m3_edges), into NaN-poisoned outputs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from keel_quantization import fp8_math
 
 from keel.layers.fp8_utils import FP8, MIN_SCALE, per_token_group_quant_fp8
+from keel.testing.e4m3_edges import e4m3_edge_values
 
 pytest.importorskip("triton")
 fp8_quant_triton = pytest.importorskip("keel_quantization.fp8_quant_triton")
@@ -66,6 +67,18 @@ def test_static_scale_saturates_and_is_written_per_token():
     same_bits(q, fp8_math.to_fp8(x, scale))
     assert float(q[2, 7].float()) == 448.0
     assert torch.equal(s, scale.expand(5, 1))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_static_scale_rounds_the_shared_e4m3_edges_as_torch(scale):
+    """keel.testing.e4m3_edges (every e4m3 value, ties and their float32 neighbours, binade edges, subnormals,
+    saturation, signed zeros) at power-of-two scales, so x / scale meets each edge exactly. NaN is left out:
+    the activation kernel saturates with tl.minimum / tl.maximum, which need not keep it."""
+    x = e4m3_edge_values(nan=False)[None, :] * scale  # [1, n]
+    n = x.shape[1]
+    s = torch.tensor([scale])
+    q, _ = fp8_quant_triton.quant_fp8(x, n, s, out=poisoned(1, n, 1))
+    same_bits(q, fp8_math.to_fp8(x, s))
 
 
 def test_no_tokens_and_misfit_outputs():

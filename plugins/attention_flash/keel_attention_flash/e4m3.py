@@ -1,0 +1,55 @@
+"""e4m3 (float8_e4m3fn) quantization of the fp8 KV cache write, inside the write kernels.
+
+`quantize_e4m3_bits(x, scale)` is the byte `keel.layers.kv_scales.quantize_kv` stores, bit for bit: x / scale by
+IEEE division (Triton's default float32 division is approximate), saturated to +-448 with NaN kept (as
+torch's clamp keeps it; tl.minimum / tl.maximum may drop it), rounded to nearest-even on the e4m3 grid in
+float32, then encoded as the uint8 bits. The kernels store those bits into a uint8 view of the cache: no fp8
+cast at all, because Triton's CPU interpreter casts wrongly (it drops the carry of a mantissa that rounds
+up into the next binade, 124.4 -> 64, and turns NaN into 384), and the encoding of a value already on the
+grid is exact integer work on any device.
+
+`round_to_e4m3` is a twin of keel_quantization.fp8_quant_triton._round_to_e4m3 (plugins are separate
+distributions and never import each other); tests/test_e4m3.py keeps the two bit-equal.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from keel.layers.fp8_utils import FP8_MAX
+
+_SUBNORMAL = tl.constexpr(2.0**-6)  # e4m3's smallest normal; below it the grid is multiples of 2^-9
+_MAGIC = tl.constexpr(1.5 * 2.0**14)  # float32 ulp here is 2^-9: (a + M) - M rounds a to that grid, ties to even
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """v float32 within [-448, 448] -> the nearest e4m3 value (ties to even), still float32."""
+    bits = v.to(tl.int32, bitcast=True)
+    # keep 3 of float32's 23 mantissa bits: add half an ulp (minus one when the kept LSB is even), truncate
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
+    a = tl.abs(v)
+    subnormal = (a + _MAGIC) - _MAGIC
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit, so -0.0 and -tiny stay negative
+    return tl.where(a < _SUBNORMAL, subnormal, normal)
+
+
+@triton.jit
+def quantize_e4m3_bits(x, scale):
+    """x float32, scale float32 (a scalar or x's shape) -> the float8_e4m3fn bits of torch's
+    (x / scale).clamp(-448, 448).to(float8_e4m3fn), as uint8."""
+    v = tl.math.div_rn(x, tl.zeros(x.shape, tl.float32) + scale)
+    v = tl.where(v > _FP8_MAX, _FP8_MAX, v)  # compares are false for NaN: it passes through
+    v = tl.where(v < -_FP8_MAX, -_FP8_MAX, v)
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = round_to_e4m3(tl.abs(v))  # [0, 448] on the grid, or NaN
+    abits = a.to(tl.int32, bitcast=True)
+    # normal: float32's exponent rebiased 127 -> 7 next to its top 3 mantissa bits (the rest are 0 on the grid)
+    normal = (abits >> 20) - (120 << 3)
+    subnormal = (tl.where(a < _SUBNORMAL, a, 0.0) * 512.0).to(tl.int32)  # multiples of 2^-9: the mantissa
+    mag = tl.where(a < _SUBNORMAL, subnormal, normal)
+    mag = tl.where(abits > 0x7F800000, 0x7F, mag)  # NaN: e4m3fn's only NaN code, with v's sign as torch keeps it
+    return (sign | mag).to(tl.uint8)

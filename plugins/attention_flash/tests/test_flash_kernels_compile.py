@@ -1,0 +1,79 @@
+"""The attention plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, the variants the
+impls launch: the cache writes (bf16 copy; FP8_KV quantizing into a uint8 view of the e4m3 cache) and the
+attention kernels over bf16 and e4m3 caches (the fp8 scales folded out of the tiles): varlen, split-K decode
+(direct and into partials) and its reduce; MLA's latent write, decode and prefill tiles and reduce. The
+interpreter accepts code the compiler rejects."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from keel.testing.sm90_compile import run_sm90_compile_script
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests run them compiled")
+
+SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from keel_attention_flash import kernels, mla_kernels
+
+    def compile_(fn, ptrs, consts, **options):
+        """Pointer types by name (else *i32 for tables); scalars i32 but the float32 score scale."""
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = ptrs.get(name, "*i32")
+            else:
+                sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
+        assert "cubin" in out.asm
+
+    f32 = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"}
+    for fp8 in (False, True):
+        cache = "*u8" if fp8 else "*bf16"  # the write's view of the cache
+        compile_(kernels.reshape_and_cache_kernel, {**f32, "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": cache},
+                 {"NUM_KV_HEADS": 8, "HEAD": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8_KV": fp8})
+        compile_(mla_kernels.mla_write_latent_kernel,
+                 {**f32, "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "cache_ptr": cache},
+                 {"PAGE": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "FP8_KV": fp8})
+        read = {**f32, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_ptr": "*bf16", "out_ptr": "*bf16",
+                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+        common = {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD": 128, "BLOCK_D": 128, "PAGE": 16, "WINDOW": 0,
+                  "PRECISION": "tf32", "DOT_F32": False, "FP8_KV": fp8}
+        compile_(kernels.varlen_paged_attention_kernel, read,
+                 {**common, "G_PAD": 4, "BLOCK_Q": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+        for splits in (1, 4):
+            compile_(kernels.split_decode_kernel, read,
+                     {**common, "G_PAD": 16, "NUM_SPLITS": splits, "BLOCK_N": 32 if splits == 1 else 64,
+                      "QUERY_LEN": 1, "Q_PAD": 1, "DIRECT": splits == 1},
+                     num_warps=2 if splits == 1 else 4, num_stages=2)
+        mla = {"k_scale_ptr": "*fp32", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_c_ptr": "*bf16",
+               "q_pe_ptr": "*bf16"}
+        shape = {"NUM_HEADS": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "PAGE": 16,
+                 "PRECISION": "tf32", "DOT_F32": False, "FP8_KV": fp8}
+        compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
+                 {**shape, "BLOCK_H": 16, "BLOCK_Q": 1, "BLOCK_N": 32, "NUM_SPLITS": 4, "TILED": True,
+                  "TILE_Q0": False, "SPLIT_OUT": True, "QUERY_LEN": 1}, num_warps=4, num_stages=2)
+        compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*bf16", "lse_ptr": "*bf16"},
+                 {**shape, "BLOCK_H": 16, "BLOCK_Q": 2, "BLOCK_N": 32, "NUM_SPLITS": 1, "TILED": True,
+                  "TILE_Q0": True, "SPLIT_OUT": False, "QUERY_LEN": 1}, num_warps=4, num_stages=2)
+    compile_(kernels.split_reduce_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"},
+             {"NUM_HEADS": 32, "NUM_SPLITS": 4, "SPLITS_PAD": 4, "HEAD": 128, "BLOCK_D": 128, "QUERY_LEN": 1})
+    compile_(mla_kernels.mla_split_reduce_kernel,
+             {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"},
+             {"NUM_HEADS": 16, "NUM_SPLITS": 4, "SPLITS_PAD": 4, "LORA": 512, "BLOCK_L": 512, "TILED": True,
+              "QUERY_LEN": 1})
+    print("compiled")
+''')
+
+
+def test_attention_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    run_sm90_compile_script(SCRIPT)
