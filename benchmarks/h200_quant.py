@@ -15,7 +15,7 @@ quantized on the device by `load_format="dummy"` into the checkpoint config's qu
   fp8-gemms            no engine: each FP8 linear path alone on Llama-8B's four layer shapes per M
                        (weight-only Triton, activation quantization + _scaled_mm / Triton W8A8), the
                        GPTQ int4 GEMM and bf16 cuBLAS, CUDA-graph replays over weight copies larger than
-                       L2: the data behind fp8_native.WEIGHT_ONLY_MAX_M and the GEMMs' tiles
+                       L2: the data behind fp8_native.SMALL_M_MAX_M and the GEMMs' tiles
   small-m              no engine: h200_quant_small_m's sweep -- every candidate plan (dot / gemv kernel, tiles,
                        K split) of the weight-only fp8 (per-row, block) and int4 GEMMs per shape and M 1-64,
                        against bf16 cuBLAS and the bytes floor; the best plan per M bucket (small_m_plan's tables)
@@ -144,7 +144,7 @@ def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) 
     result["fp8_path_layers"] = {f"{c.path}: {c.reason}": len(layers) for log in choices
                                  for c, layers in log.layers.items()}  # layers per path and reason
     result.update(methods=sorted(methods), fp8_gpu_paths=sorted({str(q.native) for q in fp8}),
-                  fp8_weight_only_max_m=sorted({q.weight_only_max_m for q in fp8}),
+                  fp8_small_m=sorted({f"{q.small_m} <= {q.small_m_max_m}" for q in fp8}),
                   decode_step_weight_bytes=decode_step_bytes(model, shape.get("num_experts_per_tok", 0),
                                                              shape.get("n_routed_experts", 0)))
     if throughput:  # first: round 1 is the first run after start, as the issue asks; distinct prompts per round

@@ -1,11 +1,21 @@
-"""Decode-size weight-only GEMMs on one GPU: every candidate plan (kernel, tiles, K split) of the fp8 and
-int4 GEMMs per Llama-3-8B layer shape and M, against bf16 cuBLAS and the bytes floor.
+"""Decode-size GEMMs on one GPU: every candidate plan (kernel, tiles, K split) of the weight-only fp8 and
+int4 GEMMs and of the W8A8 fp8 small-M GEMM per Llama-3-8B layer shape and M, against bf16 cuBLAS and the
+bytes floor.
 
     python benchmarks/h200_quant_small_m.py --out benchmarks/results/h200-quant-small-m.json
     (or: python benchmarks/h200_quant.py --cases small-m)
 
 Families: "fp8_row" (per-row / per-tensor scales: vLLM "fp8" per-tensor Llama), "fp8_block" (128x128 block
-scales), "int4_g128" (GPTQ / AWQ, group 128 in order). Candidates (`candidates`): the shipped default
+scales), "int4_g128" (GPTQ / AWQ, group 128 in order); "fp8_row_w8a8" / "fp8_block_w8a8": the same weights
+through the W8A8 small-M GEMM ("dot_w8a8", `fp8_w8a8_small_m_triton`: activations quantized per token /
+per token and 128-group in its prologue), M <= 32 (fp8_native.SMALL_M_MAX_M), rows of their own (their
+"default" is small_m_plan.w8a8_plan's), filling small_m_plan's "fp8_row_w8a8" / "fp8_block_w8a8" tables.
+Asking for "fp8_row" / "fp8_block" sweeps its W8A8 family too. Only the W8A8 small-M GEMM:
+    python benchmarks/h200_quant_small_m.py --families fp8_row_w8a8 fp8_block_w8a8 --budget-s 400 \
+        --out benchmarks/results/h200-quant-small-m-w8a8.json
+Prediction for dot_w8a8 (not measured): Llama-8B's four GEMMs at M = 1 ~60 us (55-68; the weight-only
+gemv 80.4, cuBLAS W8A8 137): no conversion per weight element, so bound by the weight's bytes and the
+split's second launch. Candidates (`candidates`): the shipped default
 (`small_m_plan`), the tensor-core "dot" kernel over a few tiles x K splits 1-8, the "gemv" kernel
 (M <= 8) over a few tiles x K splits 1-4, and for int4 the "gemv_fold" kernel (M <= 16, zero point folded
 out of the inner loop) over a few tiles x K splits 1-8. Only the int4 kernels, against the current plans:
@@ -20,7 +30,7 @@ warp-instructions per clock per SM and ~1.75 GHz over 132 SMs that is ~29 / 50 /
 issue for the 218 M weight elements, and M = 1 is then held up by memory (~75% of copy bandwidth).
 Each is timed as CUDA-graph replays over weight copies larger than L2 (h200_quant.graph_us), so neither
 launch cost nor cache hits flatter it. Per row: each candidate's us, the best one and its TB/s of weight bytes, bf16 cuBLAS, fp8's W8A8 path ("w8a8_us":
-activation quantization + _scaled_mm / Triton block GEMM, what fp8_native runs past WEIGHT_ONLY_MAX_M),
+activation quantization + _scaled_mm / Triton block GEMM, what fp8_native runs past SMALL_M_MAX_M),
 and "floor_us" = weight bytes over the copy bandwidth. Then per family and M the plan with the least total time over the four layers
 ("best_per_bucket": what small_m_plan's tables take), printed and written. Meant to finish in < 3
 minutes on an H200 (compiles dominate: `compile_count` bounds them); `--budget-s` stops adding
@@ -40,7 +50,15 @@ import torch
 _here = Path(__file__).resolve().parent
 MS = (1, 2, 4, 8, 16, 32, 64)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-FAMILIES = ("fp8_row", "fp8_block", "int4_g128")
+FAMILIES = ("fp8_row", "fp8_block", "int4_g128", "fp8_row_w8a8", "fp8_block_w8a8")
+W8A8_SUFFIX = "_w8a8"
+W8A8_MS = (1, 2, 4, 8, 16, 32)  # the W8A8 small-M path serves M <= fp8_native.SMALL_M_MAX_M
+# "dot_w8a8": (BLOCK_N weight rows (the MMA's M), BLOCK_K, num_warps), token tiles of 16 (and 32); each compiles
+# once per power of two of M (the rows it quantizes), so few tiles: a 64-row tile gives 4096-row layers 64
+# programs a split, a 128-row one half as many with twice the MMA per weight load
+W8A8_TILES = {"fp8_row_w8a8": [(64, 128, 4), (128, 128, 4), (64, 256, 4)],
+              "fp8_block_w8a8": [(64, 128, 4), (128, 128, 4), (128, 128, 8)]}
+W8A8_SPLITS = (1, 2, 4, 8)
 DOT_TILES = {"fp8_row": [(32, 256), (64, 128), (16, 256)], "fp8_block": [(32, 128), (64, 128)],
              "int4_g128": [(32, 128), (64, 128), (16, 128)]}
 GEMV_TILES = {"fp8_row": [(4, 512), (8, 512), (16, 256), (32, 128), (8, 128), (4, 256)],
@@ -76,6 +94,13 @@ def candidates(family: str, m: int) -> dict:
     from keel_quantization.small_m_plan import SmallMPlan, _block_m
 
     out: dict = {"default": None}
+    if family.endswith(W8A8_SUFFIX):
+        for bm in sorted({16, _block_m(m)}):  # M 17-32 in token tiles of 16 too (the weight read twice, from L2)
+            for bn, bk, warps in W8A8_TILES[family]:
+                for split in W8A8_SPLITS:
+                    out[f"dot_w8a8 {bm}x{bn}x{bk} w{warps} s{split}"] = SmallMPlan(
+                        "dot_w8a8", bm, bn, bk, split, num_warps=warps, num_stages=4)
+        return out
     stages = 4 if family != "int4_g128" else None
     if family == "int4_g128" and m <= FOLD_MAX_M:  # first: a budget cut never skips the new kernel
         for bn, bk, warps in FOLD_TILES:
@@ -99,16 +124,23 @@ def candidates(family: str, m: int) -> dict:
     return out
 
 
+def family_ms(family: str) -> tuple[int, ...]:
+    return W8A8_MS if family.endswith(W8A8_SUFFIX) else MS
+
+
 def compile_count(family: str) -> int:
-    """Distinct kernels the family's candidates compile (the split is a runtime argument)."""
-    return len({(p.kernel, p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages)
-                for m in MS for p in candidates(family, m).values() if p is not None})
+    """Distinct kernels the family's candidates compile (the split is a runtime argument; dot_w8a8 compiles
+    per power of two of M up to its token tile, the rows it quantizes)."""
+    return len({(p.kernel, p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages,
+                 min(p.block_m, _pow2(m)) if p.kernel == "dot_w8a8" else 0)
+                for m in family_ms(family) for p in candidates(family, m).values() if p is not None})
 
 
 def _weights(family: str, n: int, k: int, gen: torch.Generator) -> tuple[list, int]:
     """(copies of one layer's quantized weight, bytes of one copy): > 256 MiB of copies, never from L2."""
     from keel_quantization import fp8_math
 
+    family = family.removesuffix(W8A8_SUFFIX)
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
     nbytes = n * k // 2 if family == "int4_g128" else n * k
     copies = max(2, -(-(256 << 20) // nbytes))
@@ -132,14 +164,19 @@ def _fn(family: str, x: torch.Tensor, weights: list, plan):
     k = x.shape[1]
     if family == "int4_g128":
         return lambda i: int4_gemm(x, *weights[i], group_size=128, plan=plan)
-    group = (1, k) if family == "fp8_row" else (128, 128)
+    group = (1, k) if family.startswith("fp8_row") else (128, 128)
+    if family.endswith(W8A8_SUFFIX):
+        from keel_quantization.fp8_w8a8_small_m_triton import fp8_w8a8_small_m_gemm
+
+        act = "dynamic_token" if family.startswith("fp8_row") else "dynamic_group"
+        return lambda i: fp8_w8a8_small_m_gemm(x, *weights[i], *group, act, plan=plan)
     return lambda i: fp8_weight_only_gemm(x, *weights[i], *group, plan=plan)
 
 
 def _w8a8_fn(family: str, x: torch.Tensor, weights: list):
     from keel_quantization.fp8_native import native_linear
 
-    if family == "fp8_row":
+    if family.startswith("fp8_row"):
         return lambda i: native_linear("scaled_mm", x, weights[i][0], weights[i][1].reshape(-1), "dynamic_token",
                                        None, None, None)
     return lambda i: native_linear("triton", x, *weights[i], "dynamic_group", (128, 128), None, None)
@@ -156,12 +193,12 @@ def sweep(families: list[str], copy_bw_gbps: float, budget_s: float) -> dict:
             weights, nbytes = _weights(family, n, k, gen)
             dense = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
                      for _ in range(max(2, -(-(256 << 20) // (2 * n * k))))]
-            for m in MS:
+            for m in family_ms(family):
                 x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
                 row = {"family": family, "layer": layer, "n": n, "k": k, "m": m, "weight_bytes": nbytes,
                        "floor_us": nbytes / copy_bw_gbps / 1e3,
                        "bf16_cublas_us": quant.graph_us(lambda i, x=x, d=dense: x @ d[i].T, len(dense)), "us": {}}
-                if family != "int4_g128":  # the W8A8 path fp8_native takes past WEIGHT_ONLY_MAX_M
+                if family != "int4_g128":  # the W8A8 path fp8_native takes past SMALL_M_MAX_M
                     row["w8a8_us"] = quant.graph_us(_w8a8_fn(family, x, weights), len(weights))
                 for label, plan in candidates(family, m).items():
                     if time.perf_counter() > family_budget and label != "default":
@@ -199,7 +236,14 @@ def best_per_bucket(rows: list[dict]) -> dict:
     return out
 
 
-TABLE_KEYS = {"fp8_row": "fp8_row", "fp8_block": "fp8_block", "int4_g128": "int4"}
+TABLE_KEYS = {"fp8_row": "fp8_row", "fp8_block": "fp8_block", "int4_g128": "int4",
+              "fp8_row_w8a8": "fp8_row_w8a8", "fp8_block_w8a8": "fp8_block_w8a8"}
+
+
+def expand_families(families: list[str]) -> list[str]:
+    """--families as swept: "fp8_row" / "fp8_block" bring their W8A8 family, in FAMILIES' order."""
+    wanted = set(families) | {f + W8A8_SUFFIX for f in families if f + W8A8_SUFFIX in FAMILIES}
+    return [f for f in FAMILIES if f in wanted]
 
 
 def tables(best: dict) -> dict:
@@ -243,7 +287,7 @@ def main() -> None:
 
     copy_bw = _sibling("h200_llama8b").ceilings()["copy_bw_GBps"]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bw_GBps": copy_bw, **sweep(ns.families, copy_bw, ns.budget_s)}
+              "copy_bw_GBps": copy_bw, **sweep(expand_families(ns.families), copy_bw, ns.budget_s)}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=1, default=float))
     print(json.dumps(result["best_per_bucket"], indent=1, default=float))

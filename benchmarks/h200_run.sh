@@ -20,6 +20,7 @@
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
+#   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150)
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -72,6 +73,9 @@ for part in "$@"; do
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
     kv-write) timeout 90 python3 benchmarks/h200_kv_write.py --out "$W/h200-kv-write.json" \
                 >"$W/kv-write.log" 2>&1; tail -n 20 "$W/kv-write.log" | cut -c1-400;;
+    small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
+               --families ${SMALLM_FAMILIES:-fp8_row fp8_block int4_g128} --budget-s "${SMALLM_BUDGET_S:-150}" \
+               --out "$W/h200-quant-small-m.json" >"$W/small-m.log" 2>&1; tail -n 30 "$W/small-m.log" | cut -c1-400;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.

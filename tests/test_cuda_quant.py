@@ -102,7 +102,7 @@ def test_fp8_native_paths_match_a_float64_reference(scheme_name, dtype, path):
     the GEMM's accumulation and the output's rounding differ. Not against the bf16 reference path, whose
     own cuBLAS rounding (reduced-precision split-K reductions) depends on the algorithm cuBLAS picks."""
     from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
-    from keel_quantization.fp8_native import WEIGHT_ONLY_MAX_M, quantize_activations
+    from keel_quantization.fp8_native import SMALL_M_MAX_M, quantize_activations
 
     from keel.layers.linear import ReplicatedLinear
     from keel.models.loader import default_dtype
@@ -124,10 +124,10 @@ def test_fp8_native_paths_match_a_float64_reference(scheme_name, dtype, path):
     method = layer.quant_method
     assert method.native == path
     dense = fp8_math.dequantize(layer.weight, getattr(layer, scheme.scale_name), scheme.block, torch.float64)
-    for m in (1, 7, WEIGHT_ONLY_MAX_M, WEIGHT_ONLY_MAX_M + 1, 200):
+    for m in (1, 7, SMALL_M_MAX_M, SMALL_M_MAX_M + 1, 200):
         x = torch.randn(m, 320, device="cuda", generator=gen, dtype=dtype)
         got = layer(x)
-        if m <= method.weight_only_max_m:
+        if method.native == "weight_only" or (m <= method.small_m_max_m and method.small_m == "weight_only"):
             a = x.double()
         else:
             a_q, a_s = quantize_activations(x, scheme.activation, scheme.block, getattr(layer, "input_scale", None))
@@ -166,7 +166,7 @@ def test_block_fp8_cublas_path_matches_a_float64_reference(n, k, dtype):
     activations and weights). K / 128 = 5 and 22 take the padded weight scales, 8 the loaded ones; 576 rows
     end in a partial block and stay on the Triton GEMM, the same comparison."""
     from keel_quantization import fp8_cublas_block
-    from keel_quantization.fp8_native import WEIGHT_ONLY_MAX_M
+    from keel_quantization.fp8_native import SMALL_M_MAX_M
 
     if not _cublas_block_here():
         pytest.skip("cuBLAS's 1x128 x 128x128 fp8 GEMM needs sm90 and torch 2.10+ (F.scaled_mm)")
@@ -178,7 +178,7 @@ def test_block_fp8_cublas_path_matches_a_float64_reference(n, k, dtype):
     if want_path == "cublas_block":
         assert method.native_scale.shape == (n // 128, -(-k // 512) * 4)
     dense = fp8_math.dequantize(layer.weight, layer.weight_scale_inv, (128, 128), torch.float64)
-    for m in (WEIGHT_ONLY_MAX_M + 1, 256, 1000, 1001):
+    for m in (SMALL_M_MAX_M + 1, 256, 1000, 1001):
         x = torch.randn(m, k, device="cuda", generator=gen, dtype=dtype)
         got = layer(x)
         assert got.shape == (m, n) and got.dtype == dtype
@@ -361,3 +361,25 @@ def test_fp8_kv_cache_in_triton_flash_on_cuda(llama):
     assert {layer.backend.name for layer in runner.attn_layers} == {"triton_flash"}
     prompts = _prompts(6, [5, 33, 17, 70])
     assert_close_to_hf(llama, prompts, run_requests(engine, prompts, GREEDY), atol=0.3, min_margin=0.5)
+
+
+def test_w8a8_decode_does_not_depend_on_the_batch(llama, tmp_path):
+    """A per-channel W8A8 Llama in bf16: one request decoded alone (M = 1, the W8A8 small-M GEMM) and among
+    40 others (M = 41, _scaled_mm) multiplies the same e4m3 activations -- both quantize per token -- so its
+    tokens are equal and its logprobs agree up to summation order (the weight-only small-M path it replaces
+    computed on the unquantized activations: up to fp8's activation rounding, ~0.6 here)."""
+    if not _sm89():
+        pytest.skip("fp8 MMA needs sm89+")
+    q = quantizer.quantize_checkpoint(llama, tmp_path / "q", "fp8-channel", dequantized_to=tmp_path / "ref")
+    engine = _engine(q, dtype="bfloat16", max_num_seqs=48, enable_prefix_caching=False)
+    method = engine.core.worker.runner.model.model.layers[0].mlp.down_proj.quant_method
+    assert (method.native, method.small_m, method.small_m_max_m) == ("scaled_mm", "w8a8_small_m", 32)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    mine = _prompts(7, [21])[0]
+    alone = run_requests(engine, [mine], params, prefix="alone")["alone0"].outputs[0]
+    crowd = run_requests(engine, [mine] + _prompts(8, [21, 9, 30, 16] * 10), params, prefix="crowd")
+    among = crowd["crowd0"].outputs[0]
+    assert list(among.token_ids) == list(alone.token_ids)
+    lp = [lps[t].logprob for lps, t in zip(alone.logprobs, alone.token_ids)]
+    lp2 = [lps[t].logprob for lps, t in zip(among.logprobs, among.token_ids)]
+    assert max(abs(a - b) for a, b in zip(lp, lp2)) < 0.1, (lp, lp2)

@@ -12,14 +12,15 @@ quantization); an `Fp8Scheme` says what the checkpoint holds:
 - activations: static per-tensor (`input_scale` per shard; a fused layer uses the largest, as vLLM),
   dynamic per token, dynamic per token and `bk`-input group (block FP8), or none (weight-only).
 
-Forward on a GPU (sm89+): fp8 GEMMs on the stored weight (`fp8_native`: weight-only Triton for small M,
-torch._scaled_mm, cuBLAS's block-scaled GEMM or the Triton W8A8 GEMM above), chosen once after loading
-and logged once per model and reason (the config's `NativeChoiceLog`). Elsewhere, the reference
-path: activations go through their fp8 quantization and back, the weight is dequantized, then one
-matmul -- the same numbers an fp8 GEMM computes, up to summation order. Dynamic scales are per token,
-never per batch, so a request's result does not depend on the other requests in the batch (the GPU's
-small-M path, which skips activation quantization, is the exception: it computes closer to the
-dequantized model, and a step of a captured batch size always takes the same path).
+Forward on a GPU (sm89+): fp8 GEMMs on the stored weight (`fp8_native`: the Triton W8A8 small-M GEMM for
+small M, torch._scaled_mm, cuBLAS's block-scaled GEMM or the Triton W8A8 GEMM above; weight-only
+checkpoints the weight-only Triton GEMM), chosen once after loading and logged once per model and reason
+(the config's `NativeChoiceLog`). Elsewhere, the reference path: activations go through their fp8
+quantization and back, the weight is dequantized, then one matmul -- the same numbers an fp8 GEMM
+computes, up to summation order. Dynamic scales are per token, never per batch, and every path quantizes
+activations alike, so a request's result does not depend on the other requests in the batch (up to
+float32 summation order; a layer whose small-M step falls back to the weight-only GEMM is the exception,
+logged at load).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from keel_quantization import fp8_math
 from keel_quantization.fp8_native import (
     NativeChoiceLog,
     choose_native,
-    choose_weight_only_max_m,
+    choose_small_m,
     native_linear,
     native_scale,
 )
@@ -69,7 +70,8 @@ class Fp8LinearMethod:
         self.params_dtype = torch.float32
         self.native: str | None = None  # the GPU path chosen after loading (fp8_native), None: reference
         self.native_scale: torch.Tensor | None = None  # the weight scale as `native` takes it
-        self.weight_only_max_m = 0  # steps of at most this many tokens take fp8_native's "weight_only"
+        self.small_m: str | None = None  # the path of steps of at most small_m_max_m tokens (fp8_native)
+        self.small_m_max_m = 0
 
     def _check_blocks(self, module: torch.nn.Module, layer: LinearLayerSpec) -> None:
         bn, bk = self.scheme.block
@@ -120,7 +122,10 @@ class Fp8LinearMethod:
         self.choices.record(self.prefix, tuple(module.weight.shape), choice)
         self.native = choice.path
         self.native_scale = native_scale(self.native, getattr(module, s.scale_name).data)
-        self.weight_only_max_m = choose_weight_only_max_m(self.native, s.block)
+        small, self.small_m_max_m = choose_small_m(self.native, s.activation, s.block, module.weight.shape[1])
+        if small is not None:
+            self.choices.record(self.prefix, tuple(module.weight.shape), small)
+        self.small_m = None if small is None else small.path
 
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
         return fp8_math.dequantize(module.weight, getattr(module, self.scheme.scale_name), self.scheme.block,
@@ -145,7 +150,7 @@ class Fp8LinearMethod:
         x2 = x.reshape(-1, x.shape[-1])
         if self.native is not None:  # chosen for CUDA weights only (tests set it to run kernels interpreted)
             s = self.scheme
-            path = "weight_only" if x2.shape[0] <= self.weight_only_max_m else self.native
+            path = self.small_m if x2.shape[0] <= self.small_m_max_m else self.native
             scale = self.native_scale if path == "cublas_block" else getattr(module, s.scale_name)
             out = native_linear(path, x2, module.weight, scale, s.activation, s.block,
                                 getattr(module, "input_scale", None), bias)

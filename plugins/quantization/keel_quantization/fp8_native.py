@@ -1,13 +1,16 @@
 """FP8 linear layers computed in fp8 on the GPU: the weight stays e4m3 and is never dequantized per step.
 
 Chosen once per layer after loading, from where the weight lives and what the scheme is, as a path for
-large M (`choose_native`: the path and why, logged once per model and reason by `NativeChoiceLog`) and
-the largest M served weight-only (`choose_weight_only_max_m`); a step's M (tokens) is static per
-captured CUDA graph, so the choice is fixed per graph bucket:
-- "weight_only" (M <= WEIGHT_ONLY_MAX_M, and every M of a weight-only fp8 checkpoint): the fp8 weight
-  widened in registers and multiplied with the model-dtype activations (`fp8_triton.fp8_weight_only_gemm`),
-  the weight scale in the epilogue. Decode is memory-bound: this reads the 1-byte weight once and spends
-  no launch on activation quantization.
+large M (`choose_native`) and one for steps of at most SMALL_M_MAX_M tokens (`choose_small_m`), each with
+why, logged once per model and reason by `NativeChoiceLog`; a step's M (tokens) is static per captured
+CUDA graph, so the choice is fixed per graph bucket:
+- "w8a8_small_m" (M <= SMALL_M_MAX_M, schemes with activation scales): the Triton W8A8 small-M GEMM
+  (`fp8_w8a8_small_m_triton`): fp8 x fp8 MMA, the weight rows as the MMA's M, the activations quantized
+  in its prologue with the numbers `quantize_activations` gives -- the large-M paths' math, so a
+  request's result does not depend on its step's batch size.
+- "weight_only" (every M of a weight-only fp8 checkpoint; small M where "w8a8_small_m" does not fit,
+  the reason logged): the fp8 weight widened in registers and multiplied with the model-dtype
+  activations (`fp8_triton.fp8_weight_only_gemm`), the weight scale in the epilogue.
 - "scaled_mm": per-channel (or per-tensor, kept per row) weights with per-token or static activations,
   bf16 activations, sizes multiples of 16 -> torch._scaled_mm with row-wise scales (cuBLASLt fp8, sm89+).
 - "cublas_block": 128x128 block weights with per-token 128-input-group activations (DeepSeek-V3) on sm90,
@@ -17,8 +20,8 @@ captured CUDA graph, so the choice is fixed per graph bucket:
   torch), and the per-channel cases _scaled_mm does not take (fp16/fp32 activations, odd sizes) as one
   group per row -> `fp8_triton.fp8_gemm`.
 - None: CPU weights, GPUs before sm89: the reference path.
-The W8A8 paths quantize activations in one Triton launch (`fp8_quant_triton.quant_fp8`), bit-equal to
-the torch functions the reference rounds with.
+The large-M W8A8 paths quantize activations in one Triton launch (`fp8_quant_triton.quant_fp8`), bit-equal
+to the torch functions the reference rounds with.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from keel_quantization import fp8_cublas_block, fp8_math
 logger = logging.getLogger("keel.quantization.fp8")
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Largest M (tokens in a step) served weight-only when activations are quantized on the W8A8 paths: below
-# it a GEMM is memory-bound on the weight, so fp8 x bf16 costs what fp8 x fp8 does, minus the quantization.
-WEIGHT_ONLY_MAX_M = 32
+# Largest M (tokens in a step) of the small-M path of a W8A8 layer: below it a GEMM is memory-bound on the
+# weight, and the large-M paths (a quantization launch, then cuBLAS) cost ~2x the bytes' time at M = 1.
+SMALL_M_MAX_M = 32
 
 
 def _block_k_fits(block: tuple[int, int] | None) -> bool:
@@ -46,7 +49,7 @@ def _block_k_fits(block: tuple[int, int] | None) -> bool:
 
 @dataclass(frozen=True)
 class NativeChoice:
-    """A layer's path at large M (None: the reference path) and why, for the load log."""
+    """A layer's path at large M or small M (None: the reference path) and why, for the load log."""
 
     path: str | None
     reason: str
@@ -105,11 +108,19 @@ class NativeChoiceLog:
         layers.append(prefix)
 
 
-def choose_weight_only_max_m(native: str | None, block: tuple[int, int] | None) -> int:
-    """M at or below which `native_linear` runs "weight_only" (0: never)."""
-    if native is None or not _HAS_TRITON or not _block_k_fits(block):  # _scaled_mm without Triton
-        return 0
-    return 1 << 62 if native == "weight_only" else WEIGHT_ONLY_MAX_M
+def choose_small_m(native: str | None, activation: str, block: tuple[int, int] | None,
+                   k: int) -> tuple[NativeChoice | None, int]:
+    """The path of steps of at most the returned M tokens (None, 0: every M takes `native`)."""
+    if native in (None, "weight_only") or not _HAS_TRITON or not _block_k_fits(block):  # _scaled_mm without Triton
+        return None, 0
+    from keel_quantization.fp8_w8a8_small_m_triton import misfit
+
+    why = misfit(k)
+    if why is not None:
+        return NativeChoice("weight_only", f"M <= {SMALL_M_MAX_M}: the weight-only GEMM, not the W8A8 small-M one "
+                            f"({why}): results at these M differ from the large-M path's"), SMALL_M_MAX_M
+    return NativeChoice("w8a8_small_m", f"M <= {SMALL_M_MAX_M}: the Triton W8A8 small-M GEMM ({activation} "
+                        "activations quantized in it, as at large M)"), SMALL_M_MAX_M
 
 
 def quantize_activations(x: torch.Tensor, activation: str, block: tuple[int, int] | None,
@@ -147,6 +158,11 @@ def native_linear(
         from keel_quantization.fp8_triton import fp8_weight_only_gemm
 
         out = fp8_weight_only_gemm(x, weight, groups, group_n, group_k)
+        return out if bias is None else out + bias
+    if path == "w8a8_small_m":  # quantizes the activations itself, in its prologue
+        from keel_quantization.fp8_w8a8_small_m_triton import fp8_w8a8_small_m_gemm
+
+        out = fp8_w8a8_small_m_gemm(x, weight, groups, group_n, group_k, activation, input_scale)
         return out if bias is None else out + bias
     if path == "cublas_block":  # quantizes the activations itself, in the layout cuBLAS reads
         out = fp8_cublas_block.gemm(x, weight, weight_scale)

@@ -9,9 +9,11 @@ that sums them in a fixed order -- deterministic, and nothing to zero, so CUDA g
   sums over K, so a program reads wide, contiguous weight rows and spends no MMA padding on M = 1.
 - "gemv_fold" (int4 only): "gemv" with the zero point and the float conversion folded out of the inner
   loop (`int4_gemv_fold_triton`): a nibble extraction and one FMA per weight element.
+- "dot_w8a8" (fp8 with quantized activations, `fp8_w8a8_small_m_triton`): fp8 x fp8 MMA with the weight
+  rows as the MMA's M and the tokens (block_m, >= 16) as its N; activation quantization in the kernel.
 
-`fp8_plan` / `int4_plan` are pure functions of the GEMM's shape (M, N, K, scale group): the plan is
-fixed per CUDA-graph bucket (M is static there), never decided per step from data.
+`fp8_plan` / `int4_plan` / `w8a8_plan` are pure functions of the GEMM's shape (M, N, K, scale group): the
+plan is fixed per CUDA-graph bucket (M is static there), never decided per step from data.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-KERNELS = ("dot", "gemv", "gemv_fold")
+KERNELS = ("dot", "gemv", "gemv_fold", "dot_w8a8")
 
 
 @dataclass(frozen=True)
 class SmallMPlan:
-    kernel: str  # "dot" | "gemv" | "gemv_fold" (int4 only)
+    kernel: str  # "dot" | "gemv" | "gemv_fold" (int4 only) | "dot_w8a8" (W8A8 fp8 only)
     block_m: int
     block_n: int
     block_k: int
@@ -56,7 +58,8 @@ def _dot(bm: int, bn: int, split: int, stages: int | None = 4) -> SmallMPlan:
 # family -> ((largest M, plan), ...) ascending: the measured plan of each M bucket (benchmarks/
 # h200_quant_small_m.py's best_per_bucket: least total time over Llama-8B's qkv / o / gate_up / down);
 # an M past the last bucket, or a family not here, takes the built-in default below; None: the default
-# won that bucket. Families: "fp8_row" (one scale group over K), "fp8_block", "int4".
+# won that bucket. Families: "fp8_row" (one scale group over K), "fp8_block", "int4"; "fp8_row_w8a8" /
+# "fp8_block_w8a8": the W8A8 small-M GEMM (fp8 layers with activation scales), no sweep yet: the default.
 # H200 at ee79a05 (benchmarks/results/h200-quant-small-m-ee79a05.json), us per four layers, default -> plan:
 # fp8_row M=1 113.6 -> 86.1 (gemv), M=2 114.3 -> 106.7; fp8_block M=1 128.8 -> 97.9, M 2-16 ~127 -> ~107,
 # M=32 218 -> 130; int4 M 1-16 246 -> 140-143, M=32 272 -> 180, M=64 348 -> 192. fp8_row M 4-64 were cut
@@ -73,6 +76,8 @@ TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {
                   (32, _dot(32, 64, 4)), (64, _dot(64, 64, 4))),
     "int4": ((1, SmallMPlan("gemv_fold", 1, 16, 1024)), (2, SmallMPlan("gemv_fold", 2, 32, 512, 2)),
              (16, _dot(16, 64, 8, None)), (32, _dot(32, 64, 4, None)), (64, _dot(64, 64, 4, None))),
+    "fp8_row_w8a8": ((32, None),),
+    "fp8_block_w8a8": ((32, None),),
 }
 SHIPPED = dict(TABLES)
 
@@ -84,6 +89,7 @@ def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]]) -> 
     TABLES.update({f: tuple(sorted(rows, key=lambda r: r[0])) for f, rows in tables.items()})
     fp8_plan.cache_clear()
     int4_plan.cache_clear()
+    w8a8_plan.cache_clear()
 
 
 def _measured(family: str, m: int, group: int) -> SmallMPlan | None:
@@ -117,3 +123,21 @@ def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
         return measured
     block_n = 32 if m <= 32 else 64  # small M: 128 programs for a 4096-output layer
     return SmallMPlan("dot", _block_m(m), block_n, 128 if group == 0 else min(128, group))
+
+
+# The plans are pure functions of the shape, so the SM count is the H200's (132), not the device's.
+SMS = 132
+
+
+@functools.cache
+def w8a8_plan(m: int, n: int, k: int, group_k: int) -> SmallMPlan:
+    """The W8A8 small-M GEMM's plan for x [m, k] (quantized in the kernel) @ w[n, k]^T, scale groups of group_k."""
+    measured = _measured("fp8_row_w8a8", m, 0) if group_k >= k else _measured("fp8_block_w8a8", m, group_k)
+    if measured is not None:
+        return measured
+    block_m, block_n = 16 if m <= 16 else 32, 64
+    block_k = 128 if group_k >= k else min(128, group_k)
+    programs = -(-n // block_n) * -(-m // block_m)
+    # ~2 programs per SM (4096 rows: 64 programs, split 4), each split at least 4 K tiles
+    split = max(1, min(round(2 * SMS / programs), -(-k // block_k) // 4))
+    return SmallMPlan("dot_w8a8", block_m, block_n, block_k, split, num_stages=4)

@@ -1,7 +1,7 @@
 """The FP8 GPU paths through the layer's own dispatch, run on the CPU (Triton interpreted, torch's CPU
-_scaled_mm): each path a layer can take -- weight-only for small M, _scaled_mm and the Triton W8A8 GEMM
-above -- against the reference path on the same layer, at M on both sides of the weight-only bound; and
-which path each scheme chooses for which M, and which large-M path a layer gets for a GPU capability,
+_scaled_mm): each path a layer can take -- the W8A8 small-M GEMM (or weight-only) for small M, _scaled_mm
+and the Triton W8A8 GEMM above -- against the reference path on the same layer, at M on both sides of the
+small-M bound; and which path each scheme chooses for which M (and why), and which large-M path a layer gets for a GPU capability,
 shape and torch (cuBLAS's block-scaled GEMM or Triton), the GPU and torch faked.
 tests/test_cuda_quant.py runs the same comparisons compiled."""
 
@@ -39,9 +39,10 @@ def fp8_layer(scheme: Fp8Scheme, dtype: torch.dtype, n: int = 80, k: int = 96) -
     return layer
 
 
-def run(layer: ReplicatedLinear, x: torch.Tensor, native: str | None, weight_only_max_m: int) -> torch.Tensor:
+def run(layer: ReplicatedLinear, x: torch.Tensor, native: str | None, small_m_max_m: int = 0,
+        small_m: str | None = None) -> torch.Tensor:
     method = layer.quant_method
-    method.native, method.weight_only_max_m = native, weight_only_max_m
+    method.native, method.small_m_max_m, method.small_m = native, small_m_max_m, small_m
     return layer(x)
 
 
@@ -57,16 +58,16 @@ def test_each_path_matches_the_reference_path(scheme, dtype, native):
     assert layer.quant_method.native is None  # CPU weights: the reference path
     gen = torch.Generator().manual_seed(5)
     bound = 4
-    for m in (1, bound, bound + 3):  # weight-only, then W8A8
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding of a different sum order
+    for m in (1, bound, bound + 3):  # the small-M path, then the large-M one
         x = torch.randn(m, 96, generator=gen).to(dtype)
-        want_w8a8 = run(layer, x, None, 0)
-        got = run(layer, x, native, bound)
-        if m > bound:
-            tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding of a different sum order
-            torch.testing.assert_close(got.float(), want_w8a8.float(), atol=tol, rtol=tol)
-        else:  # no activation quantization: the dequantized weight times x
+        want_w8a8 = run(layer, x, None)
+        got = run(layer, x, native, bound, "w8a8_small_m")  # W8A8 at every M: the reference's numbers
+        torch.testing.assert_close(got.float(), want_w8a8.float(), atol=tol, rtol=tol)
+        if m <= bound:  # the weight-only fallback: no activation quantization, the dequantized weight times x
             dense = layer.quant_method.dequantize_weight(layer).float()
             want = torch.nn.functional.linear(x.float(), dense, layer.bias.float())
+            got = run(layer, x, native, bound, "weight_only")
             torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=2e-2)
 
 
@@ -74,16 +75,23 @@ def test_each_path_matches_the_reference_path(scheme, dtype, native):
 def test_weight_only_checkpoints_run_weight_only_at_every_m():
     layer = fp8_layer(Fp8Scheme("none"), torch.float32)
     x = torch.randn(70, 96)
-    got = run(layer, x, "weight_only", fp8_native.choose_weight_only_max_m("weight_only", None))
-    want = run(layer, x, None, 0)  # the reference: no activation quantization either
+    assert fp8_native.choose_small_m("weight_only", "none", None, 96) == (None, 0)  # one path at every M
+    got = run(layer, x, "weight_only")
+    want = run(layer, x, None)  # the reference: no activation quantization either
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_the_choice_per_m_is_made_once_from_the_large_m_path():
-    assert fp8_native.choose_weight_only_max_m(None, None) == 0  # reference path: no kernels at all
-    assert fp8_native.choose_weight_only_max_m("scaled_mm", None) == fp8_native.WEIGHT_ONLY_MAX_M
-    assert fp8_native.choose_weight_only_max_m("triton", (128, 128)) == fp8_native.WEIGHT_ONLY_MAX_M
-    assert fp8_native.choose_weight_only_max_m("weight_only", None) > 1 << 40
+    bound = fp8_native.SMALL_M_MAX_M
+    assert fp8_native.choose_small_m(None, "dynamic_token", None, 4096) == (None, 0)  # reference: no kernels at all
+    for native, act, block in [("scaled_mm", "dynamic_token", None), ("scaled_mm", "static", None),
+                               ("triton", "dynamic_group", (128, 128)), ("cublas_block", "dynamic_group", (128, 128))]:
+        choice, max_m = fp8_native.choose_small_m(native, act, block, 4096)
+        assert (choice.path, max_m) == ("w8a8_small_m", bound) and act in choice.reason
+    # a shape the W8A8 small-M GEMM does not take keeps the weight-only GEMM, saying why
+    choice, max_m = fp8_native.choose_small_m("triton", "dynamic_token", None, 4104)
+    assert (choice.path, max_m) == ("weight_only", bound) and "K 4104 is not a multiple of 16" in choice.reason
+    assert fp8_native.choose_small_m("triton", "dynamic_group", (64, 192), 4096) == (None, 0)  # K tiles split groups
     assert fp8_native.choose_native(torch.empty(16, 16, dtype=fp8_math.FP8), "dynamic_token", None,
                                     torch.bfloat16).path is None  # CPU weights
 
@@ -115,7 +123,6 @@ def test_block_fp8_takes_cublas_where_it_fits(fake_gpu):
         assert choice.path == "cublas_block", (n, k, choice)
         assert fake_gpu["probes"][-1] == (torch.bfloat16, pad)  # K / 128 not a multiple of 4: padded scales
     assert _choose(256, 512, dtype=torch.float32).path == "cublas_block"
-    assert fp8_native.choose_weight_only_max_m("cublas_block", (128, 128)) == fp8_native.WEIGHT_ONLY_MAX_M
 
 
 @pytest.mark.parametrize("change,n,k,block,dtype,why", [

@@ -1,6 +1,7 @@
 """The quantization plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, every
 kind of variant the launchers use: fused activation quantization (dynamic and static; bf16 and fp32
 inputs), the FP8 GEMM (W8A8; weight-only in bf16 and fp16), the weight-only fp8 GEMV (per-row and block scales),
+the W8A8 small-M GEMM (per-token, static and block-fp8 activations quantized in it),
 the int4 GEMM and GEMV (one scale row per tile, and gathered through g_idx; float32 split-K partials),
 the int4 prefill dequantize and the split-K reduce. The interpreter accepts code the compiler rejects."""
 
@@ -19,8 +20,8 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, int4_dequant_triton,
-                                   int4_gemv_triton, int4_triton, splitk_reduce)
+    from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_triton,
+                                   int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
@@ -58,6 +59,19 @@ SCRIPT = textwrap.dedent('''
         compile_(fp8_gemv_triton._fp8_gemv_kernel, sig, {"GROUP_N": group_n, "GROUP_K": group_k,
                                                          "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
                                                          "SCALE_AFTER": group_k >= 4096})
+    w8a8_strides = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_wsn", "stride_wsk", "stride_cs",
+                    "stride_cm", "stride_cn")
+    # per token over K (one split, bf16 out; 4 splits, fp32 partials), static, block fp8 (a scale per K tile)
+    for act, c_dt, group_k, per_tile, tiles, rows in ((1, "*bf16", 0, False, (16, 64, 128), 1),
+                                                      (1, "*fp32", 0, False, (32, 64, 128), 32),
+                                                      (0, "*bf16", 0, False, (16, 64, 128), 4),
+                                                      (2, "*fp32", 128, True, (16, 64, 128), 2)):
+        sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "static_ptr": "*fp32", "c_ptr": c_dt,
+               "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in w8a8_strides}}
+        compile_(fp8_w8a8_small_m_triton._fp8_w8a8_small_m_kernel, sig,
+                 {"ACT": act, "GROUP_N": 128 if per_tile else 1, "GROUP_K": group_k, "W_PER_TILE": per_tile,
+                  "UPCAST_DOT": False, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
+                  "QUANT_ROWS": rows}, num_stages=4)
     for y_dt in ("*bf16", "*fp16"):
         sig = {"ws_ptr": "*fp32", "y_ptr": y_dt, "M": i32, "N": i32, "SPLITS": i32,
                **{s: i32 for s in ("stride_ws", "stride_wm", "stride_ym", "stride_yn")}}
