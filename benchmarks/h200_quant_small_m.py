@@ -8,7 +8,7 @@ bytes floor.
 Families: "fp8_row" (per-row / per-tensor scales: vLLM "fp8" per-tensor Llama), "fp8_block" (128x128 block
 scales), "int4_g128" (GPTQ / AWQ, group 128 in order); "fp8_row_w8a8" / "fp8_block_w8a8": the same weights
 through the W8A8 small-M GEMM ("dot_w8a8", `fp8_w8a8_small_m_triton`: activations quantized per token /
-per token and 128-group in its prologue), M <= 32 (fp8_native.SMALL_M_MAX_M), rows of their own (their
+per token and 128-group in its prologue), M <= 32 (fp8_native.SMALL_M_MAX_M: the bound the sweep decides, small_m_plan.w8a8_max_m, lies at or below it), rows of their own (their
 "default" is small_m_plan.w8a8_plan's), filling small_m_plan's "fp8_row_w8a8" / "fp8_block_w8a8" tables.
 Asking for "fp8_row" / "fp8_block" sweeps its W8A8 family too. Only the W8A8 small-M GEMM:
     python benchmarks/h200_quant_small_m.py --families fp8_row_w8a8 fp8_block_w8a8 --budget-s 400 \
@@ -56,7 +56,7 @@ W8A8_MS = (1, 2, 4, 8, 16, 32)  # the W8A8 small-M path serves M <= fp8_native.S
 # "dot_w8a8": (BLOCK_N weight rows (the MMA's M), BLOCK_K, num_warps), token tiles of 16 (and 32); each compiles
 # once per power of two of M (the rows it quantizes), so few tiles: a 64-row tile gives 4096-row layers 64
 # programs a split, a 128-row one half as many with twice the MMA per weight load
-W8A8_TILES = {"fp8_row_w8a8": [(64, 128, 4), (128, 128, 4), (64, 256, 4)],
+W8A8_TILES = {"fp8_row_w8a8": [(64, 128, 4), (128, 128, 4), (64, 256, 4), (128, 128, 8)],
               "fp8_block_w8a8": [(64, 128, 4), (128, 128, 4), (128, 128, 8)]}
 W8A8_SPLITS = (1, 2, 4, 8)
 DOT_TILES = {"fp8_row": [(32, 256), (64, 128), (16, 256)], "fp8_block": [(32, 128), (64, 128)],

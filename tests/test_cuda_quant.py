@@ -124,7 +124,8 @@ def test_fp8_native_paths_match_a_float64_reference(scheme_name, dtype, path):
     method = layer.quant_method
     assert method.native == path
     dense = fp8_math.dequantize(layer.weight, getattr(layer, scheme.scale_name), scheme.block, torch.float64)
-    for m in (1, 7, SMALL_M_MAX_M, SMALL_M_MAX_M + 1, 200):
+    bounds = {method.small_m_max_m, method.small_m_max_m + 1, SMALL_M_MAX_M, SMALL_M_MAX_M + 1}
+    for m in sorted({1, 7, 200} | bounds - {0, 1}):
         x = torch.randn(m, 320, device="cuda", generator=gen, dtype=dtype)
         got = layer(x)
         if method.native == "weight_only" or (m <= method.small_m_max_m and method.small_m == "weight_only"):
@@ -373,7 +374,7 @@ def test_w8a8_decode_does_not_depend_on_the_batch(llama, tmp_path):
     q = quantizer.quantize_checkpoint(llama, tmp_path / "q", "fp8-channel", dequantized_to=tmp_path / "ref")
     engine = _engine(q, dtype="bfloat16", max_num_seqs=48, enable_prefix_caching=False)
     method = engine.core.worker.runner.model.model.layers[0].mlp.down_proj.quant_method
-    assert (method.native, method.small_m, method.small_m_max_m) == ("scaled_mm", "w8a8_small_m", 32)
+    assert (method.native, method.small_m, method.small_m_max_m) == ("scaled_mm", "w8a8_small_m", 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     mine = _prompts(7, [21])[0]
     alone = run_requests(engine, [mine], params, prefix="alone")["alone0"].outputs[0]

@@ -4,7 +4,7 @@ Chosen once per layer after loading, from where the weight lives and what the sc
 large M (`choose_native`) and one for steps of at most SMALL_M_MAX_M tokens (`choose_small_m`), each with
 why, logged once per model and reason by `NativeChoiceLog`; a step's M (tokens) is static per captured
 CUDA graph, so the choice is fixed per graph bucket:
-- "w8a8_small_m" (M <= SMALL_M_MAX_M, schemes with activation scales): the Triton W8A8 small-M GEMM
+- "w8a8_small_m" (M <= small_m_plan.w8a8_max_m, schemes with activation scales): the Triton W8A8 small-M GEMM
   (`fp8_w8a8_small_m_triton`): fp8 x fp8 MMA, the weight rows as the MMA's M, the activations quantized
   in its prologue with the numbers `quantize_activations` gives -- the large-M paths' math, so a
   request's result does not depend on its step's batch size.
@@ -34,12 +34,15 @@ import torch
 
 from keel.layers.fp8_utils import per_token_group_quant_fp8
 from keel_quantization import fp8_cublas_block, fp8_math
+from keel_quantization.small_m_plan import w8a8_max_m
 
 logger = logging.getLogger("keel.quantization.fp8")
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Largest M (tokens in a step) of the small-M path of a W8A8 layer: below it a GEMM is memory-bound on the
 # weight, and the large-M paths (a quantization launch, then cuBLAS) cost ~2x the bytes' time at M = 1.
+# The W8A8 small-M GEMM serves up to its measured bound (small_m_plan.w8a8_max_m: 8 per row, 16 per block),
+# the weight-only GEMM (shapes the former does not take) up to this one.
 SMALL_M_MAX_M = 32
 
 
@@ -119,8 +122,11 @@ def choose_small_m(native: str | None, activation: str, block: tuple[int, int] |
     if why is not None:
         return NativeChoice("weight_only", f"M <= {SMALL_M_MAX_M}: the weight-only GEMM, not the W8A8 small-M one "
                             f"({why}): results at these M differ from the large-M path's"), SMALL_M_MAX_M
-    return NativeChoice("w8a8_small_m", f"M <= {SMALL_M_MAX_M}: the Triton W8A8 small-M GEMM ({activation} "
-                        "activations quantized in it, as at large M)"), SMALL_M_MAX_M
+    max_m = min(SMALL_M_MAX_M, w8a8_max_m(block is None))
+    if max_m == 0:
+        return None, 0
+    return NativeChoice("w8a8_small_m", f"M <= {max_m}: the Triton W8A8 small-M GEMM ({activation} "
+                        "activations quantized in it, as at large M)"), max_m
 
 
 def quantize_activations(x: torch.Tensor, activation: str, block: tuple[int, int] | None,

@@ -59,7 +59,9 @@ def _dot(bm: int, bn: int, split: int, stages: int | None = 4) -> SmallMPlan:
 # h200_quant_small_m.py's best_per_bucket: least total time over Llama-8B's qkv / o / gate_up / down);
 # an M past the last bucket, or a family not here, takes the built-in default below; None: the default
 # won that bucket. Families: "fp8_row" (one scale group over K), "fp8_block", "int4"; "fp8_row_w8a8" /
-# "fp8_block_w8a8": the W8A8 small-M GEMM (fp8 layers with activation scales), no sweep yet: the default.
+# "fp8_block_w8a8": the W8A8 small-M GEMM (fp8 layers with activation scales), whose last bucket is also
+# the largest M it serves (`w8a8_max_m`): past it the large-M W8A8 path (a quantization launch, then
+# cuBLAS) is faster.
 # H200 at ee79a05 (benchmarks/results/h200-quant-small-m-ee79a05.json), us per four layers, default -> plan:
 # fp8_row M=1 113.6 -> 86.1 (gemv), M=2 114.3 -> 106.7; fp8_block M=1 128.8 -> 97.9, M 2-16 ~127 -> ~107,
 # M=32 218 -> 130; int4 M 1-16 246 -> 140-143, M=32 272 -> 180, M=64 348 -> 192. fp8_row M 4-64 were cut
@@ -76,9 +78,17 @@ TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {
                   (32, _dot(32, 64, 4)), (64, _dot(64, 64, 4))),
     "int4": ((1, SmallMPlan("gemv_fold", 1, 16, 1024)), (2, SmallMPlan("gemv_fold", 2, 32, 512, 2)),
              (16, _dot(16, 64, 8, None)), (32, _dot(32, 64, 4, None)), (64, _dot(64, 64, 4, None))),
-    "fp8_row_w8a8": ((32, None),),
-    "fp8_block_w8a8": ((32, None),),
+    "fp8_row_w8a8": ((1, SmallMPlan("dot_w8a8", 16, 64, 256, 4, num_stages=4)), (8, None)),
+    "fp8_block_w8a8": ((1, SmallMPlan("dot_w8a8", 16, 64, 128, 8, num_stages=4)),
+                       (4, SmallMPlan("dot_w8a8", 16, 128, 128, 8, num_stages=4)),
+                       (16, SmallMPlan("dot_w8a8", 16, 128, 128, 8, num_warps=8, num_stages=4))),
 }
+# W8A8 at e73eee6 (h200-quant-small-m-w8a8-e73eee6.json, activations per token / per token and group, us per
+# four layers; the weight-only rows above, then the large-M W8A8 path): fp8_row_w8a8 M=1 90.4 (weight-only
+# 80.4, W8A8 143), M=2-8 92-115 (104-105, 137-143), M=16 190 (104, 136): its tiles then had no 8-warp one;
+# fp8_block_w8a8 M=1 103 (98, 138), M=2-4 97-101 (~107, 138), M=8-16 115-120 (~107, 139), M=32 166 (130,
+# 154). The W8A8 small-M GEMM multiplies the activations the large-M path does (a request's tokens do
+# not depend on its step's batch size); the weight-only GEMM it replaces multiplied unquantized ones.
 SHIPPED = dict(TABLES)
 
 
@@ -127,6 +137,13 @@ def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
 
 # The plans are pure functions of the shape, so the SM count is the H200's (132), not the device's.
 SMS = 132
+
+
+def w8a8_max_m(per_row: bool) -> int:
+    """The largest M (tokens in a step) the W8A8 small-M GEMM serves, per row (one scale group over K) or
+    per block: its table's last bucket (0: no table, never)."""
+    rows = TABLES.get("fp8_row_w8a8" if per_row else "fp8_block_w8a8", ())
+    return rows[-1][0] if rows else 0
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import pytest
 import torch
 from keel_quantization import fp8_cublas_block, fp8_math, fp8_native
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme
+from keel_quantization.small_m_plan import w8a8_max_m
 
 from keel.layers.linear import ReplicatedLinear
 from keel.models.loader import default_dtype
@@ -87,7 +88,8 @@ def test_the_choice_per_m_is_made_once_from_the_large_m_path():
     for native, act, block in [("scaled_mm", "dynamic_token", None), ("scaled_mm", "static", None),
                                ("triton", "dynamic_group", (128, 128)), ("cublas_block", "dynamic_group", (128, 128))]:
         choice, max_m = fp8_native.choose_small_m(native, act, block, 4096)
-        assert (choice.path, max_m) == ("w8a8_small_m", bound) and act in choice.reason
+        assert (choice.path, max_m) == ("w8a8_small_m", w8a8_max_m(block is None)) and act in choice.reason
+    assert (w8a8_max_m(True), w8a8_max_m(False)) == (8, 16)  # measured: past them the large-M path is faster
     # a shape the W8A8 small-M GEMM does not take keeps the weight-only GEMM, saying why
     choice, max_m = fp8_native.choose_small_m("triton", "dynamic_token", None, 4104)
     assert (choice.path, max_m) == ("weight_only", bound) and "K 4104 is not a multiple of 16" in choice.reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from keel_quantization import fp8_math
+from keel_quantization import small_m_plan
 from keel_quantization.small_m_plan import SmallMPlan, w8a8_plan
 
 from keel.layers.fp8_utils import dequant_per_token_group
@@ -93,10 +94,17 @@ def test_the_activation_scales_are_whole_rows_under_a_split():
 
 def test_plans_and_refusals():
     assert w8a8_plan(1, 4096, 4096, 4096) is w8a8_plan(1, 4096, 4096, 4096)  # chosen once per shape
-    p = w8a8_plan(1, 4096, 4096, 4096)
-    assert (p.kernel, p.block_m, p.block_n, p.block_k, p.split_k) == ("dot_w8a8", 16, 64, 128, 4)  # 256 programs
-    assert w8a8_plan(32, 4096, 4096, 4096).block_m == 32 and w8a8_plan(1, 28672, 4096, 4096).split_k == 1
-    assert w8a8_plan(1, 4096, 14336, 128).block_k == 128 and w8a8_plan(1, 4096, 256, 128).split_k == 1
+    assert w8a8_plan(1, 4096, 4096, 4096).block_k == 256  # the measured table's M = 1 row (per row)
+    assert w8a8_plan(16, 4096, 4096, 128).num_warps == 8  # and its M 5-16 row (per block)
+    try:  # the built-in default, the tables aside
+        small_m_plan.use_tables({})
+        assert small_m_plan.w8a8_max_m(True) == 0
+        p = w8a8_plan(1, 4096, 4096, 4096)
+        assert (p.kernel, p.block_m, p.block_n, p.block_k, p.split_k) == ("dot_w8a8", 16, 64, 128, 4)  # 256 programs
+        assert w8a8_plan(32, 4096, 4096, 4096).block_m == 32 and w8a8_plan(1, 28672, 4096, 4096).split_k == 1
+        assert w8a8_plan(1, 4096, 14336, 128).block_k == 128 and w8a8_plan(1, 4096, 256, 128).split_k == 1
+    finally:
+        small_m_plan.use_tables(small_m_plan.SHIPPED)
     assert w8a8.misfit(4096) is None and "not a multiple of 16" in w8a8.misfit(4100)
     q, s, gn, gk, _ = operands(32, 64, (16, 32), 0)
     with pytest.raises(ValueError, match="does not fit scale groups"):
