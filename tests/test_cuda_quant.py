@@ -365,16 +365,18 @@ def test_fp8_kv_cache_in_triton_flash_on_cuda(llama):
 
 
 def test_w8a8_decode_does_not_depend_on_the_batch(llama, tmp_path):
-    """A per-channel W8A8 Llama in bf16: one request decoded alone (M = 1, the W8A8 small-M GEMM) and among
-    40 others (M = 41, _scaled_mm) multiplies the same e4m3 activations -- both quantize per token -- so its
-    tokens are equal and its logprobs agree up to summation order (the weight-only small-M path it replaces
-    computed on the unquantized activations: up to fp8's activation rounding, ~0.6 here)."""
+    """A per-channel W8A8 Llama in float32: one request decoded alone (M = 1, the W8A8 small-M GEMM) and
+    among 40 others (M = 41, the Triton W8A8 GEMM) multiplies the same e4m3 activations -- both quantize
+    per token -- so its tokens are equal and its logprobs agree up to float32 summation order (the
+    weight-only small-M path it replaces computed on the unquantized activations). float32, not bf16: a
+    random-weight model's bf16 rounding of different summation orders grows over a few layers and steps,
+    whatever the GEMMs."""
     if not _sm89():
         pytest.skip("fp8 MMA needs sm89+")
     q = quantizer.quantize_checkpoint(llama, tmp_path / "q", "fp8-channel", dequantized_to=tmp_path / "ref")
-    engine = _engine(q, dtype="bfloat16", max_num_seqs=48, enable_prefix_caching=False)
+    engine = _engine(q, max_num_seqs=48, enable_prefix_caching=False)
     method = engine.core.worker.runner.model.model.layers[0].mlp.down_proj.quant_method
-    assert (method.native, method.small_m, method.small_m_max_m) == ("scaled_mm", "w8a8_small_m", 8)
+    assert (method.native, method.small_m, method.small_m_max_m) == ("triton", "w8a8_small_m", 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     mine = _prompts(7, [21])[0]
     alone = run_requests(engine, [mine], params, prefix="alone")["alone0"].outputs[0]
@@ -383,4 +385,4 @@ def test_w8a8_decode_does_not_depend_on_the_batch(llama, tmp_path):
     assert list(among.token_ids) == list(alone.token_ids)
     lp = [lps[t].logprob for lps, t in zip(alone.logprobs, alone.token_ids)]
     lp2 = [lps[t].logprob for lps, t in zip(among.logprobs, among.token_ids)]
-    assert max(abs(a - b) for a, b in zip(lp, lp2)) < 0.1, (lp, lp2)
+    assert max(abs(a - b) for a, b in zip(lp, lp2)) < 0.02, (lp, lp2)

@@ -34,6 +34,7 @@ from keel_quantization.small_m_plan import SmallMPlan, w8a8_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
 ACTIVATIONS = {"static": 0, "dynamic_token": 1, "dynamic_group": 2}
+AMAX_ELEMENTS = 4096  # elements of x per load of the per-token amax prologue
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def _fp8_w8a8_small_m_kernel(
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_ROWS: tl.constexpr,  # token rows loaded and quantized: a power of two >= the tile's tokens
+    AMAX_K: tl.constexpr,  # inputs a row per load of the per-token amax prologue (ACT 1)
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -77,11 +79,13 @@ def _fp8_w8a8_small_m_kernel(
     if ACT == 0:
         a_s = tl.load(static_ptr + offs_q * 0).to(tl.float32)  # [QR], the one static scale
     elif ACT == 1:  # the whole row's amax, whatever this program's split: the scale quant_fp8 takes
-        amax = tl.zeros((QUANT_ROWS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
+        # in chunks of AMAX_K (>= BLOCK_K) inputs: the loop waits on each load, so few, wide ones
+        offs_a = tl.arange(0, AMAX_K)
+        amax = tl.zeros((QUANT_ROWS, AMAX_K), dtype=tl.float32)
+        for k0 in range(0, K, AMAX_K):
+            k = k0 + offs_a
             x = tl.load(x_ptr + offs_q[:, None] * stride_xm + k[None, :] * stride_xk,
-                        mask=mask_q[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [QR, BK]
+                        mask=mask_q[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [QR, AK]
             amax = tl.maximum(amax, tl.abs(x))
         a_s = _dynamic_scale(tl.max(amax, axis=1))  # [QR]; max is exact, so any order gives quant_fp8's
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -165,6 +169,8 @@ def fp8_w8a8_small_m_gemm(
     dst = SplitKOutput(y, k, bk, plan.split_k)
     scs, scm, scn = dst.strides
     quant_rows = bm if m > bm else triton.next_power_of_2(m)
+    # the prologue's chunk: ~4096 elements a load (32 a thread at 4 warps), K's whole row where it fits
+    amax_k = max(bk, min(triton.next_power_of_2(k), AMAX_ELEMENTS // quant_rows))
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = x.device.type == "cpu" or bk < 32
     static = input_scale.float().reshape(1) if act == 0 else w_s  # unread unless static
@@ -172,5 +178,6 @@ def fp8_w8a8_small_m_gemm(
         x, w_q, w_s, static, dst.buf, m, n, k, dst.k_per_split,
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn,
         ACT=act, GROUP_N=group_n, GROUP_K=group_k if act == 2 or w_per_tile else 0, W_PER_TILE=w_per_tile,
-        UPCAST_DOT=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QUANT_ROWS=quant_rows, **plan.launch_options())
+        UPCAST_DOT=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QUANT_ROWS=quant_rows, AMAX_K=amax_k,
+        **plan.launch_options())
     return dst.finish()

@@ -72,6 +72,24 @@ def test_matches_quantize_activations_then_matmul(plan, m, n, k, activation, blo
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_per_token_amax_in_several_chunks(monkeypatch, m):
+    """The prologue's amax loads AMAX_ELEMENTS // rows inputs a row at a time: 32 here, a K of 96 in three
+    chunks (the amax in the last), then 112 in four, the last partial."""
+    monkeypatch.setattr(w8a8, "AMAX_ELEMENTS", 32 * triton_next_pow2(m))
+    for k in (96, 112):
+        q, s, gn, gk, deq = operands(40, k, None, k)
+        x = activations(m, k, k)
+        x[-1, k - 5] = 300.0  # the row's amax in the last chunk
+        out = torch.full((m, 40), float("nan"))
+        w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, "dynamic_token", out=out, plan=SmallMPlan("dot_w8a8", 16, 16, 16))
+        torch.testing.assert_close(out.double(), reference(x, "dynamic_token", None, None, deq), atol=1e-5, rtol=1e-5)
+
+
+def triton_next_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
 def test_bf16_activations_and_the_default_plan():
     q, s, gn, gk, deq = operands(48, 256, (16, 128), 3)
     x = activations(5, 256, 4, torch.bfloat16)
