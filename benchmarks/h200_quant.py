@@ -112,7 +112,7 @@ def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) 
 
         best = json.loads(plans.read_text())
         best = best.get("cases", {}).get(SMALL_M, best)["best_per_bucket"]
-        small_m_plan.use_tables(_sibling("h200_quant_small_m").tables(best))
+        small_m_plan.use_tables({**small_m_plan.SHIPPED, **_sibling("h200_quant_small_m").tables(best)})
         used_plans = {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
 
     arch, shape, qcfg, throughput, _ = CASES[name]

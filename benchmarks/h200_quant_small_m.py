@@ -13,7 +13,10 @@ per token and 128-group in its prologue), M <= 32 (fp8_native.SMALL_M_MAX_M: the
 Asking for "fp8_row" / "fp8_block" sweeps its W8A8 family too. Only the W8A8 small-M GEMM:
     python benchmarks/h200_quant_small_m.py --families fp8_row_w8a8 fp8_block_w8a8 --budget-s 400 \
         --out benchmarks/results/h200-quant-small-m-w8a8.json
-Prediction for dot_w8a8 (not measured): Llama-8B's four GEMMs at M = 1 ~60 us (55-68; the weight-only
+Prediction for the W8A8 families' "gemv" candidates at M = 1 (the weight-only GEMV's loop on activations
+quantized in it; not measured): fp8_row_w8a8 ~82 us per four layers (the weight-only GEMV 80.4 plus a
+prologue of one 8 KB load), beating dot_w8a8's 91; fp8_block_w8a8 ~100 (weight-only 97.9, dot_w8a8 103).
+Prediction for dot_w8a8 (measured at e73eee6: 90.4, the prologue and the reduce hold it): Llama-8B's four GEMMs at M = 1 ~60 us (55-68; the weight-only
 gemv 80.4, cuBLAS W8A8 137): no conversion per weight element, so bound by the weight's bytes and the
 split's second launch. Candidates (`candidates`): the shipped default
 (`small_m_plan`), the tensor-core "dot" kernel over a few tiles x K splits 1-8, the "gemv" kernel
@@ -59,6 +62,7 @@ W8A8_MS = (1, 2, 4, 8, 16, 32)  # the W8A8 small-M path serves M <= fp8_native.S
 W8A8_TILES = {"fp8_row_w8a8": [(64, 128, 4), (128, 128, 4), (64, 256, 4), (128, 128, 8)],
               "fp8_block_w8a8": [(64, 128, 4), (128, 128, 4), (128, 128, 8)]}
 W8A8_SPLITS = (1, 2, 4, 8)
+W8A8_GEMV_MAX_M = 2  # the W8A8 families' "gemv" candidates (the weight-only GEMV won M = 1 only)
 DOT_TILES = {"fp8_row": [(32, 256), (64, 128), (16, 256)], "fp8_block": [(32, 128), (64, 128)],
              "int4_g128": [(32, 128), (64, 128), (16, 128)]}
 GEMV_TILES = {"fp8_row": [(4, 512), (8, 512), (16, 256), (32, 128), (8, 128), (4, 256)],
@@ -95,6 +99,12 @@ def candidates(family: str, m: int) -> dict:
 
     out: dict = {"default": None}
     if family.endswith(W8A8_SUFFIX):
+        if m <= W8A8_GEMV_MAX_M:  # first: the GEMV on quantized activations (its block K tile: the group)
+            base = family.removesuffix(W8A8_SUFFIX)
+            for bn, bk in GEMV_TILES[base]:
+                if _pow2(m) * bn * bk <= GEMV_MAX_ELEMENTS and (base == "fp8_row" or bk == 128):
+                    for split in GEMV_SPLITS:
+                        out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
         for bm in sorted({16, _block_m(m)}):  # M 17-32 in token tiles of 16 too (the weight read twice, from L2)
             for bn, bk, warps in W8A8_TILES[family]:
                 for split in W8A8_SPLITS:
@@ -247,12 +257,20 @@ def expand_families(families: list[str]) -> list[str]:
 
 
 def tables(best: dict) -> dict:
-    """best_per_bucket -> small_m_plan.use_tables' argument (family -> ((largest M, plan or None), ...))."""
+    """best_per_bucket -> small_m_plan.use_tables' argument (family -> ((largest M, plan or None), ...)).
+    A W8A8 family's table ends before the first M its best plan loses to the large-M W8A8 path: its last
+    bucket is the largest M the small-M GEMM serves (small_m_plan.w8a8_max_m)."""
     from keel_quantization.small_m_plan import SmallMPlan
 
-    return {TABLE_KEYS[family]: tuple((int(m), None if b["plan"] is None else SmallMPlan(**b["plan"]))
-                                      for m, b in buckets.items())
-            for family, buckets in best.items()}
+    out = {}
+    for family, buckets in best.items():
+        rows = []
+        for m, b in sorted(buckets.items(), key=lambda kv: int(kv[0])):
+            if family.endswith(W8A8_SUFFIX) and b["total_us"] >= b.get("w8a8_total_us", float("inf")):
+                break
+            rows.append((int(m), None if b["plan"] is None else SmallMPlan(**b["plan"])))
+        out[TABLE_KEYS[family]] = tuple(rows)
+    return out
 
 
 def tables_literal(tables: dict) -> str:

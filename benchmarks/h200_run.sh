@@ -21,6 +21,8 @@
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150)
+#   quant     h200_quant.py's engine cases (QUANT_CASES); QUANT_PLANS=$W/h200-quant-small-m.json: with the plans
+#             of a small-m part run before it in the same call, over the shipped tables
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -65,7 +67,8 @@ for part in "$@"; do
     gc) timeout 150 python3 benchmarks/gc_per_step.py --out "$W/h200-gc-per-step.json" >"$W/gc.log" 2>&1
         grep -E '^(plain|constrained)' "$W/gc.log" | cut -c1-600;;
     quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
-             dsv2lite-fp8-block llama8b-gptq} --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
+             dsv2lite-fp8-block llama8b-gptq} $([ -n "${QUANT_PLANS:-}" ] && echo --plans "$QUANT_PLANS") \
+             --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
     int4-prefill) timeout 150 python3 benchmarks/h200_int4_prefill.py --budget-s 90 --out "$W/h200-int4-prefill.json" \
                     >"$W/int4-prefill.log" 2>&1; tail -n 40 "$W/int4-prefill.log" | cut -c1-400;;

@@ -10,6 +10,13 @@ bound by issuing its conversion and multiply-adds as much as by the weight's byt
 bandwidth on the H200 at 186f88e; predicted ~8-12% faster at M = 1, unmeasured). The grid is
 (N / BLOCK_N, splits, M / BLOCK_M) and writes y (one split) or the float32 partials `splitk_reduce` sums.
 Launched through `fp8_triton.fp8_weight_only_gemm` with a "gemv" `SmallMPlan`.
+
+With ACT > 0 it is a W8A8 GEMV (`fp8_w8a8_small_m_triton.fp8_w8a8_small_m_gemm` with a "gemv" plan): the
+activations are quantized in the kernel with `fp8_quant_triton`'s helpers -- the e4m3 values and scales
+`quantize_activations` gives -- and the products of two e4m3 values are exact in float32, so the result
+is the W8A8 math up to float32 summation order, at the weight-only GEMV's cost (no MMA padding of M = 1):
+ACT 1 per token (a prologue takes the whole row's amax, AMAX_K inputs a load), 2 per token and GROUP_K
+inputs (the K tile is the group), 3 static (the one input_scale).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
 from keel_quantization.splitk_reduce import split_range
 
 
@@ -28,6 +36,9 @@ def _fp8_gemv_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_AFTER: tl.constexpr,  # one scale group over K (per-tensor / per-channel): scaled once, after the loop
+    static_ptr=None,  # float32 [1], ACT 3
+    ACT: tl.constexpr = 0,  # 0 weight-only; activations quantized: 1 per token, 2 per token and group, 3 static
+    AMAX_K: tl.constexpr = 1,  # inputs a row per load of the per-token amax prologue (ACT 1)
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -37,6 +48,17 @@ def _fp8_gemv_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
+    if ACT == 1:  # the whole row's amax, whatever this program's split: the scale quant_fp8 takes
+        offs_a = tl.arange(0, AMAX_K)
+        amax = tl.zeros((BLOCK_M, AMAX_K), dtype=tl.float32)
+        for a0 in range(0, K, AMAX_K):
+            ka = a0 + offs_a
+            xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + ka[None, :] * stride_xk,
+                         mask=mask_m[:, None] & (ka < K)[None, :], other=0.0).to(tl.float32)  # [BM, AK]
+            amax = tl.maximum(amax, tl.abs(xa))
+        a_s = _dynamic_scale(tl.max(amax, axis=1))  # [BM]; max is exact, so any order gives quant_fp8's
+    elif ACT == 3:
+        a_s = tl.load(static_ptr + offs_m * 0).to(tl.float32)  # [BM], the one static scale
     # products accumulate elementwise and are summed over K once after the loop: no cross-thread
     # reduction per tile (one M row: a 2-D accumulator)
     if BLOCK_M == 1:
@@ -52,17 +74,27 @@ def _fp8_gemv_kernel(
             b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + (k0 // GROUP_K) * stride_bsk,
                           mask=mask_n, other=0.0)  # [BN]: the tile lies in one K group
             w = w * b_s[:, None]
-        if BLOCK_M == 1:
+        if BLOCK_M == 1 and ACT == 0:
             x = tl.load(x_ptr + offs_m * stride_xm + k * stride_xk, mask=mask_m & mask_k, other=0.0)  # [BK]
             acc += w * x.to(tl.float32)[None, :]
         else:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-            acc += x[:, None, :] * w[None, :, :]
+            if ACT == 2:  # this tile is its group (BLOCK_K == GROUP_K)
+                g_s = _dynamic_scale(tl.max(tl.abs(x), axis=1))  # [BM]
+                x = _to_e4m3(x, tl.broadcast_to(g_s[:, None], x.shape)) * g_s[:, None]
+            elif ACT != 0:  # e4m3 values; the row's scale multiplies the sums after the loop
+                x = _to_e4m3(x, tl.broadcast_to(a_s[:, None], x.shape))
+            if BLOCK_M == 1:
+                acc += w * tl.reshape(x, (BLOCK_K,))[None, :]
+            else:
+                acc += x[:, None, :] * w[None, :, :]
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     else:
         out = tl.sum(acc, axis=2)  # [BM, BN]
+    if ACT == 1 or ACT == 3:
+        out = out * a_s[:, None]
     if SCALE_AFTER:
         out = out * tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)[None, :]
     c_ptr += pid_s * stride_cs

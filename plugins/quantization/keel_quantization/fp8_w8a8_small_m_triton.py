@@ -35,6 +35,7 @@ from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
 ACTIVATIONS = {"static": 0, "dynamic_token": 1, "dynamic_group": 2}
 AMAX_ELEMENTS = 4096  # elements of x per load of the per-token amax prologue
+GEMV_ACT = {0: 3, 1: 1, 2: 2}  # ACTIVATIONS -> fp8_gemv_triton's ACT (0 there: weight-only)
 
 
 @triton.jit
@@ -159,7 +160,8 @@ def fp8_w8a8_small_m_gemm(
     plan = plan or w8a8_plan(m, n, k, group_k)
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     w_per_tile = group_k < k
-    if plan.kernel != "dot_w8a8" or ((act == 2 or w_per_tile) and group_k % bk):
+    if (plan.kernel not in ("dot_w8a8", "gemv") or ((act == 2 or w_per_tile) and group_k % bk)
+            or (plan.kernel == "gemv" and act == 2 and bk != group_k)):
         raise ValueError(f"fp8_w8a8_small_m_gemm: plan {plan} does not fit scale groups of {group_k}")
     if act == 0 and input_scale is None:
         raise ValueError("fp8_w8a8_small_m_gemm: static activations need input_scale")
@@ -171,9 +173,19 @@ def fp8_w8a8_small_m_gemm(
     quant_rows = bm if m > bm else triton.next_power_of_2(m)
     # the prologue's chunk: ~4096 elements a load (32 a thread at 4 warps), K's whole row where it fits
     amax_k = max(bk, min(triton.next_power_of_2(k), AMAX_ELEMENTS // quant_rows))
+    static = input_scale.float().reshape(1) if act == 0 else w_s  # unread unless static
+    if plan.kernel == "gemv":  # no MMA: the weight-only GEMV's loop on the quantized activations
+        from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
+
+        amax_k = max(bk, min(triton.next_power_of_2(k), AMAX_ELEMENTS // bm))  # its tile: [BLOCK_M, AMAX_K]
+        _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
+            x, w_q, w_s, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1), w_q.stride(0),
+            w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn, GROUP_N=group_n, GROUP_K=group_k,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=not w_per_tile, static_ptr=static,
+            ACT=GEMV_ACT[act], AMAX_K=amax_k, **plan.launch_options())
+        return dst.finish()
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = x.device.type == "cpu" or bk < 32
-    static = input_scale.float().reshape(1) if act == 0 else w_s  # unread unless static
     _fp8_w8a8_small_m_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
         x, w_q, w_s, static, dst.buf, m, n, k, dst.k_per_split,
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn,

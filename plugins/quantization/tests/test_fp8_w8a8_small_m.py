@@ -72,8 +72,29 @@ def test_matches_quantize_activations_then_matmul(plan, m, n, k, activation, blo
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("plan", [SmallMPlan("gemv", 1, 8, 32), SmallMPlan("gemv", 4, 16, 32, split_k=2)],
+                         ids=["1x8x32", "4x16x32-s2"])
+@pytest.mark.parametrize("activation,block", [("dynamic_token", None), ("static", None),
+                                              ("dynamic_group", (16, 32)), ("dynamic_token", (16, 32)),
+                                              ("static", (16, 32))])
+def test_the_gemv_plan_multiplies_the_same_activations(plan, activation, block):
+    """A "gemv" plan: the weight-only GEMV's loop on the activations quantized in it -- the same numbers."""
+    for m in (1, plan.block_m - 1) if plan.block_m > 1 else (1,):
+        q, s, gn, gk, deq = operands(40, 96, block, m)
+        x = activations(m, 96, m + 1)
+        input_scale = torch.tensor([0.02]) if activation == "static" else None
+        out = torch.full((m, 40), float("nan"))
+        w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, activation, input_scale, out=out, plan=plan)
+        torch.testing.assert_close(out.double(), reference(x, activation, block, input_scale, deq), atol=1e-5,
+                                   rtol=1e-5)
+    if activation == "dynamic_group":  # its K tile must be the group: the tile's amax is the group's
+        with pytest.raises(ValueError, match="does not fit scale groups"):
+            w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, activation, plan=SmallMPlan("gemv", 1, 8, 16))
+
+
+@pytest.mark.parametrize("kernel", ["dot_w8a8", "gemv"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_the_per_token_amax_in_several_chunks(monkeypatch, m):
+def test_the_per_token_amax_in_several_chunks(monkeypatch, m, kernel):
     """The prologue's amax loads AMAX_ELEMENTS // rows inputs a row at a time: 32 here, a K of 96 in three
     chunks (the amax in the last), then 112 in four, the last partial."""
     monkeypatch.setattr(w8a8, "AMAX_ELEMENTS", 32 * triton_next_pow2(m))
@@ -82,7 +103,8 @@ def test_the_per_token_amax_in_several_chunks(monkeypatch, m):
         x = activations(m, k, k)
         x[-1, k - 5] = 300.0  # the row's amax in the last chunk
         out = torch.full((m, 40), float("nan"))
-        w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, "dynamic_token", out=out, plan=SmallMPlan("dot_w8a8", 16, 16, 16))
+        w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, "dynamic_token", out=out,
+                                   plan=SmallMPlan(kernel, 16 if kernel == "dot_w8a8" else triton_next_pow2(m), 16, 16))
         torch.testing.assert_close(out.double(), reference(x, "dynamic_token", None, None, deq), atol=1e-5, rtol=1e-5)
 
 

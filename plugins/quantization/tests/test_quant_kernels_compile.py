@@ -53,12 +53,16 @@ SCRIPT = textwrap.dedent('''
                   "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2]}, num_stages=4)
     gemv_strides = ("stride_xm", "stride_xk", "stride_bn", "stride_bk", "stride_bsn", "stride_bsk", "stride_cs",
                     "stride_cm", "stride_cn")
-    for c_dt, group_n, group_k, tiles in (("*fp32", 1, 4096, (1, 16, 512)), ("*bf16", 128, 128, (4, 8, 128))):
+    # weight-only, then on activations quantized in it (per token, per token and group, static)
+    for c_dt, group_n, group_k, tiles, act in (("*fp32", 1, 4096, (1, 16, 512), 0), ("*bf16", 128, 128, (4, 8, 128), 0),
+                                               ("*bf16", 1, 4096, (1, 8, 512), 1), ("*fp32", 128, 128, (1, 32, 128), 2),
+                                               ("*bf16", 1, 4096, (2, 8, 512), 3)):
         sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": c_dt, "M": i32, "N": i32, "K": i32,
-               "K_PER_SPLIT": i32, **{s: i32 for s in gemv_strides}}
+               "K_PER_SPLIT": i32, **{s: i32 for s in gemv_strides}, "static_ptr": "*fp32"}
         compile_(fp8_gemv_triton._fp8_gemv_kernel, sig, {"GROUP_N": group_n, "GROUP_K": group_k,
                                                          "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
-                                                         "SCALE_AFTER": group_k >= 4096})
+                                                         "SCALE_AFTER": group_k >= 4096, "ACT": act,
+                                                         "AMAX_K": 4096 // tiles[0]})
     w8a8_strides = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_wsn", "stride_wsk", "stride_cs",
                     "stride_cm", "stride_cn")
     # per token over K (one split, bf16 out; 4 splits, fp32 partials), static, block fp8 (a scale per K tile)
