@@ -2,7 +2,7 @@
 its own process (the vllm-peer harness's protocol, plus what the comparison needs to be trusted).
 
     python benchmarks/h200_vs_vllm.py --arch llama8b|dsv2lite [--engines keel,vllm] [--vllm-site DIR]
-        [--model-dir DIR | --write-checkpoint DIR | --quantization fp8-tensor|fp8-block] [--num-prompts 1000]
+        [--model-dir DIR | --write-checkpoint DIR | --quantization fp8-tensor|fp8-block|gptq] [--num-prompts 1000]
         [--out FILE.json] [--diagnose]
 
 Per engine: start time; a 16 x 16-token warm call (the same for both engines); then two rounds of
@@ -119,10 +119,13 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
 
 
 # --quantization: a quantization_config both engines read from config.json (dummy weights are then drawn
-# in that layout); vLLM's "fp8" checkpoint format, per-tensor or DeepSeek's 128x128 blocks.
+# in that layout); vLLM's "fp8" checkpoint format, per-tensor or DeepSeek's 128x128 blocks; GPTQ 4-bit
+# group 128 (vLLM serves it with its Marlin kernels, as it does a hub GPTQ checkpoint).
 QUANTIZATION = {"fp8-tensor": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
                 "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                              "weight_block_size": [128, 128]}}
+                              "weight_block_size": [128, 128]},
+                "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+                         "checkpoint_format": "gptq", "lm_head": False}}
 
 
 def write_config(out: Path, arch: str, quantization: str | None = None) -> None:

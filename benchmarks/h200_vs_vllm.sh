@@ -5,6 +5,7 @@
 #   vllm-c02       warm until the second (.vllm-peer/chunks/c02) is unpacked in the next call
 #   ckpt           write the seeded random DSV2-Lite checkpoint both engines load (/tmp/dsv2ckpt)
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
+#   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
 #   diag-llama diag-dsv2                         keel with --diagnose (what runs lazily per round)
 #   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_vs_vllm.sh install keel-llama ...
 set -u
@@ -25,9 +26,11 @@ for part in "$@"; do
     ckpt) [ -f $CKPT/model.safetensors.index.json ] || timeout 240 python3 -c "
 import sys, json, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('checkpoint written', round(time.perf_counter() - t, 1), 's')";;
-    keel-llama|vllm-llama|diag-llama)
+    keel-llama|vllm-llama|diag-llama|keel-llama-*|vllm-llama-*)
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
-      timeout 420 $B --arch llama8b --engines $e --vllm-site $VSITE --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
+      q=${part#*-llama}; q=${q#-}  # keel-llama-fp8-tensor: dummy weights in that layout (fp8-tensor, fp8-block, gptq)
+      timeout 420 $B --arch llama8b --engines $e --vllm-site $VSITE $([ -n "$q" ] && echo --quantization $q) \
+        --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-dsv2|vllm-dsv2|diag-dsv2)
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
       timeout 420 $B --arch dsv2lite --engines $e --model-dir $CKPT --vllm-site $VSITE --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
