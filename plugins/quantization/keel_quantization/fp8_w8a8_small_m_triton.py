@@ -36,6 +36,12 @@ from keel_quantization.splitk_reduce import SplitKOutput, split_range
 ACTIVATIONS = {"static": 0, "dynamic_token": 1, "dynamic_group": 2}
 AMAX_ELEMENTS = 4096  # elements of x per load of the per-token amax prologue
 GEMV_ACT = {0: 3, 1: 1, 2: 2}  # ACTIVATIONS -> fp8_gemv_triton's ACT (0 there: weight-only)
+# sm_90's fp8 MMA keeps ~14 bits of its running sum (DeepSeek-V3's report), and Triton lets it run over a
+# dot's whole K and, where `acc += dot` fuses (one weight scale over K: per-tensor / per-channel), over the
+# whole loop: at K = 512 that cost ~1e-3 of |y| (H200, float32) against the large-M GEMM, whose per-tile
+# scale multiply ends each sum after 128 inputs. Promoting every 128 inputs (DeepSeek's interval, and
+# the large-M kernels' tiles) makes the two paths sum alike.
+PROMOTE_K = 128
 
 
 @triton.jit
@@ -68,6 +74,7 @@ def _fp8_w8a8_small_m_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_ROWS: tl.constexpr,  # token rows loaded and quantized: a power of two >= the tile's tokens
     AMAX_K: tl.constexpr,  # inputs a row per load of the per-token amax prologue (ACT 1)
+    PROMOTE_K: tl.constexpr,  # the fp8 MMA's sums move to float32 every PROMOTE_K inputs (<= BLOCK_K)
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -111,8 +118,8 @@ def _fp8_w8a8_small_m_kernel(
         xq = _pad_rows(_to_e4m3(x, tl.broadcast_to(a_s[:, None], x.shape)), QUANT_ROWS, BLOCK_M)  # [BM, BK]
         if UPCAST_DOT:  # e4m3 values in float32: the products the fp8 MMA makes, exactly
             part = tl.dot(w.to(tl.float32), tl.trans(xq), input_precision="ieee")  # [BN, BM]
-        else:  # exact: xq is on the e4m3 grid
-            part = tl.dot(w, tl.trans(xq.to(w_ptr.dtype.element_ty)))
+        else:  # exact products (xq is on the e4m3 grid); sums promoted to float32 every PROMOTE_K inputs
+            part = tl.dot(w, tl.trans(xq.to(w_ptr.dtype.element_ty)), max_num_imprecise_acc=PROMOTE_K)
         if ACT == 2:
             part = part * _pad_scales(a_s, QUANT_ROWS, BLOCK_M)[None, :]
         if W_PER_TILE:
@@ -191,5 +198,5 @@ def fp8_w8a8_small_m_gemm(
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn,
         ACT=act, GROUP_N=group_n, GROUP_K=group_k if act == 2 or w_per_tile else 0, W_PER_TILE=w_per_tile,
         UPCAST_DOT=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QUANT_ROWS=quant_rows, AMAX_K=amax_k,
-        **plan.launch_options())
+        PROMOTE_K=min(PROMOTE_K, bk), **plan.launch_options())
     return dst.finish()
