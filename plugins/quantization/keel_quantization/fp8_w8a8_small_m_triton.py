@@ -36,12 +36,12 @@ from keel_quantization.splitk_reduce import SplitKOutput, split_range
 ACTIVATIONS = {"static": 0, "dynamic_token": 1, "dynamic_group": 2}
 AMAX_ELEMENTS = 4096  # elements of x per load of the per-token amax prologue
 GEMV_ACT = {0: 3, 1: 1, 2: 2}  # ACTIVATIONS -> fp8_gemv_triton's ACT (0 there: weight-only)
-# sm_90's fp8 MMA keeps ~14 bits of its running sum (DeepSeek-V3's report), and Triton lets it run over a
-# dot's whole K and, where `acc += dot` fuses (one weight scale over K: per-tensor / per-channel), over the
-# whole loop: at K = 512 that cost ~1e-3 of |y| (H200, float32) against the large-M GEMM, whose per-tile
-# scale multiply ends each sum after 128 inputs. Promoting every 128 inputs (DeepSeek's interval, and
-# the large-M kernels' tiles) makes the two paths sum alike.
-PROMOTE_K = 128
+# sm_90's fp8 MMA (wgmma) keeps ~14 bits of its running sum (DeepSeek-V3's report), and Triton lets it run
+# over a dot's whole K and, where `acc += dot` fuses (one weight scale over K: per-tensor / per-channel),
+# over the whole loop: 1e-3 of |y| off the exact W8A8 product at K = 512 on the H200 (float32), while the
+# large-M GEMM (16-token tiles, no wgmma) was within 1e-7. Promoted every 128 inputs it was 1.9e-4; every
+# wgmma (32 inputs) -- a float32 add per accumulator per instruction, free at decode sizes.
+PROMOTE_K = 32
 
 
 @triton.jit
