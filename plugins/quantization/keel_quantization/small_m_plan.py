@@ -18,6 +18,7 @@ plan is fixed per CUDA-graph bucket (M is static there), never decided per step 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -125,11 +126,20 @@ def fp8_plan(m: int, n: int, k: int, group_k: int) -> SmallMPlan:
     return SmallMPlan("dot", _block_m(m), 32, 256 if group_k >= k else min(256, group_k), num_stages=4)
 
 
+# A gemv_fold program covers at most this many inputs: the tables are measured on Llama-8B's layers, whose
+# longest K (down_proj, 14336) at M = 1 ran 22.6 us unsplit and 20.1 split in 2 (the table's 1x16x1024 plan;
+# h200-quant-small-m-0b338b1.json); at K = 4096 a split only added its reduce (7.9 -> 8.3 us on o_proj), and
+# at M = 2 the table's split 2 (7168 inputs a program) beat split 4 (25.0 vs 25.5).
+FOLD_MAX_K_PER_SPLIT = 8192
+
+
 @functools.cache
 def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
     """The int4 GEMM's plan for x [m, k] with `group` > 0 inputs per scale row in order (0: gathered)."""
     measured = _measured("int4", m, group if group < k else 0)
     if measured is not None and not (measured.kernel == "gemv_fold" and group == 0):
+        if measured.kernel == "gemv_fold" and -(-k // measured.split_k) > FOLD_MAX_K_PER_SPLIT:
+            return dataclasses.replace(measured, split_k=-(-k // FOLD_MAX_K_PER_SPLIT))
         return measured
     block_n = 32 if m <= 32 else 64  # small M: 128 programs for a 4096-output layer
     return SmallMPlan("dot", _block_m(m), block_n, 128 if group == 0 else min(128, group))

@@ -108,3 +108,16 @@ def test_tables_take_gemv_fold_tiles_of_whole_groups():
     x, qw, s, z, g_idx, _ = _case(1, 128, 16, 32, False, False, seed=3)
     with pytest.raises(ValueError, match="for gemv_fold, a multiple of it"):
         int4_triton.int4_gemm(x, qw, s, z, g_idx, group_size=32, plan=SmallMPlan("gemv_fold", 1, 16, 48))
+
+
+def test_long_k_splits_gemv_fold_programs():
+    """A gemv_fold program covers at most FOLD_MAX_K_PER_SPLIT inputs (Llama-8B's down_proj at M = 1: split
+    in 2), a measured split that already fits is kept, and other kernels' plans are left alone."""
+    from keel_quantization import small_m_plan
+
+    cap = small_m_plan.FOLD_MAX_K_PER_SPLIT
+    one = small_m_plan.int4_plan(1, 4096, 14336, 128)
+    assert one.kernel == "gemv_fold" and -(-14336 // one.split_k) <= cap < 14336
+    assert small_m_plan.int4_plan(1, 4096, 4096, 128).split_k == 1
+    assert small_m_plan.int4_plan(2, 4096, 14336, 128).split_k == 2  # the table's own split fits
+    assert small_m_plan.int4_plan(16, 4096, 14336, 128).kernel == "dot"
