@@ -401,9 +401,10 @@ def test_w8a8_one_token_alone_equals_its_row_among_41(scheme_name, dtype):
     scale = exact.abs().max().item()
     errors = {"alone": (alone - exact).abs().max().item() / scale, "among": (among - exact).abs().max().item() / scale,
               "alone_vs_among": (alone - among).abs().max().item() / scale}
-    # float32: each path within the fp8 MMA's ~14-bit sums promoted every 128 inputs (float32 sums after);
-    # the two alike up to summation order
-    tol, tol_exact = (1e-5, 2e-3) if dtype == torch.float32 else (1e-2, 1e-2)
+    # float32: the large-M GEMM was 8e-8 of |y| off the exact product on the H200; the small-M one, whose
+    # sums are promoted to float32 after every wgmma, 5.3e-5 (1.9e-4 promoted every 128 inputs, 1e-3 never):
+    # what is left is the fp8 wgmma's own sum over its 32 inputs
+    tol, tol_exact = (1e-4, 2e-3) if dtype == torch.float32 else (1e-2, 1e-2)
     assert max(errors["alone"], errors["among"]) < tol_exact and errors["alone_vs_among"] < tol, errors
     if dtype == torch.float32:  # the unquantized activations' product is farther off than that
         assert (x[:1].double() @ dense.T - among).abs().max() > 10 * tol * among.abs().max()
@@ -431,9 +432,9 @@ def test_w8a8_small_m_sums_promoted_over_long_k(k):
 
 
 @pytest.mark.xfail(reason="failed on the H200 at 9a8cc17, 2e29efc (message lost) and 16712b2 (the tokens part at "
-                          "index 8: 86 vs 222) -- the W8A8 small-M GEMM let the fp8 MMA's ~14-bit sum run over K (1e-3 "
-                          "of |y| at K = 512), then promoted every 128 inputs (1.9e-4); promoting every wgmma "
-                          "(77747c1) is not yet run on a GPU", strict=False)
+                          "index 8: 86 vs 222), and at e7c24ed the same: the two paths' GEMMs still differ by ~5e-5 of |y| "
+                          "(the fp8 wgmma's own sum; 1e-3 before its sums were promoted every wgmma) and this "
+                          "random-weight model has a near-tie there -- or another cause, still open", strict=False)
 def test_w8a8_decode_does_not_depend_on_the_batch(llama, tmp_path):
     """A per-channel W8A8 Llama in float32: one request decoded alone (M = 1, the W8A8 small-M GEMM) and
     among 40 others (M = 41, the Triton W8A8 GEMM) multiplies the same e4m3 activations -- both quantize
