@@ -395,7 +395,7 @@ def test_w8a8_one_token_alone_equals_its_row_among_41(scheme_name, dtype):
     from keel_quantization.fp8_native import quantize_activations
 
     a_q, a_s = quantize_activations(x[:1], scheme.activation, scheme.block, None)
-    a = a_q.double() * a_s.double().repeat_interleave(512 // a_s.shape[1], dim=1)
+    a = a_q.double() * a_s.double().repeat_interleave(x.shape[1] // a_s.shape[1], dim=1)
     dense = fp8_math.dequantize(layer.weight, getattr(layer, scheme.scale_name), scheme.block, torch.float64)
     exact = a @ dense.T
     scale = exact.abs().max().item()
@@ -413,8 +413,8 @@ def test_w8a8_one_token_alone_equals_its_row_among_41(scheme_name, dtype):
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_w8a8_small_m_sums_promoted_over_long_k(k):
     """The W8A8 small-M GEMM with one weight scale over K (per-channel) against the exact product of the
-    same e4m3 values, at Llama-8B's K: the fp8 MMA's ~14-bit running sum is promoted to float32 every 128
-    inputs (left to run over K, its error grew with K: ~1e-3 of |y| at K = 512)."""
+    same e4m3 values, at Llama-8B's K: the fp8 MMA's ~14-bit running sum is promoted to float32 after every
+    wgmma (left to run over K, its error grew with K: ~1e-3 of |y| at K = 512)."""
     from keel_quantization.fp8_native import quantize_activations
     from keel_quantization.fp8_w8a8_small_m_triton import fp8_w8a8_small_m_gemm
 

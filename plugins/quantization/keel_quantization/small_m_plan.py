@@ -18,9 +18,8 @@ plan is fixed per CUDA-graph bucket (M is static there), never decided per step 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KERNELS = ("dot", "gemv", "gemv_fold", "dot_w8a8")
 
@@ -139,7 +138,7 @@ def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
     measured = _measured("int4", m, group if group < k else 0)
     if measured is not None and not (measured.kernel == "gemv_fold" and group == 0):
         if measured.kernel == "gemv_fold" and -(-k // measured.split_k) > FOLD_MAX_K_PER_SPLIT:
-            return dataclasses.replace(measured, split_k=-(-k // FOLD_MAX_K_PER_SPLIT))
+            return replace(measured, split_k=-(-k // FOLD_MAX_K_PER_SPLIT))
         return measured
     block_n = 32 if m <= 32 else 64  # small M: 128 programs for a 4096-output layer
     return SmallMPlan("dot", _block_m(m), block_n, 128 if group == 0 else min(128, group))
