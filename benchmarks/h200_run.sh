@@ -7,7 +7,7 @@
 #   wheels    the xgrammar wheels carried in .whl/ (the device has no network) into /tmp/site; fetch them here
 #             first with benchmarks/device_wheels.sh (xgrammar alone fails there: it needs pydantic too)
 #   install   keel and every plugin, editable, no dependencies
-#   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs its two chunk calls)
+#   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs one call per chunk)
 #   bitmask   h200_bitmask.py with the BPE vocabulary (BPE_FILE, default dev/bpe128k.json: train one with
 #             h200_bitmask.bpe_tokenizer_info, or leave it absent and the part trains it, ~1-2 min), then
 #             bitmask_gil.py (the fill thread's GIL cost to a busy loop, host only, ~20 s; with the backend's

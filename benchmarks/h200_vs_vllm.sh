@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Device calls for the keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py). Parts, in order given:
 #   install        keel (no network) into the device's python3
-#   vllm-c01       unpack the first vLLM chunk (.vllm-peer/chunks/c01, carried) -- the machine must stay
-#   vllm-c02       warm until the second (.vllm-peer/chunks/c02) is unpacked in the next call
+#   vllm-cNN       unpack vLLM chunk NN ($VLLM_CHUNKS/cNN, carried; default .vllm-peer/chunks), one call per
+#                  chunk, back to back (the machine must stay warm); VLLM_LAST_CHUNK=cNN (default c02) names the last,
+#                  whose part also reassembles vLLM into /tmp/vsite
 #   ckpt           write the seeded random DSV2-Lite checkpoint both engines load (/tmp/dsv2ckpt)
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
+#   keel-dsv2-Q vllm-dsv2-Q                     DSV2-Lite the same way (each engine draws its own weights: routing differs)
 #   diag-llama diag-dsv2                         keel with --diagnose (what runs lazily per round)
 #   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_vs_vllm.sh install keel-llama ...
 set -u
@@ -21,8 +23,11 @@ for part in "$@"; do
     install) python3 -m pip install -q --no-deps --no-build-isolation -e . $(ls -d plugins/*/ | sed 's/^/-e /') \
                >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
              python3 -c 'import torch, triton; print("gpus", torch.cuda.device_count(), torch.__version__, triton.__version__)';;
-    vllm-c01) mkdir -p /tmp/vin && cp -r .vllm-peer/chunks/c01 /tmp/vin/ && bash /tmp/vin/c01/reassemble.sh --status /tmp/vin 2>&1 | tail -3;;
-    vllm-c02) cp -r .vllm-peer/chunks/c02 /tmp/vin/ && SMOKE=0 bash /tmp/vin/c01/reassemble.sh /tmp/vin $VSITE 2>&1 | tail -3;;
+    vllm-c0*)
+      c=${part#vllm-}; mkdir -p /tmp/vin && cp -r ${VLLM_CHUNKS:-.vllm-peer/chunks}/$c /tmp/vin/
+      if [ "$c" = "${VLLM_LAST_CHUNK:-c02}" ]; then
+        SMOKE=0 bash /tmp/vin/c01/reassemble.sh /tmp/vin $VSITE 2>&1 | tail -3
+      else bash /tmp/vin/c01/reassemble.sh --status /tmp/vin 2>&1 | tail -3; fi;;
     ckpt) [ -f $CKPT/model.safetensors.index.json ] || timeout 240 python3 -c "
 import sys, json, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('checkpoint written', round(time.perf_counter() - t, 1), 's')";;
@@ -30,6 +35,10 @@ t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('c
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
       q=${part#*-llama}; q=${q#-}  # keel-llama-fp8-tensor: dummy weights in that layout (fp8-tensor, fp8-block, gptq)
       timeout 420 $B --arch llama8b --engines $e --vllm-site $VSITE $([ -n "$q" ] && echo --quantization $q) \
+        --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
+    keel-dsv2-*|vllm-dsv2-*)
+      e=${part%%-*}; q=${part#*-dsv2-}
+      timeout 480 $B --arch dsv2lite --engines $e --vllm-site $VSITE --quantization $q --timeout 460 \
         --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-dsv2|vllm-dsv2|diag-dsv2)
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
