@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,9 @@ QUANTIZATION = {"fp8-tensor": {"quant_method": "fp8", "fmt": "e4m3", "activation
                               "weight_block_size": [128, 128]},
                 "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
                          "checkpoint_format": "gptq", "lm_head": False}}
+
+
+LOG_CHOICES = re.compile(r"marlin|quantiz|kernel|backend|fp8|gptq", re.IGNORECASE)
 
 
 def write_config(out: Path, arch: str, quantization: str | None = None) -> None:
@@ -364,6 +368,8 @@ def main() -> None:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
             row = {"engine": engine, "error": "timeout", "stderr_tail": err[-3000:]}
         row["process_s"] = round(time.perf_counter() - t, 1)
+        if "error" not in row:  # which kernels the engine chose (vLLM logs its quantization / attention choices)
+            row["log_choices"] = [ln[-300:] for ln in p.stderr.splitlines() if LOG_CHOICES.search(ln)][-20:]
         if "error" not in row:
             vcmd = [sys.executable, "-c", f"import json,sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import h200_vs_vllm as m; print(json.dumps(m.versions({engine!r})))"]

@@ -4,6 +4,8 @@
 #   vllm-cNN       unpack vLLM chunk NN ($VLLM_CHUNKS/cNN, carried; default .vllm-peer/chunks), one call per
 #                  chunk, back to back (the machine must stay warm); VLLM_LAST_CHUNK=cNN (default c02) names the last,
 #                  whose part also reassembles vLLM into /tmp/vsite
+#   vllm-extra     wheels vLLM imports for quantized models, not in the kit (compressed-tensors, loguru: fetch them
+#                  here with `pip download --no-deps compressed-tensors loguru -d .vllm-peer/extra`), into its site
 #   ckpt           write the seeded random DSV2-Lite checkpoint both engines load (/tmp/dsv2ckpt)
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
@@ -28,6 +30,7 @@ for part in "$@"; do
       if [ "$c" = "${VLLM_LAST_CHUNK:-c02}" ]; then
         SMOKE=0 bash /tmp/vin/c01/reassemble.sh /tmp/vin $VSITE 2>&1 | tail -3
       else bash /tmp/vin/c01/reassemble.sh --status /tmp/vin 2>&1 | tail -3; fi;;
+    vllm-extra) python3 -m pip install -q --no-index --no-deps --target $VSITE .vllm-peer/extra/*.whl 2>&1 | tail -2;;
     ckpt) [ -f $CKPT/model.safetensors.index.json ] || timeout 240 python3 -c "
 import sys, json, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('checkpoint written', round(time.perf_counter() - t, 1), 's')";;
