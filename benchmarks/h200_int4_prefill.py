@@ -12,6 +12,13 @@ gate_up, ~4-5 ms over the model's 128 GEMMs a step) and ahead of every Triton ti
 larger Triton tiles (128 x 128, 8 warps) ~2x the shipped 64 x 64 plan, still short of cuBLAS. The result
 ("crossover") names the least M from which dequantize + cuBLAS wins on all four layers: int4_linear's
 DEQUANT_GEMM_MIN_M.
+
+At 3158d24 the Triton GEMM was ALU-bound on its dequantize: an int -> bf16 conversion per weight element on
+sm_90's 16-a-clock conversion pipe, repeated for every M block. Now each nibble is or-ed into the bits of
+bf16 128.0 and 128 + z subtracted in packed bf16 (no conversion); "shipped_float_dequant" times the old
+path in the same run. Prediction: the shipped plans ~1.5x faster at M 16-256 (Llama-8B's four layers at
+M = 256 769 -> ~500 us, dequantize + cuBLAS 477), so the crossover stays near 256 unless larger tiles
+(128 x 128, 256 x 128) now beat cuBLAS there.
 """
 
 from __future__ import annotations
@@ -24,11 +31,27 @@ from pathlib import Path
 import torch
 
 _here = Path(__file__).resolve().parent
-MS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton dot kernel; BLOCK_K divides the group (128)
 TILES = [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
-         (128, 64, 128, 4, 4), (64, 128, 128, 4, 3)]
+         (128, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+         (16, 64, 128, 4, 3), (32, 64, 128, 4, 3)]
+
+
+class float_dequant:
+    """Within it the int4 GEMM dequantizes as before the or-ed nibbles (int -> float -> bf16 per weight)."""
+
+    def __enter__(self):
+        from keel_quantization import int4_triton
+
+        self.saved = dict(int4_triton._MAGIC)
+        int4_triton._MAGIC.clear()
+
+    def __exit__(self, *exc):
+        from keel_quantization import int4_triton
+
+        int4_triton._MAGIC.update(self.saved)
 
 
 def _sibling(name: str):
@@ -44,10 +67,16 @@ def _layer(n: int, k: int, gen: torch.Generator):
                                                                                      dtype=torch.int32) // 128
 
 
+def _in(ctx, fn, *args, **kw):
+    with ctx:
+        return fn(*args, **kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200-int4-prefill.json")
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M")
     ns = ap.parse_args()
     import triton
 
@@ -62,13 +91,15 @@ def main() -> None:
     layers = {name: _layer(n, k, gen) for name, (n, k) in SHAPES.items()}
     t0 = time.perf_counter()
     rows = []
-    for m in MS:
+    ms = tuple(int(v) for v in ns.ms.split(","))
+    for m in ms:
         for name, (n, k) in SHAPES.items():
             qw, s, z, g = layers[name]
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             dense = int4_dequantize(qw, s, z, g, torch.bfloat16, 128)
             flops = 2 * m * n * k
             fns = {"shipped": lambda: int4_gemm(x, qw, s, z, g, group_size=128),
+                   "shipped_float_dequant": lambda: _in(float_dequant(), int4_gemm, x, qw, s, z, g, group_size=128),
                    "dequant_cublas": lambda: x @ int4_dequantize(qw, s, z, g, torch.bfloat16, 128),
                    "dequant_only": lambda: int4_dequantize(qw, s, z, g, torch.bfloat16, 128, out=dense),
                    "bf16_cublas": lambda: x @ dense}
@@ -87,7 +118,9 @@ def main() -> None:
             timed = {lb: us for lb, us in row["us"].items() if us is not None and lb != "dequant_only"}
             row["tflops"] = {lb: flops / us / 1e6 for lb, us in timed.items()}
             row["dequant_floor_us"] = n * k * 2.5 / ceil["copy_bw_GBps"] / 1e3  # int4 read, bf16 written
-            triton_us = [us for lb, us in timed.items() if lb not in ("dequant_cublas", "bf16_cublas")]
+            triton_us = [us for lb, us in timed.items() if lb not in ("dequant_cublas", "bf16_cublas",
+                                                                       "shipped_float_dequant")]
+            row["best_triton"] = min((us, lb) for lb, us in timed.items() if us in triton_us)[1]
             row["best_triton_us"] = min(triton_us)
             row["dequant_cublas_over_best_triton"] = row["us"]["dequant_cublas"] / row["best_triton_us"]
             rows.append(row)
@@ -95,12 +128,13 @@ def main() -> None:
     by_m = {}
     for r in rows:
         by_m.setdefault(r["m"], []).append(r)
-    totals = {m: {lb: sum(r["us"][lb] for r in rs) for lb in ("shipped", "dequant_cublas", "bf16_cublas")}
+    totals = {m: {lb: sum(r["us"][lb] for r in rs)
+                  for lb in ("shipped", "shipped_float_dequant", "dequant_cublas", "bf16_cublas")}
               | {"best_triton": sum(r["best_triton_us"] for r in rs)} for m, rs in by_m.items()}
     wins = [m for m, rs in by_m.items() if all(r["dequant_cublas_over_best_triton"] < 1 for r in rs)]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": source_commit(_here) or "unknown", **ceil, "rows": rows, "us_per_four_layers": totals,
-              "crossover": min((m for m in wins if all(w in wins for w in MS if w > m)), default=None)}
+              "crossover": min((m for m in wins if all(w in wins for w in ms if w > m)), default=None)}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=1, default=float))
     print(json.dumps({"us_per_four_layers": totals, "crossover": result["crossover"]}, indent=1,

@@ -70,7 +70,8 @@ for part in "$@"; do
              dsv2lite-fp8-block llama8b-gptq} $([ -n "${QUANT_PLANS:-}" ] && echo --plans "$QUANT_PLANS") \
              --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
-    int4-prefill) timeout 150 python3 benchmarks/h200_int4_prefill.py --budget-s 90 --out "$W/h200-int4-prefill.json" \
+    int4-prefill) timeout 240 python3 benchmarks/h200_int4_prefill.py --budget-s "${INT4_BUDGET_S:-150}" \
+                    --ms "${INT4_MS:-16,32,64,128,256,512,1024,8192}" --out "$W/h200-int4-prefill.json" \
                     >"$W/int4-prefill.log" 2>&1; tail -n 40 "$W/int4-prefill.log" | cut -c1-400;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;

@@ -5,7 +5,9 @@ y[m, n] = sum_k x[m, k] * (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n], 
 materialized; each packed word is read once and unpacked to its 8 inputs in registers. Where inputs
 sit in their groups in order (`group_size`: AWQ, GPTQ without desc_act) a K tile lies in one group, so
 its scales and zeros are one row per tile: the tile multiplies (q - zero), exact in the activations'
-dtype, and the scale multiplies the tile's float32 partial product. Otherwise (desc_act) scales and
+dtype, and the scale multiplies the tile's float32 partial product. In bf16 / fp16 that tile comes from
+integer operations and one packed subtraction: each nibble or-ed into the bits of OFFSET (128 / 1024),
+then OFFSET + zero subtracted -- exact, as GPTQ's and AWQ's zeros are integers. Otherwise (desc_act) scales and
 zeros are gathered per input through g_idx, so GPTQ's activation order needs no reordering. At decode
 sizes the plan (`small_m_plan.int4_plan`) may split K (float32 partials, then `splitk_reduce`) or run
 a GEMV kernel (`int4_gemv_triton`, or `int4_gemv_fold_triton` with the zero point folded out) instead,
@@ -35,6 +37,21 @@ def _int4_tile(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn,
 
 
 @triton.jit
+def _int4_tile_magic(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
+    """OFFSET + q [BLOCK_K, BLOCK_N] in `dtype` (bf16 / fp16) from integer operations alone: a nibble or-ed
+    into the bits of OFFSET (MAGIC: bf16 128.0 = 0x4300 or fp16 1024.0 = 0x6400, whose units bit is the
+    mantissa's lowest) is exactly OFFSET + q. Why: the float path (`_int4_tile` then a cast) costs an
+    int-to-float and a float-to-bf16 conversion per weight element, on sm_90's 16-a-clock conversion pipe
+    -- the GEMM's limit at M 16-512 -- where this costs a shift and one LOP3 (64 a clock)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qw_ptr + words[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                     mask=(words[:, None] < k_end // 8) & mask_n[None, :], other=0)  # [BK / 8, BN] int32
+    bits = ((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF) | MAGIC  # [BK / 8, 8, BN]
+    return tl.reshape(bits.to(tl.int16).to(dtype, bitcast=True), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _tile_group(s_ptr, z_ptr, k0, offs_n, mask_n, stride_sg, stride_sn, GROUP: tl.constexpr):
     """(scales, zeros) [BLOCK_N] float32 of the one group a tile starting at k0 lies in."""
     sz = (k0 // GROUP) * stride_sg + offs_n * stride_sn
@@ -59,6 +76,7 @@ def _int4_gemm_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ys, stride_ym, stride_yn,
     GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP and BLOCK_K divides GROUP; 0: read g_idx
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    MAGIC: tl.constexpr, OFFSET: tl.constexpr,  # bits and value of the float a nibble is or-ed into (0: float path)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -73,30 +91,42 @@ def _int4_gemm_kernel(
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-        q = _int4_tile(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn, BLOCK_K, BLOCK_N)  # [BK, BN]
-        if GROUP > 0:
+        if GROUP > 0 and MAGIC != 0:  # in-order groups, bf16 / fp16 activations: no float conversion per weight
+            w = _int4_tile_magic(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn, BLOCK_K, BLOCK_N,
+                                 MAGIC, x_ptr.dtype.element_ty)  # [BK, BN] = OFFSET + q, exact
             s, z = _tile_group(s_ptr, z_ptr, k0, offs_n, mask_n, stride_sg, stride_sn, GROUP)  # [BN]
-            w = q - z[None, :]  # [BK, BN] small integers: exact in any float dtype
+            # (OFFSET + q) - (OFFSET + z) in the activations' dtype: exact for integer zeros (GPTQ, AWQ)
+            w = w - (z + OFFSET).to(x_ptr.dtype.element_ty)[None, :]  # [BK, BN]
+            part = tl.dot(x, w) * s[None, :]
         else:
-            s, z = _gathered_groups(s_ptr, z_ptr, g_ptr, offs_k, mask_k, offs_n, mask_n, stride_sg, stride_sn)
-            w = (q - z) * s  # [BK, BN], zero outside K / N
-        if DOT_F32:
-            part = tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:
-            part = tl.dot(x, w.to(x.dtype))
-        if GROUP > 0:
-            part = part * s[None, :]
+            q = _int4_tile(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn, BLOCK_K, BLOCK_N)  # [BK, BN]
+            if GROUP > 0:
+                s, z = _tile_group(s_ptr, z_ptr, k0, offs_n, mask_n, stride_sg, stride_sn, GROUP)  # [BN]
+                w = q - z[None, :]  # [BK, BN] small integers: exact in any float dtype
+            else:
+                s, z = _gathered_groups(s_ptr, z_ptr, g_ptr, offs_k, mask_k, offs_n, mask_n, stride_sg, stride_sn)
+                w = (q - z) * s  # [BK, BN], zero outside K / N
+            if DOT_F32:
+                part = tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w.to(x.dtype))
+            if GROUP > 0:
+                part = part * s[None, :]
         acc += part
     y_ptr += tl.program_id(2) * stride_ys  # one split: y itself; more: this split's float32 partials
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+# activation dtype -> (bits, value) of the float whose mantissa's lowest bit is 1: OFFSET + q for a nibble q
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
 def int4_gemm(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # int32 [K / 8, N]
     scales: torch.Tensor,  # [groups, N]
-    zeros: torch.Tensor,  # [groups, N], same dtype as scales
+    zeros: torch.Tensor,  # [groups, N], same dtype as scales; integers (GPTQ / AWQ) for bf16 / fp16 x
     g_idx: torch.Tensor,  # int32 [K]
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
     group_size: int = 0,  # > 0: g_idx is k // group_size (inputs in order; a power of two >= 8, or K)
@@ -135,5 +165,5 @@ def int4_gemm(
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,
-            **plan.launch_options())
+            MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], OFFSET=_MAGIC.get(x.dtype, (0, 0.0))[1], **plan.launch_options())
     return dst.finish()

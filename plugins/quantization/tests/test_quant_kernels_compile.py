@@ -2,7 +2,8 @@
 kind of variant the launchers use: fused activation quantization (dynamic and static; bf16 and fp32
 inputs), the FP8 GEMM (W8A8; weight-only in bf16 and fp16), the weight-only fp8 GEMV (per-row and block scales),
 the W8A8 small-M GEMM (per-token, static and block-fp8 activations quantized in it),
-the int4 GEMM and GEMV (one scale row per tile, and gathered through g_idx; float32 split-K partials),
+the int4 GEMM and GEMV (one scale row per tile, and gathered through g_idx; float32 split-K partials; the
+GEMM's nibbles or-ed into bf16 / fp16 bits),
 the int4 prefill dequantize and the split-K reduce. The interpreter accepts code the compiler rejects."""
 
 from __future__ import annotations
@@ -84,11 +85,15 @@ SCRIPT = textwrap.dedent('''
            "y_ptr": "*bf16", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
            **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn",
                                "stride_ys", "stride_ym", "stride_yn")}}
-    for group, tiles in ((128, (16, 32, 128)), (0, (64, 64, 128))):
-        compile_(int4_triton._int4_gemm_kernel, sig, {"GROUP": group, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
-                                                      "BLOCK_K": tiles[2], "DOT_F32": False})
+    # the float path (MAGIC 0), then nibbles or-ed into bf16 128.0 / fp16 1024.0 (in-order groups only)
+    for group, tiles, magic in ((128, (16, 32, 128), 0), (0, (64, 64, 128), 0), (128, (128, 128, 64), 0x4300)):
+        consts = {"GROUP": group, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2], "DOT_F32": False,
+                  "MAGIC": magic, "OFFSET": 128.0 if magic else 0.0}
+        compile_(int4_triton._int4_gemm_kernel, sig, consts, num_warps=8 if tiles[0] > 64 else 4, num_stages=3)
         compile_(int4_triton._int4_gemm_kernel, {**sig, "y_ptr": "*fp32"},
-                 {"GROUP": group, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "DOT_F32": False})
+                 {**consts, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128})
+        if magic:
+            continue
         for block_m in (1, 4):  # one row: the 2-D accumulator
             compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
                      {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128})
@@ -96,6 +101,9 @@ SCRIPT = textwrap.dedent('''
                  {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "w_ptr": "*bf16",
                   **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
                  {"GROUP": group, "BLOCK_K": 64, "BLOCK_N": 128})
+    half = {**sig, "x_ptr": "*fp16", "s_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}
+    compile_(int4_triton._int4_gemm_kernel, half, {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
+                                                   "DOT_F32": False, "MAGIC": 0x6400, "OFFSET": 1024.0})
     print("compiled")
 ''')
 
