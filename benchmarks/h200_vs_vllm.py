@@ -258,6 +258,10 @@ def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose
     else:
         from keel import LLM, SamplingParams
 
+        if os.environ.get("INT4_DEQUANT_MIN_M"):  # a benchmark's what-if: where int4 steps dequantize + cuBLAS
+            from keel_quantization import int4_linear
+
+            int4_linear.DEQUANT_GEMM_MIN_M = int(os.environ["INT4_DEQUANT_MIN_M"])
         llm = LLM(model=model_dir, profile=os.environ.get("KEEL_PROFILE", "cuda"), dtype="bfloat16",
                   load_format=load_format, skip_tokenizer_init=True, seed=0, **LIMITS)
         wrap = lambda ids: {"prompt_token_ids": ids}
