@@ -101,10 +101,16 @@ def decode_step_bytes(model: torch.nn.Module, top_k: int, num_experts: int) -> i
     return int(total)
 
 
-def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) -> None:
+def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None,
+             int4_dequant_min_m: int | None = None) -> None:
     from keel.bench import random_prompts, run_latency, run_throughput
     from keel.config import EngineArgs
     from keel.engine.llm_engine import LLMEngine
+
+    if int4_dequant_min_m is not None:  # a crossover to try before it becomes int4_linear's constant
+        from keel_quantization import int4_linear
+
+        int4_linear.DEQUANT_GEMM_MIN_M = int4_dequant_min_m
 
     used_plans = None
     if plans is not None:  # the decode-size GEMM plans of a small-m sweep instead of the shipped tables
@@ -135,7 +141,8 @@ def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None) 
         **CASE_ENGINE_ARGS.get(name, {})))
     result: dict = {"case": name, "quantization_config": qcfg, "engine_args": CASE_ENGINE_ARGS.get(name, {}),
                     "startup_s": time.perf_counter() - start,
-                    "small_m_plans": used_plans or "shipped"}
+                    "small_m_plans": used_plans or "shipped",
+                    **({"int4_dequant_min_m": int4_dequant_min_m} if int4_dequant_min_m is not None else {})}
     model = engine.core.worker.runner.model
     methods = {type(getattr(m, "quant_method", None)).__name__ for m in model.modules()
                if getattr(m, "quant_method", None) is not None}
@@ -268,6 +275,8 @@ def main() -> None:
     ap.add_argument("--plans", help="engine cases use these decode-size GEMM plans: a small-m result JSON, or "
                     "'sweep': this run's small-m case (list it before the engine cases); default: the shipped ones")
     ap.add_argument("--plans-json", help=argparse.SUPPRESS)
+    ap.add_argument("--int4-dequant-min-m", type=int, help="int4 steps of this many tokens or more dequantize the "
+                    "weight and run cuBLAS (default: int4_linear's DEQUANT_GEMM_MIN_M)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--case-out", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -279,7 +288,8 @@ def main() -> None:
         elif ns.case in (GEMMS, GEMM_TILES):
             run_gemms(Path(ns.case_out), ns.case == GEMM_TILES)
         else:
-            run_case(ns.case, ns.num_prompts, Path(ns.case_out), ns.plans_json and Path(ns.plans_json))
+            run_case(ns.case, ns.num_prompts, Path(ns.case_out), ns.plans_json and Path(ns.plans_json),
+                     ns.int4_dequant_min_m)
         return
     import triton
 
@@ -301,7 +311,9 @@ def main() -> None:
         plans = out if ns.plans == "sweep" and swept else ns.plans
         plans = [] if plans in (None, "sweep") or name in (GEMMS, GEMM_TILES, SMALL_M) else ["--plans-json", str(plans)]
         proc = subprocess.run([sys.executable, __file__, "--case", name, "--case-out", str(tmp),
-                               "--num-prompts", str(ns.num_prompts), *plans], check=False)
+                               "--num-prompts", str(ns.num_prompts), *plans,
+                               *([] if ns.int4_dequant_min_m is None else
+                                 ["--int4-dequant-min-m", str(ns.int4_dequant_min_m)])], check=False)
         case_wall_s = time.perf_counter() - case_start
         if proc.returncode or not tmp.exists():
             result["cases"][name] = {"error": f"exit {proc.returncode}", "case_wall_s": case_wall_s}

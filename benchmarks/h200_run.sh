@@ -17,11 +17,13 @@
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
+#   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150)
-#   quant     h200_quant.py's engine cases (QUANT_CASES); QUANT_PLANS=$W/h200-quant-small-m.json: with the plans
+#   quant     h200_quant.py's engine cases (QUANT_CASES; QUANT_INT4_MIN_M: int4's dequantize + cuBLAS threshold;
+#             QUANT_TAG: a suffix for its files, to run it twice in a call); QUANT_PLANS=$W/h200-quant-small-m.json: with the plans
 #             of a small-m part run before it in the same call, over the shipped tables
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -68,8 +70,11 @@ for part in "$@"; do
         grep -E '^(plain|constrained)' "$W/gc.log" | cut -c1-600;;
     quant) timeout 300 python3 benchmarks/h200_quant.py --cases ${QUANT_CASES:-llama8b-fp8-tensor llama8b-fp8-block \
              dsv2lite-fp8-block llama8b-gptq} $([ -n "${QUANT_PLANS:-}" ] && echo --plans "$QUANT_PLANS") \
-             --out "$W/h200-quant.json" >"$W/quant.log" 2>&1
-           grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant.log" | cut -c1-700;;
+             $([ -n "${QUANT_INT4_MIN_M:-}" ] && echo --int4-dequant-min-m "$QUANT_INT4_MIN_M") \
+             --out "$W/h200-quant${QUANT_TAG:-}.json" >"$W/quant${QUANT_TAG:-}.log" 2>&1
+           grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant${QUANT_TAG:-}.log" | cut -c1-700;;
+    int4-dequant) timeout 120 python3 benchmarks/h200_int4_dequant.py --out "$W/h200-int4-dequant.json" \
+                    >"$W/int4-dequant.log" 2>&1; tail -n 8 "$W/int4-dequant.log" | cut -c1-1500;;
     int4-prefill) timeout 240 python3 benchmarks/h200_int4_prefill.py --budget-s "${INT4_BUDGET_S:-150}" \
                     --ms "${INT4_MS:-16,32,64,128,256,512,1024,8192}" --out "$W/h200-int4-prefill.json" \
                     >"$W/int4-prefill.log" 2>&1; tail -n 40 "$W/int4-prefill.log" | cut -c1-400;;

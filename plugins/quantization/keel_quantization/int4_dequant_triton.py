@@ -6,45 +6,73 @@ registers by more than the extra traffic costs (int4 read, bf16 written and read
 weight; a few percent of the GEMM at thousands of tokens). Smaller steps never take this path: there the
 weight's bytes are the cost, and the in-GEMM kernels read 0.5 bytes a weight.
 
-Each program writes a [BLOCK_K, BLOCK_N] tile from [BLOCK_K / 8, BLOCK_N] packed words, storing each
-nibble plane straight to its rows (input 8 * word + nibble): no register reshape. Rounding: (q - z) * s in
-float32, rounded once to the output dtype -- bit-equal to `int4_math.dequantize_int4` in that dtype (the
-product of a small integer and a bf16 / fp16 scale is exact in float32).
+Each program writes a [BLOCK_K, BLOCK_N] tile from [BLOCK_K / 8, BLOCK_N] packed words, one nibble plane
+(inputs 8 * word + j) at a time, straight to its rows. Per weight element: a shift, one mask-or that puts
+the nibble in the mantissa of 2^23 (the float 2^23 + q, exact: no int -> float conversion, which runs on
+sm_90's 16-a-clock pipe), one subtract of 2^23 + z and one multiply by s. Scales and zeros are loaded once
+a tile where the tile lies in one group (GROUP >= BLOCK_K), once a word row where groups are smaller, per
+input only for a desc_act g_idx. Rounding: (q - z) * s in float32, rounded once to the output dtype --
+bit-equal to `int4_math.dequantize_int4` in that dtype ((2^23 + q) - (2^23 + z) is q - z exactly for
+integer zeros, and the product of a small integer and a bf16 / fp16 scale is exact in float32).
+
+At 4083418 (h200-int4-prefill-4083418.json) the earlier kernel (scales loaded per element, an int -> float
+conversion per element, 64 x 128 tiles) took ~270 us for Llama-8B's four layers, 2.06x the 131 us of
+int4 read + bf16 written at copy bandwidth. Prediction for this one: ~1.2x that floor (~160 us), which
+takes ~3.5 ms off a GPTQ step of 256 tokens or more (Llama-8B, 32 layers).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_K = 64  # inputs a tile: 8 packed word rows
-BLOCK_N = 128
+_TWO_23 = tl.constexpr(8388608.0)
+
+
+@dataclass(frozen=True)
+class DequantTile:
+    block_k: int = 128  # inputs a tile (a multiple of 8: BLOCK_K / 8 packed word rows)
+    block_n: int = 128
+    num_warps: int = 4
+
+
+DEFAULT_TILE = DequantTile()
 
 
 @triton.jit
 def _int4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr,  # w: [K, N] out
     N, K, stride_qk, stride_sg, stride_wk,
-    GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP; 0: read g_idx
+    GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP (a power of two from 8, or K); 0: read g_idx
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    words = tl.program_id(0) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nib = tl.arange(0, 8)
-    k = words[:, None, None] * 8 + nib[None, :, None]  # [BK / 8, 8, 1] input index
-    mask_w = (words[:, None] < K // 8) & (offs_n[None, :] < N)  # [BK / 8, BN]; K is a multiple of 8
-    mask = (k < K) & (offs_n[None, None, :] < N)  # [BK / 8, 8, BN]
+    pid_k = tl.program_id(0)
+    words = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_w = (words < K // 8)[:, None] & (offs_n < N)[None, :]  # [BK / 8, BN]; K is a multiple of 8
     packed = tl.load(qw_ptr + words[:, None] * stride_qk + offs_n[None, :], mask=mask_w, other=0)
-    q = ((packed[:, None, :] >> (nib * 4)[None, :, None]) & 0xF).to(tl.float32)  # [BK / 8, 8, BN]
+    if GROUP >= BLOCK_K:  # the tile lies in one group (GROUP a multiple of BLOCK_K, or one group over K)
+        sz = ((pid_k * BLOCK_K) // GROUP) * stride_sg + offs_n[None, :]  # [1, BN]
+        mask_sz = (offs_n < N)[None, :]
+    elif GROUP > 0:  # a group per word row or more
+        sz = ((8 * words) // GROUP)[:, None] * stride_sg + offs_n[None, :]  # [BK / 8, BN]
+        mask_sz = mask_w
     if GROUP > 0:
-        g = k // GROUP
-    else:
-        g = tl.load(g_ptr + k, mask=k < K, other=0)
-    sz = g * stride_sg + offs_n[None, None, :]
-    s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-    tl.store(w_ptr + k * stride_wk + offs_n[None, None, :], ((q - z) * s).to(w_ptr.dtype.element_ty), mask=mask)
+        s = tl.load(s_ptr + sz, mask=mask_sz, other=0.0).to(tl.float32)
+        zb = tl.load(z_ptr + sz, mask=mask_sz, other=0.0).to(tl.float32) + _TWO_23  # 2^23 + z, exact
+    for j in tl.static_range(8):
+        k = 8 * words + j  # [BK / 8] this plane's inputs
+        if GROUP == 0:
+            g = tl.load(g_ptr + k, mask=k < K, other=0)
+            sz = g[:, None] * stride_sg + offs_n[None, :]
+            s = tl.load(s_ptr + sz, mask=mask_w, other=0.0).to(tl.float32)
+            zb = tl.load(z_ptr + sz, mask=mask_w, other=0.0).to(tl.float32) + _TWO_23
+        q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+        w = (q - zb) * s
+        tl.store(w_ptr + k[:, None] * stride_wk + offs_n[None, :], w.to(w_ptr.dtype.element_ty), mask=mask_w)
 
 
 def int4_dequantize(
@@ -55,6 +83,7 @@ def int4_dequantize(
     dtype: torch.dtype,
     group_size: int = 0,  # > 0: g_idx is k // group_size (int4_linear.tileable_group)
     out: torch.Tensor | None = None,  # [K, N] in dtype, written in full
+    tile: DequantTile = DEFAULT_TILE,  # benchmarks sweep others
 ) -> torch.Tensor:  # [K, N] in dtype
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if g_idx.shape != (k,) or scales.shape != zeros.shape or scales.shape[1] != n:
@@ -62,10 +91,13 @@ def int4_dequantize(
                          f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, g_idx {tuple(g_idx.shape)}")
     if qweight.stride(1) != 1 or scales.stride(1) != 1 or zeros.stride() != scales.stride():
         raise ValueError("int4_dequantize: qweight, scales and zeros need contiguous rows and equal strides")
+    if tile.block_k % 8 or tile.block_k & (tile.block_k - 1):
+        raise ValueError(f"int4_dequantize: tile.block_k must be a power of two from 8, got {tile.block_k}")
     w = torch.empty(k, n, dtype=dtype, device=qweight.device) if out is None else out
     if w.shape != (k, n) or w.dtype != dtype or w.stride(1) != 1:
         raise ValueError(f"int4_dequantize: out must be [{k}, {n}] {dtype} with contiguous rows")
-    grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(k, tile.block_k), triton.cdiv(n, tile.block_n))
     _int4_dequant_kernel[grid](qweight, scales, zeros, g_idx, w, n, k, qweight.stride(0), scales.stride(0),
-                               w.stride(0), GROUP=min(group_size, k), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
+                               w.stride(0), GROUP=min(group_size, k), BLOCK_K=tile.block_k, BLOCK_N=tile.block_n,
+                               num_warps=tile.num_warps)
     return w

@@ -47,6 +47,21 @@ def test_dequantize_is_bit_equal_to_the_reference(dtype, k, n, group, sym, desc_
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("block_k,block_n", [(16, 32), (32, 16), (64, 64)])
+def test_tiles_within_a_group_and_across_groups(block_k, block_n):
+    """A tile inside one group (one scale row a tile), tiles over several groups (a row per word row)."""
+    k, n, group = 256, 48, 32
+    tensors, _ = int4_tensors("gptq", "x.weight", torch.randn(n, k, generator=torch.Generator().manual_seed(3)),
+                              group_size=group, sym=False, desc_act=False, seed=3)
+    qw, g_idx = tensors["x.qweight"], tensors["x.g_idx"].to(torch.int32)
+    scales, zeros = tensors["x.scales"].float(), (int4_math.unpack_cols(tensors["x.qzeros"]) + 1).float()
+    want = int4_math.dequantize_int4(int4_math.unpack_rows(qw), zeros, scales, g_idx, torch.float32)
+    tile = int4_dequant_triton.DequantTile(block_k, block_n, 4)
+    got = int4_dequant_triton.int4_dequantize(qw, scales, zeros, g_idx, torch.float32, group,
+                                              out=torch.full((k, n), float("nan")), tile=tile)
+    assert torch.equal(got, want)
+
+
 def test_shapes_that_do_not_fit_are_errors():
     qw = torch.zeros(8, 16, dtype=torch.int32)
     s = torch.ones(2, 16)

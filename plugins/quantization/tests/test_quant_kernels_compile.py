@@ -100,7 +100,11 @@ SCRIPT = textwrap.dedent('''
         compile_(int4_dequant_triton._int4_dequant_kernel,
                  {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "w_ptr": "*bf16",
                   **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
-                 {"GROUP": group, "BLOCK_K": 64, "BLOCK_N": 128})
+                 {"GROUP": group, "BLOCK_K": 128, "BLOCK_N": 128})
+    compile_(int4_dequant_triton._int4_dequant_kernel,  # groups smaller than the tile: a scale row per word row
+             {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "g_ptr": "*i32", "w_ptr": "*fp16",
+              **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
+             {"GROUP": 32, "BLOCK_K": 128, "BLOCK_N": 128})
     half = {**sig, "x_ptr": "*fp16", "s_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}
     compile_(int4_triton._int4_gemm_kernel, half, {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
                                                    "DOT_F32": False, "MAGIC": 0x6400, "OFFSET": 1024.0})
