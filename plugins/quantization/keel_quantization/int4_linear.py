@@ -25,7 +25,8 @@ BACKENDS = ("auto", "torch", "triton")
 # (`int4_dequant_triton`): cuBLAS's bf16 rate beats the in-register dequantizing GEMM there. H200 at 3158d24
 # (h200-int4-prefill-3158d24.json, Llama-8B's four layers, us): M=128 in-GEMM 529 / dequantize + cuBLAS 480
 # (gate_up still loses), M=256 769 / 477 (every layer wins: the crossover), M=8192 18,774 / 4,838 (bf16
-# cuBLAS on a ready weight 4,950). The dequantize alone is ~250 us of the four (~52% of copy bandwidth).
+# cuBLAS on a ready weight 4,950). The dequantize alone: 169.5 us for the four back to back at 2328ea6, 1.31x
+# its int4-read + bf16-written floor (h200-int4-dequant-2328ea6.json); the rest of the gap to bf16 is its GEMM's.
 DEQUANT_GEMM_MIN_M = 256
 
 
