@@ -17,6 +17,7 @@
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
+#   int4-wdeq h200_int4_wdeq.py: an int4 GEMM that scales the weight tile, not the partial product (WDEQ_MS)
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
@@ -73,6 +74,8 @@ for part in "$@"; do
              $([ -n "${QUANT_INT4_MIN_M:-}" ] && echo --int4-dequant-min-m "$QUANT_INT4_MIN_M") \
              --out "$W/h200-quant${QUANT_TAG:-}.json" >"$W/quant${QUANT_TAG:-}.log" 2>&1
            grep -E "^\S+ (\{\"output_tok_s|lazy work round 1)" "$W/quant${QUANT_TAG:-}.log" | cut -c1-700;;
+    int4-wdeq) timeout 240 python3 benchmarks/h200_int4_wdeq.py --ms "${WDEQ_MS:-64,128,256,512,1024,2048,8192}" \
+                 --out "$W/h200-int4-wdeq.json" >"$W/int4-wdeq.log" 2>&1; tail -n 9 "$W/int4-wdeq.log" | cut -c1-600;;
     int4-dequant) timeout 120 python3 benchmarks/h200_int4_dequant.py --out "$W/h200-int4-dequant.json" \
                     >"$W/int4-dequant.log" 2>&1; tail -n 8 "$W/int4-dequant.log" | cut -c1-1500;;
     int4-prefill) timeout 240 python3 benchmarks/h200_int4_prefill.py --budget-s "${INT4_BUDGET_S:-150}" \
