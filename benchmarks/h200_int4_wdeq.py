@@ -3,14 +3,15 @@ shapes, against the shipped paths: each K tile's weights dequantized in the layo
 ((2^23 + q) - (2^23 + z)) * s in float32, rounded once to bf16 (the dequantize pass's numbers), then one
 wgmma into a float32 accumulator that is never rescaled.
 
-Why (sm_90 SASS of Triton 3.6, compiled here without a GPU): the shipped GEMM (`int4_triton`, 128 x 128 x 64,
-8 warps) issues ~909 instructions a thread per K tile, 28 a weight element -- 65 scalar 2-byte loads of
-scales and zeros in the accumulator's layout (it scales the tile's partial product per column), their
-address arithmetic (~250 LEA / IMAD / ISETP), 64 two-byte shared stores -- against 512 clocks of wgmma
-work a tile, so it is bound by issue at ~0.3x cuBLAS. Scaling the weight tile instead (scales loaded once
-in the weight's layout) compiles to ~496 instructions a 128 x 128 x 64 tile and ~710 a 128 x 256 x 64 one
-(11 a weight element). Prediction: 128 x 256 x 64 at ~0.6-0.8x bf16 cuBLAS from M = 1024, ~2x the shipped
-GEMM at every M; against dequantize + cuBLAS it should win below ~512 tokens (no 2.5-byte-a-weight pass).
+Why (sm_90 SASS of Triton 3.6, compiled without a GPU: `triton.compile` of an ASTSource for
+GPUTarget("cuda", 90, 32), then cuobjdump -sass on the cubin, counting the main loop's instructions): the
+shipped GEMM (`int4_triton`, 128 x 128 x 64, 8 warps) is bound by issue against 512 clocks of wgmma work a
+tile. The prediction below came from a first count with the strides left unspecialized (909 vs 496
+instructions a tile); specialized as the JIT launches it (unit strides constant, the rest divisible by 16)
+the counts are 471 shipped vs 322 here (1.46x). Prediction: 128 x 256 x 64 at ~0.6-0.8x bf16 cuBLAS from
+M = 1024, ~2x the shipped GEMM at every M; against dequantize + cuBLAS it should win below ~512 tokens (no
+2.5-byte-a-weight pass). Outcome at 3f73831 (h200-int4-wdeq-3f73831.json): 1.4-1.8x the shipped GEMM from
+M = 256, level below; 0.48x cuBLAS at 8192; behind dequantize + cuBLAS at every M from 256. Not adopted.
 
     python benchmarks/h200_int4_wdeq.py --out benchmarks/results/h200-int4-wdeq.json
 """
