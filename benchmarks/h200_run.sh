@@ -17,6 +17,7 @@
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
+#   profile-pdl profile-nopdl  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) at batch 1 / 256, PDL on / off
 #   int4-wdeq h200_int4_wdeq.py: an int4 GEMM that scales the weight tile, not the partial product (WDEQ_MS)
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
@@ -51,6 +52,13 @@ for part in "$@"; do
     profile-llama) timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch 1,256 \
                      --out "$W/h200-step-profile-llama8b.json" >"$W/profile-llama.log" 2>&1
                    tail -c 800 "$W/profile-llama.log";;
+    profile-pdl|profile-nopdl)  # Llama-8B and DSV2-Lite (dummy weights) decode at batch 1 / 256, with or without PDL
+      f=$([ "$part" = profile-nopdl ] && echo --no-pdl)
+      for arch in llama8b dsv2lite; do
+        timeout 110 python3 benchmarks/h200_step_profile.py --arch $arch --batch 1,256 --mixed "" $f \
+          --out "$W/h200-step-profile-$arch-${part#profile-}.json" >"$W/$part-$arch.log" 2>&1
+        grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step|num_kernels)"' "$W/h200-step-profile-$arch-${part#profile-}.json" | tr -d ' \n'; echo
+      done;;
     profile-gptq|profile-fp8)  # Llama-8B shape with dummy weights in h200_quant.py's GPTQ int4 g128 / fp8 per-tensor layout
       q=llama8b-gptq; b=1
       [ "$part" = profile-fp8 ] && q=llama8b-fp8-tensor && b=1,256

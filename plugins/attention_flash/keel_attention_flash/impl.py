@@ -9,6 +9,7 @@ import torch
 from keel.attention.backend import AttentionLayerConfig
 from keel_attention_flash import kernels
 from keel_attention_flash.metadata import FlashAttentionMetadata
+from keel_attention_flash.pdl import pdl_kwargs
 
 # Decode splits: enough programs to fill the device a few times over, but no split shorter than this.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -124,7 +125,7 @@ uniform speculative verify step), else the varlen kernel over
         kernels.reshape_and_cache_kernel[(k.shape[0],)](
             k, v, cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
             *self._scales(k), NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size,
-            BLOCK_H=_pow2(self.num_kv_heads), BLOCK_D=self.block_d, FP8_KV=self.fp8_kv,
+            BLOCK_H=_pow2(self.num_kv_heads), BLOCK_D=self.block_d, FP8_KV=self.fp8_kv, **pdl_kwargs(k),
         )
 
     def _varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
@@ -140,7 +141,7 @@ uniform speculative verify step), else the varlen kernel over
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.sm_scale_log2, *self._scales(q),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.varlen_g_pad, BLOCK_Q=self.block_q,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=self.block_n, PAGE=page, WINDOW=self.window,
-            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", FP8_KV=self.fp8_kv,
+            PRECISION=self.precision, DOT_F32=q.device.type == "cpu", FP8_KV=self.fp8_kv, **pdl_kwargs(q),
         )
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
@@ -177,12 +178,12 @@ uniform speculative verify step), else the varlen kernel over
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
             FP8_KV=self.fp8_kv,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl_kwargs(q),
         )
         if direct:
             return
         kernels.split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, out, common.query_start_loc, out.stride(0), out.stride(1),
             NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD=self.head_size,
-            BLOCK_D=self.block_d, QUERY_LEN=ql,
+            BLOCK_D=self.block_d, QUERY_LEN=ql, **pdl_kwargs(q),
         )

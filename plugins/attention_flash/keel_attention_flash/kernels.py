@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from keel_attention_flash.e4m3 import quantize_e4m3_bits
+from keel_attention_flash.pdl import pdl_enter
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
@@ -41,7 +42,9 @@ def reshape_and_cache_kernel(
     k_scale_ptr, v_scale_ptr,  # float32 [1] each (read when FP8_KV): stored = x / scale
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     FP8_KV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -123,8 +126,10 @@ def varlen_paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, FP8_KV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens of one request x the GROUP query heads of one KV head."""
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -182,6 +187,7 @@ def split_decode_kernel(
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr, DIRECT: tl.constexpr, FP8_KV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding: one program = one request x one KV head x one slice of the context.
 
@@ -191,6 +197,7 @@ def split_decode_kernel(
     float32 round trip and no reduce launch, which at big batches of short contexts cost as much as the
     keys and values.
     """
+    pdl_enter(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -249,9 +256,11 @@ def split_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, QUERY_LEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Combine the splits of one query token x one query head (log-sum-exp weights); 0 for an empty
     context. Program 0 runs over requests x QUERY_LEN tokens each."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     req = row // QUERY_LEN

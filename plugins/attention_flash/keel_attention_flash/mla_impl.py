@@ -17,6 +17,7 @@ from keel_attention_flash import kernels as flash_kernels
 from keel_attention_flash import mla_kernels
 from keel_attention_flash.impl import _pow2, _sm_count, choose_num_splits
 from keel_attention_flash.mla_metadata import TritonMLAMetadata
+from keel_attention_flash.pdl import pdl_kwargs
 
 
 class TritonMLAImpl:
@@ -127,7 +128,7 @@ class TritonMLAImpl:
             kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0),
             kv_cache.stride(0), kv_cache.stride(1), self.k_scale if self.fp8_kv else kv_c,
             PAGE=kv_cache.shape[1], LORA=self.kv_lora_rank, BLOCK_L=self.block_l, ROPE=self.qk_rope_head_dim,
-            BLOCK_R=self.block_r, FP8_KV=self.fp8_kv,
+            BLOCK_R=self.block_r, FP8_KV=self.fp8_kv, **pdl_kwargs(kv_c),
         )
 
     def _launch(self, grid: tuple[int, int, int], q_c: torch.Tensor, q_pe: torch.Tensor,
@@ -153,7 +154,7 @@ class TritonMLAImpl:
             PAGE=kv_cache.shape[1], NUM_SPLITS=splits, TILED=tile_req is not None,
             TILE_Q0=tile_q0 is not None, SPLIT_OUT=split_out,
             PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", QUERY_LEN=query_len, FP8_KV=self.fp8_kv,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl_kwargs(q_c),
         )
 
     def _decode(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
@@ -187,7 +188,7 @@ class TritonMLAImpl:
             part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,
             md.common.query_start_loc, o_latent.stride(0), o_latent.stride(1),
             NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), LORA=self.kv_lora_rank,
-            BLOCK_L=self.block_l, TILED=tiled, QUERY_LEN=ql,
+            BLOCK_L=self.block_l, TILED=tiled, QUERY_LEN=ql, **pdl_kwargs(q_c),
         )
 
     def _prefill(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,

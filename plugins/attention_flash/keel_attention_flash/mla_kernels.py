@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from keel_attention_flash.e4m3 import quantize_e4m3_bits
+from keel_attention_flash.pdl import pdl_enter
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -47,8 +48,10 @@ def mla_write_latent_kernel(
     k_scale_ptr,  # float32 [1] (read when FP8_KV): stored = latent / k_scale, both parts
     PAGE: tl.constexpr, LORA: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_R: tl.constexpr, FP8_KV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per new token: cat(kv_c, k_pe) into its slot (FP8_KV: quantize_kv's bytes of each)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
@@ -85,11 +88,13 @@ def mla_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILED: tl.constexpr, TILE_Q0: tl.constexpr, SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, QUERY_LEN: tl.constexpr, FP8_KV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens of one request x BLOCK_H heads x one slice of the keys.
 
     SPLIT_OUT tiles cover a request's QUERY_LEN new tokens (1: decode; more: a uniform speculative
     verify step, BLOCK_Q >= QUERY_LEN) and write one partial per token, head and split."""
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,9 +199,11 @@ def mla_split_reduce_kernel(
     query_start_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     LORA: tl.constexpr, BLOCK_L: tl.constexpr, TILED: tl.constexpr, QUERY_LEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Combine the splits of one query token x one head (log-sum-exp weights); 0 for no context.
     Program 0 runs over decode tiles x QUERY_LEN tokens each."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     tile = row // QUERY_LEN

@@ -23,6 +23,8 @@ SCRIPT = textwrap.dedent('''
 
     def compile_(fn, ptrs, consts, **options):
         """Pointer types by name (else *i32 for tables); scalars i32 but the float32 score scale."""
+        if "PDL" in fn.arg_names:  # compiled as sm_90 launches it: programmatic dependent launch on
+            consts = {**consts, "PDL": True}
         sig = {}
         for name in fn.arg_names:
             if name in consts:

@@ -6,13 +6,16 @@ widened to float32 for arithmetic and rounded back to the activation dtype exact
 rounds (after the residual add, after normalizing, after each product in rope, after silu). So in bf16
 the fused result differs from the native one only by reduction order and rsqrt's last bits.
 
-All tensors are addressed as rows with an explicit row stride and a contiguous last dimension.
+All tensors are addressed as rows with an explicit row stride and a contiguous last dimension. Every kernel
+starts with `pdl_enter(PDL)` (see `pdl`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from keel_kernels_triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -35,8 +38,9 @@ def rms_norm_kernel(
     res_out_ptr,  # [rows, H] new residual = x + residual (only written when HAS_RESIDUAL)
     stride_x, stride_r, stride_o, stride_ro,
     H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
@@ -141,8 +145,9 @@ def rotary_kernel(
     stride_q, stride_k, stride_qo, stride_ko,
     num_q_heads, num_k_heads,
     HEAD: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, q_out_ptr.dtype.element_ty, ROT, HALF, BLOCK_HALF)
     # Program (t, 0) rotates the token's q heads, (t, 1) its k heads.
@@ -164,10 +169,11 @@ def mla_rope_kernel(
     cos_ptr, sin_ptr,  # [cache_len, ROT] float32 contiguous
     stride_q, stride_qh, stride_k, num_heads,
     ROT: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """MLA's rope: q's rope parts read in place from the projection (no nope copy, no concatenation),
     de-interleaved on the load when INTERLEAVED. Program (t, 0) does the token's q heads, (t, 1) k_pe."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, q_out_ptr.dtype.element_ty, ROT, HALF, BLOCK_HALF)
     if tl.program_id(1) == 0:
@@ -183,8 +189,9 @@ def silu_and_mul_kernel(
     x_ptr,  # [rows, 2 * D] (row stride stride_x): gate, then up
     out_ptr,  # [rows, D] (row stride stride_o)
     stride_x, stride_o, D,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from keel_kernels_triton.kernels import mla_rope_kernel, rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+from keel_kernels_triton.pdl import pdl_kwargs as _pdl
 from keel_kernels_triton.support import SUPPORTED_DTYPES, TritonOp
 
 # Widest row one program keeps in registers; wider rows take the two-sweep path.
@@ -54,7 +55,7 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         rms_norm_kernel[(rows,)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE=block >= hidden,
-            num_warps=min(max(block // 256, 1), 16),
+            num_warps=min(max(block // 256, 1), 16), **_pdl(x),
         )
     shape = (*x.shape[:-1], hidden)
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
@@ -112,7 +113,7 @@ class TritonRotaryEmbedding(TritonOp):
                 positions, q2, k2, q_out, k_out, cos_cache, sin_cache,
                 q2.stride(0), k2.stride(0), q_out.stride(0), k_out.stride(0), nq, nk,
                 HEAD=head_size, ROT=rotary_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+                BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)), **_pdl(q2),
             )
         return q_out, k_out
 
@@ -154,7 +155,7 @@ class TritonMLARope(TritonOp):
                 positions, q[..., nope_dim:], k_pe, q_out, k_out, cos_cache, sin_cache,
                 q.stride(0), q.stride(1), k_pe.stride(0), heads,
                 ROT=rot, HALF=half, BLOCK_H=min(triton.next_power_of_2(heads), max(1, 4096 // block_half)),
-                BLOCK_HALF=block_half, INTERLEAVED=bool(interleaved),
+                BLOCK_HALF=block_half, INTERLEAVED=bool(interleaved), **_pdl(q),
             )
         return q_out, k_out
 
@@ -171,6 +172,6 @@ class TritonSiluAndMul(TritonOp):
         if x2.shape[0] and d:
             block = min(triton.next_power_of_2(d), SILU_BLOCK)
             silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-                x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+                x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **_pdl(x2),
             )
         return out.view(*x.shape[:-1], d)

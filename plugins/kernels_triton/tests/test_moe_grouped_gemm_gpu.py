@@ -30,6 +30,8 @@ COMPILE_PRELUDE = textwrap.dedent('''
 
     H200_SMEM = 232448  # bytes of shared memory one block may opt into on sm_90
     def compile_(fn, sig, consts, warps=4, stages=3):
+        if "PDL" in fn.arg_names:  # compiled as sm_90 launches it: programmatic dependent launch on
+            sig, consts = {**sig, "PDL": "constexpr"}, {**consts, "PDL": True}
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": warps, "num_stages": stages})
         assert "cubin" in out.asm

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from keel.layers.fused_moe.align import moe_align_block_size_torch
+from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 # Up to this many pairs one program loops over them all (one launch); past it, two launches over
@@ -59,7 +60,11 @@ def _align_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     TAIL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # tl.reduce / tl.associative_scan with triton.language.standard's combines rather than tl.sum /
     # tl.cumsum: see routing_triton.py (the jitted helpers are bound to the mode triton was imported in).
     e_idx = tl.arange(0, BLOCK_E)
@@ -118,7 +123,11 @@ def _count_kernel(
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     e_idx = tl.arange(0, BLOCK_E)
     c_idx = tl.arange(0, CHUNK)
@@ -146,7 +155,11 @@ def _scatter_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     TAIL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     e_idx = tl.arange(0, BLOCK_E)
@@ -264,10 +277,10 @@ def moe_align_block_size_triton(
         counts = torch.empty((grid[0], block_e), dtype=torch.int32, device=device)
         interp = interpreter_enabled()
         _jitted(interp, "count")[grid](flat, counts, num_pairs, PAIRS=pairs, NUM_EXPERTS=num_experts,
-                                       BLOCK_E=block_e, CHUNK=_CHUNK, num_warps=warps)
+                                       BLOCK_E=block_e, CHUNK=_CHUNK, num_warps=warps, **pdl_kwargs(flat))
         _jitted(interp, "scatter")[grid](flat, counts, sorted_ids, expert_ids, total, num_pairs, max_padded,
                                          PAIRS=pairs, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
-                                         CHUNK=_CHUNK, TAIL=_TAIL, num_warps=warps)
+                                         CHUNK=_CHUNK, TAIL=_TAIL, num_warps=warps, **pdl_kwargs(flat))
         return sorted_ids, expert_ids, total
     _jitted(interpreter_enabled())[(1,)](
         flat,
@@ -282,5 +295,6 @@ def moe_align_block_size_triton(
         CHUNK=_CHUNK,
         TAIL=_TAIL,
         num_warps=warps,
+        **pdl_kwargs(flat),
     )
     return sorted_ids, expert_ids, total

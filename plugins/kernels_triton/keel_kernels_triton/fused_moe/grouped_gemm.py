@@ -36,6 +36,7 @@ from keel.layers.activation import get_act_and_mul_fn
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
 from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
+from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 # Activations the w2 GEMM computes in its A load; the rest run in torch between the GEMMs.
@@ -80,7 +81,11 @@ def _fused_moe_kernel(
     EVEN_K: tl.constexpr,  # K is whole BLOCK_K tiles and not split: the main loop loads without a K mask
     USE_DOT: tl.constexpr,  # False: the GEMV form, products summed over K on CUDA cores (BLOCK_M may be < 16)
     WEIGHT_TMA: tl.constexpr,  # weight tiles through b_desc (zero past K) instead of pointer loads
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # C[sorted rows, N-block] = A[rows // A_ROW_DIV] @ B[expert of this M-block].T (* routing weight), or with
     # SPLIT_K > 1 the same over the K slice of program_id(2), into that slice's float32 partial.
     pid_m = tl.program_id(0)
@@ -248,6 +253,7 @@ def invoke_fused_moe_kernel(
         WEIGHT_TMA=config.weight_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_kwargs(c),
     )
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 
@@ -31,7 +32,11 @@ def _moe_sum_kernel(
     SPLITS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # out[t] = sum_j down[t, j] (+ residual[t]); each slot's partials are summed in a fixed order and rounded
     # to the output dtype (where the one-slice GEMM rounds its store), the slots are accumulated in float32
     # and rounded once, then the residual is added and rounded again: torch's `.sum(1)` followed by `+`.
@@ -83,6 +88,6 @@ def moe_sum(
     res = residual if residual is not None else out
     _jitted_sum(interpret)[(num_tokens, -(-hidden // block_h))](
         parts, out, res, hidden, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0), res.stride(0),
-        TOP_K=top_k, SPLITS=splits, HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
+        TOP_K=top_k, SPLITS=splits, HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, **pdl_kwargs(out),
     )
     return out

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 SMALL_T = 8  # up to this many tokens the reduction path runs
@@ -40,7 +41,11 @@ def _router_gemm_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # out[t, e] = sum_k float32(x[t, k]) * w[e, k]. Reductions through tl.reduce with the standard combine
     # (not tl.sum): see routing.py -- the jitted helpers are bound to the mode triton was first imported in.
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -110,5 +115,5 @@ def router_gemm_triton(
     num_warps = launch.pop("num_warps")
     grid = (triton.cdiv(num_tokens, launch["BLOCK_T"]), triton.cdiv(num_experts, launch["BLOCK_E"]))
     _jitted(interpreter_enabled())[grid](x, weight, out, num_tokens, x.stride(0), E=num_experts, K=k,
-                                         num_warps=num_warps, **launch)
+                                         num_warps=num_warps, **launch, **pdl_kwargs(out))
     return out

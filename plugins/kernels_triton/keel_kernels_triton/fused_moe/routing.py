@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from keel.layers.fused_moe.router import RoutingConfig, RoutingConfigError
+from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 # Largest expert tile one program holds (padded groups x padded experts per group), and the largest top-k
@@ -64,7 +65,11 @@ def _routing_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_EG: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Reductions go through tl.reduce with triton.language.standard's combine functions, never tl.max /
     # tl.sum: those are jitted helpers bound to the mode (compiled or interpreted) triton was first imported
     # in, while tl.reduce is a builtin that the interpreter patches (and runs in numpy for these combines).
@@ -206,5 +211,6 @@ def select_experts_triton(
         BLOCK_EG=_next_pow2(group_size),
         BLOCK_K=_next_pow2(cfg.top_k),
         num_warps=1 if _next_pow2(groups) * _next_pow2(group_size) <= 256 else 4,
+        **pdl_kwargs(weights),
     )
     return weights, ids
