@@ -27,6 +27,8 @@ def compile_sm90(fn, sig: dict, consts: dict, ones=ONES, **options):
     from triton.compiler import ASTSource
 
     consts, sig = dict(consts), dict(sig)
+    if "PDL" in fn.arg_names and "PDL" not in consts:  # the kernel plugins' programmatic dependent launch
+        consts["PDL"] = False
     for name in ones:
         if name in sig:
             sig.pop(name)

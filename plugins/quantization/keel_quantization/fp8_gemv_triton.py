@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
+from keel_quantization.pdl import pdl_enter
 from keel_quantization.splitk_reduce import split_range
 
 
@@ -39,7 +40,9 @@ def _fp8_gemv_kernel(
     static_ptr=None,  # float32 [1], ACT 3
     ACT: tl.constexpr = 0,  # 0 weight-only; activations quantized: 1 per token, 2 per token and group, 3 static
     AMAX_K: tl.constexpr = 1,  # inputs a row per load of the per-token amax prologue (ACT 1)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M 1: [1], broadcast over K

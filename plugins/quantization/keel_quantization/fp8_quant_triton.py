@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from keel.layers.fp8_utils import FP8, FP8_MAX, MIN_SCALE
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
 
 _SUBNORMAL = tl.constexpr(2.0**-6)  # e4m3's smallest normal; below it the grid is multiples of 2^-9
 _MAGIC = tl.constexpr(1.5 * 2.0**14)  # float32 ulp here is 2^-9: (a + M) - M rounds a to that grid, ties to even
@@ -67,7 +68,9 @@ def _quant_fp8_kernel(
     M, K, GROUP, NUM_GROUPS,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     STATIC: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)  # [G]
     cols = tl.arange(0, BLOCK_G)  # [BG]
@@ -91,9 +94,11 @@ def _quant_fp8_row_loop_kernel(
     M, K,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm,
     STATIC: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One scale per token, one token per program, K in chunks: a pass for the amax, a second one (the row
     again, from L2) to quantize -- a few registers per thread instead of the whole row's."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, CHUNK)
     in_x = (row + cols * 0) < M  # [CHUNK]; rows past x's (padding of `out`): zeros in -> zeros, smallest scale
@@ -172,7 +177,7 @@ def quant_fp8(
             x, q, s, s if static_scale is None else static_scale, m, k,
             x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0),
             STATIC=static_scale is not None, CHUNK=launch.chunk, NUM_CHUNKS=triton.cdiv(k, launch.chunk),
-            num_warps=launch.warps or 4,
+            num_warps=launch.warps or 4, **pdl_kwargs(x),
         )
         return q, s
     block_g = triton.next_power_of_2(group)
@@ -184,7 +189,7 @@ def quant_fp8(
         m, k, group, num_groups,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         STATIC=static_scale is not None, GROUPS_PER_PROGRAM=per_program, BLOCK_G=block_g,
-        num_warps=launch.warps or (4 if elements <= 4096 else 8),
+        num_warps=launch.warps or (4 if elements <= 4096 else 8), **pdl_kwargs(x),
     )
     return q, s
 

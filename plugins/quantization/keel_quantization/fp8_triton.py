@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, fp8_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
@@ -34,7 +35,9 @@ def _fp8_gemm_kernel(
     stride_cs, stride_cm, stride_cn,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_A_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -108,7 +111,7 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
             a, b_q, b_s, dst.buf, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0), b_q.stride(1),
             b_s.stride(0), b_s.stride(1), scs, scm, scn,
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
-            **options)
+            **options, **pdl_kwargs(a))
         return dst.finish()
     has_a_scale = a_s is not None
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE
@@ -119,7 +122,7 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), b_q.stride(0), b_q.stride(1),
         b_s.stride(0), b_s.stride(1), scs, scm, scn,
         GROUP_N=group_n, GROUP_K=group_k, UPCAST_DOT=upcast, HAS_A_SCALE=has_a_scale,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **options,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **options, **pdl_kwargs(a),
     )
     return dst.finish()
 

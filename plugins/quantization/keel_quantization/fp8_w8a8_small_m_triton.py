@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, w8a8_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
@@ -75,7 +76,9 @@ def _fp8_w8a8_small_m_kernel(
     QUANT_ROWS: tl.constexpr,  # token rows loaded and quantized: a power of two >= the tile's tokens
     AMAX_K: tl.constexpr,  # inputs a row per load of the per-token amax prologue (ACT 1)
     PROMOTE_K: tl.constexpr,  # the fp8 MMA's sums move to float32 every PROMOTE_K inputs (<= BLOCK_K)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_q = tl.program_id(2) * BLOCK_M + tl.arange(0, QUANT_ROWS)  # [QR] the tokens that exist (and a few)
@@ -189,7 +192,7 @@ def fp8_w8a8_small_m_gemm(
             x, w_q, w_s, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1), w_q.stride(0),
             w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn, GROUP_N=group_n, GROUP_K=group_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=not w_per_tile, static_ptr=static,
-            ACT=GEMV_ACT[act], AMAX_K=amax_k, **plan.launch_options())
+            ACT=GEMV_ACT[act], AMAX_K=amax_k, **plan.launch_options(), **pdl_kwargs(x))
         return dst.finish()
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = x.device.type == "cpu" or bk < 32
@@ -198,5 +201,5 @@ def fp8_w8a8_small_m_gemm(
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn,
         ACT=act, GROUP_N=group_n, GROUP_K=group_k if act == 2 or w_per_tile else 0, W_PER_TILE=w_per_tile,
         UPCAST_DOT=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QUANT_ROWS=quant_rows, AMAX_K=amax_k,
-        PROMOTE_K=min(PROMOTE_K, bk), **plan.launch_options())
+        PROMOTE_K=min(PROMOTE_K, bk), **plan.launch_options(), **pdl_kwargs(x))
     return dst.finish()

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
+
 _TWO_23 = tl.constexpr(8388608.0)
 
 
@@ -51,7 +53,9 @@ def _int4_dequant_kernel(
     N, K, stride_qk, stride_sg, stride_wk,
     GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP (a power of two from 8, or K); 0: read g_idx
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_k = tl.program_id(0)
     words = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -102,5 +106,5 @@ def int4_dequantize(
     grid = (triton.cdiv(k, tile.block_k), triton.cdiv(n, tile.block_n))
     _int4_dequant_kernel[grid](qweight, scales, zeros, g_idx, w, n, k, qweight.stride(0), scales.stride(0),
                                w.stride(0), GROUP=min(group_size, k), BLOCK_K=tile.block_k, BLOCK_N=tile.block_n,
-                               num_warps=tile.num_warps)
+                               num_warps=tile.num_warps, **pdl_kwargs(qweight))
     return w

@@ -42,6 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from keel_quantization.pdl import pdl_enter
 from keel_quantization.splitk_reduce import split_range
 
 
@@ -109,7 +110,9 @@ def _int4_gemv_fold_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_K divides K and BLOCK_N divides N: no masks in the loop
     PREFETCH: tl.constexpr,  # load each tile's words one iteration ahead (registers; the plan's num_stages 2)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_s = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, int4_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
@@ -77,7 +78,9 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP and BLOCK_K divides GROUP; 0: read g_idx
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     MAGIC: tl.constexpr, OFFSET: tl.constexpr,  # bits and value of the float a nibble is or-ed into (0: float path)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,15 +158,17 @@ def int4_gemm(
     if plan.kernel == "gemv":
         from keel_quantization.int4_gemv_triton import _int4_gemv_kernel
 
-        _int4_gemv_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options())
+        _int4_gemv_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options(),
+                                     **pdl_kwargs(x))
     elif plan.kernel == "gemv_fold":
         from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
 
         _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
-                                          **plan.launch_options())
+                                          **plan.launch_options(), **pdl_kwargs(x))
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,
-            MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], OFFSET=_MAGIC.get(x.dtype, (0, 0.0))[1], **plan.launch_options())
+            MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], OFFSET=_MAGIC.get(x.dtype, (0, 0.0))[1], **plan.launch_options(),
+            **pdl_kwargs(x))
     return dst.finish()

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
+
 
 @triton.jit
 def split_range(split, K, K_PER_SPLIT):
@@ -21,7 +23,8 @@ def split_range(split, K, K_PER_SPLIT):
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, SPLITS, stride_ws, stride_wm, stride_ym, stride_yn,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -44,7 +47,8 @@ def splitk_reduce(
     splits, m, n = workspace.shape
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        workspace, y, m, n, splits, workspace.stride(0), workspace.stride(1), y.stride(0), y.stride(1), BLOCK=block)
+        workspace, y, m, n, splits, workspace.stride(0), workspace.stride(1), y.stride(0), y.stride(1), BLOCK=block,
+        **pdl_kwargs(workspace))
     return y
 
 

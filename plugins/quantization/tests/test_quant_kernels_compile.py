@@ -25,6 +25,8 @@ SCRIPT = textwrap.dedent('''
                                    int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
+        if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
+            consts = {**consts, "PDL": True}
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
         assert "cubin" in out.asm
