@@ -23,11 +23,22 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+@functools.cache
+def _triton_has_pdl() -> bool:
+    """Whether this Triton can launch with PDL (its `launch_pdl` option and `gdc_wait`); older ones launch plainly."""
+    try:
+        import triton.language.extra.cuda as cuda_ext
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(cuda_ext, "gdc_wait")
+
+
 def pdl_kwargs(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel on `t`'s device: PDL on CUDA sm_90+ when ENABLED and not interpreted
     (the interpreter has no inline assembly), else none (`PDL` defaults to False)."""
     interpreted = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
-    if not ENABLED or t.device.type != "cuda" or interpreted:
+    if not ENABLED or t.device.type != "cuda" or interpreted or not _triton_has_pdl():
         return {}
     on = _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"PDL": True, "launch_pdl": True} if on else {}

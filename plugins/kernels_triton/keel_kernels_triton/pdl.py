@@ -32,9 +32,20 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+@functools.cache
+def _triton_has_pdl() -> bool:
+    """Whether this Triton can launch with PDL (its `launch_pdl` option and `gdc_wait`); older ones launch plainly."""
+    try:
+        import triton.language.extra.cuda as cuda_ext
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(cuda_ext, "gdc_wait")
+
+
 def launch_pdl(device: torch.device) -> bool:
     """Whether this plugin's launches on `device` use PDL (pass as both `PDL=` and `launch_pdl=`)."""
-    if not ENABLED or device.type != "cuda" or interpreter_enabled():
+    if not ENABLED or device.type != "cuda" or interpreter_enabled() or not _triton_has_pdl():
         return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -51,6 +51,8 @@ def test_launch_keywords(monkeypatch):
         pdl._sm90.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
         assert pdl.pdl_kwargs(fake_cuda) == want
+    monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: False)  # a Triton without launch_pdl / gdc_wait
+    assert pdl.pdl_kwargs(fake_cuda) == {}
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.pdl_kwargs(fake_cuda) == {}
     pdl._sm90.cache_clear()
