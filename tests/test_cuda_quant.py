@@ -434,7 +434,7 @@ def test_w8a8_small_m_sums_promoted_over_long_k(k):
 # W8A8 is not batch-invariant, and cannot be without bitwise batch-invariant GEMMs: on the H200 the request's
 # first token (a prefill, on the large-M path alone and among the others) had logprob -0.392 alone, -0.359
 # among 40 (a3c606a), and token 2 -0.771 / -0.941 (2328ea6). benchmarks/w8a8_sensitivity.py shows why, on the
-# CPU in float32 (cpu-w8a8-sensitivity-c57dfe3.json): noise of 1e-7 x |y| on this model's fp8 GEMM outputs
+# CPU in float32 (cpu-w8a8-sensitivity-561fa62.json): noise of 1e-7 x |y| on this model's fp8 GEMM outputs
 # moves its logprobs by up to 0.10 (0.04 on the first token) -- one activation pushed across an e4m3 rounding
 # boundary is a whole 1/16 step in the next layer -- while the same weights with unquantized activations move
 # by 2e-6. The H200's fp8 GEMMs differ from the exact product by ~5e-5 of |y| and by tile choice, so the bounds
@@ -444,7 +444,7 @@ LP_TOL = 0.3
 NEAR_TIE = 0.5
 
 
-@pytest.mark.xfail(reason="bounds from the CPU sensitivity run (c57dfe3), not yet run on a GPU: the 0.1 / 0.2 "
+@pytest.mark.xfail(reason="bounds from the CPU sensitivity run (561fa62), not yet run on a GPU: the 0.1 / 0.2 "
                           "ones failed at token 2 on the H200 at 2328ea6 (0.17 apart); an XPASS says these hold",
                    strict=False)
 def test_w8a8_decode_does_not_depend_on_the_batch(llama, tmp_path):
