@@ -2,8 +2,9 @@
 
 A kernel launched with `launch_pdl=True` may start while the kernel before it in the stream is still
 running; it must not touch memory before `griddepcontrol.wait`, which returns once that kernel has finished
-and its writes are visible. So every kernel here takes `PDL: tl.constexpr` and calls `pdl_enter(PDL)` before
-its first load or store; `pdl_enter` also signals the next PDL launch that it may start (its own wait still
+and its writes are visible. So the kernels that use it (all but the token bitmask and the quantized MoE GEMM)
+take `PDL: tl.constexpr` and call `pdl_enter(PDL)` (the fused-MoE ones the same wait inline) before their
+first load or store; `pdl_enter` also signals the next PDL launch that it may start (its own wait still
 holds it back until this kernel is done). Why: a decode step at batch 1 is ~400-500 small kernels whose
 launch latency and ramp, not their bytes, are much of the step; PDL overlaps each launch with the tail of
 the kernel before (captured in CUDA graphs as programmatic edges). Kernels after a non-PDL kernel (cuBLAS)
