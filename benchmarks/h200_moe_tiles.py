@@ -41,7 +41,6 @@ from keel_kernels_triton.fused_moe.tile_config import (
     MoETileConfig,
     config_file_name,
     default_moe_tile_config,
-    read_tile_config_file,
     write_tile_config_file,
 )
 
@@ -68,9 +67,11 @@ GEMMS = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}  # name -> (N, K)
 
 
 def tc_tuned(n: int, k: int, device: str) -> dict:
-    """The shipped file's entries for this GEMM on `device` (token count -> config), or {}."""
-    path = CONFIG_DIR / config_file_name(E, n, k, device)
-    return read_tile_config_file(path) if path.is_file() else {}
+    """The shipped file's entries for this GEMM on `device` (token count -> config), or {}: the file the engine
+    reads, a sibling device's where this one has none (tile_config.SIBLING_DEVICES)."""
+    from keel_kernels_triton.fused_moe.tile_config import _tuned
+
+    return dict(_tuned(E, n, k, device, (CONFIG_DIR,)))
 
 
 def copy_bandwidth_GBps() -> float:

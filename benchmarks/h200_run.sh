@@ -28,6 +28,8 @@
 #   quant     h200_quant.py's engine cases (QUANT_CASES; QUANT_INT4_MIN_M: int4's dequantize + cuBLAS threshold;
 #             QUANT_TAG: a suffix for its files, to run it twice in a call); QUANT_PLANS=$W/h200-quant-small-m.json: with the plans
 #             of a small-m part run before it in the same call, over the shipped tables
+#   moe-w2    h200_moe_decode_sweep.py --focus w2: the fused MoE's down GEMM at decode sizes, silu in its A load or
+#             as its own kernel (MOE_BUDGET_S, default 75); config files and results under $W/moe-w2
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -99,6 +101,9 @@ for part in "$@"; do
     small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
                --families ${SMALLM_FAMILIES:-fp8_row fp8_block int4_g128} --budget-s "${SMALLM_BUDGET_S:-150}" \
                --out "$W/h200-quant-small-m.json" >"$W/small-m.log" 2>&1; tail -n 30 "$W/small-m.log" | cut -c1-400;;
+    moe-w2) timeout $(( ${MOE_BUDGET_S:-75} + 90 )) python3 benchmarks/h200_moe_decode_sweep.py --focus w2 \
+              --budget-s "${MOE_BUDGET_S:-75}" --out "$W/moe-w2" >"$W/moe-w2.log" 2>&1
+            grep -E "^(M=|  drop|NVIDIA)" "$W/moe-w2.log" | cut -c1-420;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.

@@ -5,7 +5,7 @@ why; this plugin keeps its own copy so it needs no other plugin).
 
 `ENABLED` is False: the H200 measured PDL on the other two plugins (h200-pdl-2bcda9d.json) but not yet on
 these kernels, nor ran the GPU tests with it, so their launches stay plain until a device call measures them
-(`h200_step_profile.py --pdl-quant` turns it on for that process). Where every GEMM of a decode step is one
+(`h200_step_profile.py --pdl-quant` or KEEL_QUANT_PDL=1 turns it on for that process). Where every GEMM of a decode step is one
 of these kernels (GPTQ / fp8 at batch 1) the gain should be larger than bf16 Llama's, whose Triton kernels
 sit between cuBLAS GEMMs.
 """
@@ -19,7 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = False
+# KEEL_QUANT_PDL=1 turns it on for a process (device calls that run the GPU tests with it); anything else
+# but unset or 0 is refused, so a misspelt value never measures the wrong thing
+_ENV = os.environ.get("KEEL_QUANT_PDL", "0").strip()
+if _ENV not in ("0", "1"):
+    raise ValueError(f"KEEL_QUANT_PDL must be 0 or 1, got {_ENV!r}")
+ENABLED = _ENV == "1"
 
 
 @functools.cache

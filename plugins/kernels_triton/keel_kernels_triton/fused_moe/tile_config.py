@@ -12,7 +12,8 @@ K = intermediate), mapping a token count to a config:
 
 A step of M tokens uses the entry with the smallest key >= M, else the largest key. The folder named by
 KEEL_MOE_TILE_CONFIG_DIR is searched before the package's own `configs/` (which
-`benchmarks/h200_moe_tiles.py` writes). Files describe 16-bit activations; float32 and interpreted runs
+`benchmarks/h200_moe_tiles.py` writes); a device without a file of its own borrows the file of a sibling with the
+same SM (`SIBLING_DEVICES`: H100 SXM and H200), and logs it. Files describe 16-bit activations; float32 and interpreted runs
 always use the built-in tiles. The choice depends on the token count only, never on the routing, so a
 step captured in a CUDA graph replays with the launch shapes it was captured with.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,8 @@ from pathlib import Path
 import torch
 
 from keel_kernels_triton.support import interpreter_enabled
+
+logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_DIR_ENV = "KEEL_MOE_TILE_CONFIG_DIR"
@@ -160,8 +164,31 @@ def _search_dirs() -> list[Path]:
     return ([Path(extra)] if extra else []) + [CONFIG_DIR]
 
 
+# Devices whose tuned tiles serve each other when one has no file: the same SM (sm_90, 132 SMs, 228 KB of
+# shared memory per SM), so the same tiles fit and occupy the same way; only the memory bandwidth differs
+# (H100 SXM 3.35 TB/s, H200 4.8 TB/s), which moves where a memory-bound tile ends, not which tile fits.
+# The device's own file always wins; the borrowed file is named in the log.
+SIBLING_DEVICES: dict[str, tuple[str, ...]] = {
+    "NVIDIA H100 80GB HBM3": ("NVIDIA H200",),
+    "NVIDIA H200": ("NVIDIA H100 80GB HBM3",),
+}
+
+
 @functools.cache
 def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path, ...]) -> dict[int, MoETileConfig]:
+    found = _tuned_for_device(num_experts, n, k, device_name, dirs)
+    for sibling in SIBLING_DEVICES.get(device_name, ()):
+        if found:
+            break
+        found = _tuned_for_device(num_experts, n, k, sibling, dirs)
+        if found:
+            logger.info("fused MoE tiles for %s (E=%d, N=%d, K=%d): no file of its own, using the %s file "
+                        "(same SM, see SIBLING_DEVICES)", device_name, num_experts, n, k, sibling)
+    return found
+
+
+def _tuned_for_device(num_experts: int, n: int, k: int, device_name: str,
+                      dirs: tuple[Path, ...]) -> dict[int, MoETileConfig]:
     name = config_file_name(num_experts, n, k, device_name)
     for d in dirs:
         if (d / name).is_file():
