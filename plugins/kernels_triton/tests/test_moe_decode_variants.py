@@ -162,3 +162,73 @@ def test_alignment_pads_to_gemv_block_m_like_torch(interpret, block_m):
     ids[:5, 0] = 3  # one expert with five rows: several blocks
     for got, want in zip(moe_align_block_size(ids, 64, block_m), moe_align_block_size_torch(ids, 64, block_m)):
         assert torch.equal(got.to(want.dtype), want)
+
+
+EPILOGUE = {
+    "dot": MoETileConfig(16, 16, 16, 4, 1, act_epilogue=True),
+    "dot_tma": MoETileConfig(16, 16, 32, 4, 1, weight_tma=True, act_epilogue=True),
+    "gemv_m2": MoETileConfig(2, 16, 16, 4, 1, kernel="gemv", act_epilogue=True),
+    "gemv_m1_tma": MoETileConfig(1, 16, 32, 4, 1, kernel="gemv", weight_tma=True, act_epilogue=True),
+}
+
+
+@pytest.mark.parametrize("name", list(EPILOGUE))
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_act_epilogue_matches_torch(interpret, name, tokens):
+    # hidden 40, intermediate 24: K not whole tiles, the gate / up halves not whole N-blocks
+    x, w13, w2, w, ids = _skewed_moe(20 + tokens, tokens, 40, 24)
+    res = torch.randn(tokens, 40)
+    c13 = EPILOGUE[name]
+    c2 = dataclasses.replace(c13, act_epilogue=False)
+    out = fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=(c13, c2))
+    torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, w, ids) + res, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dot", "gemv_m1_tma"])
+def test_act_epilogue_rounds_like_the_a_load_path_in_bf16(interpret, name):
+    """silu(gate) * up stored by the w13 GEMM rounds where torch's F.silu(gate) * up rounds: gate and up as
+    the plain GEMM stores them (bit-equal here), silu rounded, the product rounded. The interpreter's
+    float32 -> bf16 casts truncate where torch (and compiled Triton) round to nearest, so here the product
+    is within two bf16 steps; the GPU test holds it to torch's bits."""
+    x, w13, w2, w, ids = _skewed_moe(13, 5, 48, 32, torch.bfloat16)
+    c13 = EPILOGUE[name]
+    base13 = dataclasses.replace(c13, act_epilogue=False)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, 8, c13.block_m)
+    rows = ids.numel()
+    act = torch.full((rows + 2, 32), float("nan"), dtype=torch.bfloat16)  # rows past the pairs stay untouched
+    invoke_fused_moe_kernel(x, w13, act[:rows], None, sorted_ids, expert_ids, total, 3, c13, gated=True)
+    assert not act[:rows].isnan().any() and act[rows:].isnan().all()
+    gate_up = torch.empty(rows, 64, dtype=torch.bfloat16)
+    invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, total, 3, base13)
+    want = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    torch.testing.assert_close(act[:rows].float(), want.float(), atol=1e-6, rtol=2 * 2**-7)
+
+
+def test_act_epilogue_config_and_refusals(interpret):
+    cfg = MoETileConfig(16, 64, 128, act_epilogue=True)
+    assert cfg.to_json()["ACT_EPILOGUE"] is True and MoETileConfig.from_json(cfg.to_json()) == cfg
+    assert "ACT_EPILOGUE" not in MoETileConfig(16, 64, 128).to_json()
+    assert MoETileConfig.from_json({**MoETileConfig(16, 64, 128, split_k=None).to_json(),
+                                    "ACT_EPILOGUE": True}).split_k is None
+    with pytest.raises(MoETileConfigError, match="one K slice"):
+        MoETileConfig(16, 64, 128, split_k=2, act_epilogue=True)
+    x, w13, w2, w, ids = _skewed_moe(3, 2, 40, 24)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, 8, 16)
+    with pytest.raises(ValueError, match="silu epilogue"):
+        invoke_fused_moe_kernel(x, w13, torch.empty(ids.numel(), 48), None, sorted_ids, expert_ids, total, 3,
+                                MoETileConfig(16, 16, 16), gated=True)
+    # another activation than silu: the epilogue flag leaves the w13 GEMM plain, torch applies it
+    c13 = MoETileConfig(16, 16, 16, 4, 1, act_epilogue=True)
+    out = fused_experts_triton(x, w13, w2, w, ids, "gelu", tile_configs=(c13, MoETileConfig(16, 16, 16, 4, 1)))
+    torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, w, ids, "gelu"), atol=1e-5, rtol=1e-5)
+
+
+def test_act_epilogue_lookup_resolves_one_slice(monkeypatch, tmp_path):
+    monkeypatch.setattr(tc, "_device_name", lambda device: "NVIDIA H200" if device.type == "cuda" else None)
+    monkeypatch.setenv(tc.CONFIG_DIR_ENV, str(tmp_path))
+    tc.clear_tile_config_cache()
+    entry = {**MoETileConfig(16, 64, 128, split_k=None).to_json(), "ACT_EPILOGUE": True}
+    (tmp_path / tc.config_file_name(64, 2816, 2048, "NVIDIA H200")).write_text(json.dumps({"4": entry}))
+    got = tc.get_moe_tile_config(4, 64, 2816, 2048, 6, torch.bfloat16, torch.device("cuda", 0), False)
+    assert got.act_epilogue and got.split_k == 1  # the small-M rule would split K at 4 tokens
+    tc.clear_tile_config_cache()

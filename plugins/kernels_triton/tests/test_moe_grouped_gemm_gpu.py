@@ -38,8 +38,8 @@ COMPILE_PRELUDE = textwrap.dedent('''
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
-             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA")
-    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None):
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA", "GATED")
+    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, gated=False):
         c_ty = "fp32" if c.split_k > 1 else ty
         sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
                "b_desc": f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
@@ -57,7 +57,9 @@ COMPILE_PRELUDE = textwrap.dedent('''
                       UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=group_m,
                       EVEN_K=c.split_k == 1 and k % c.block_k == 0, USE_DOT=c.kernel == "dot",
-                      WEIGHT_TMA=c.weight_tma)
+                      WEIGHT_TMA=c.weight_tma, GATED=gated)
+        if gated:
+            consts["ACT_SILU"] = False
         if not c.weight_tma:
             consts["b_desc"] = None
         compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
@@ -103,6 +105,9 @@ DECODE_COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
             compile_gemm(c, n, k, w13, c.split_k if not w13 else 1, "bf16")
     for c in variants[2], variants[5]:  # down GEMMs after a separate silu_and_mul ("FUSED_ACT": false)
         compile_gemm(c, 2048, 1408, False, 1, "bf16", act_silu=False)
+    for c in variants[:4] + variants[5:]:  # w13 GEMMs with the silu epilogue ("ACT_EPILOGUE"): N is the
+        compile_gemm(c, 1408, 2048, True, 1, "bf16", gated=True)  # intermediate, two accumulators
+        compile_gemm(c, 2048, 1408, False, 1, "bf16", act_silu=False)  # and the plain down GEMM after it
     print("compiled")
 ''')
 
@@ -178,10 +183,42 @@ def test_cuda_fused_silu_and_sum_round_like_torch():
 
 
 @needs_cuda
+@pytest.mark.parametrize("cfg", [MoETileConfig(16, 64, 128, 4, 4, act_epilogue=True),
+                                 MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, act_epilogue=True),
+                                 MoETileConfig(64, 128, 64, 8, 3, weight_tma=True, act_epilogue=True),
+                                 MoETileConfig(1, 16, 128, 4, 3, kernel="gemv", act_epilogue=True)],
+                         ids=["dot", "dot_tma", "m64_tma", "gemv_m1"])
+def test_cuda_act_epilogue_rounds_like_torch(cfg):
+    """The w13 GEMM's silu epilogue stores torch's F.silu(gate) * up of the gate_up the plain GEMM stores
+    (up to silu's exp one ulp apart, rarely), and the whole MoE matches torch."""
+    tokens, inter = 9, 192
+    x, w13, _, w, ids = _inputs(tokens)
+    plain = MoETileConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, kernel=cfg.kernel,
+                          weight_tma=cfg.weight_tma)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, w13.shape[0], cfg.block_m)
+    rows = ids.numel()
+    gate_up = torch.empty(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, total, 6, plain)
+    act = torch.full((rows + 3, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    invoke_fused_moe_kernel(x, w13, act[:rows], None, sorted_ids, expert_ids, total, 6, cfg, gated=True)
+    assert act[rows:].isnan().all()
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(act[:rows], want, atol=1e-2, rtol=1e-2)
+    assert (act[:rows] == want).float().mean() > 0.98
+    for n in (1, 5, 64, 300):
+        x, w13, w2, w, ids = _inputs(n, seed=n)
+        res = torch.randn_like(x)
+        out = fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=(cfg, plain))
+        ref = fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=(plain, plain))
+        torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
+@needs_cuda
 @pytest.mark.parametrize("tile", [MoETileConfig(16, 64, 64, 4, 4, 1), MoETileConfig(16, 64, 64, 4, 4, 4),
                                   MoETileConfig(1, 16, 128, 4, 3, kernel="gemv"),
-                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, fused_act=False)],
-                         ids=["split1", "split4", "gemv", "tma_unfused"])
+                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, fused_act=False),
+                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, act_epilogue=True)],
+                         ids=["split1", "split4", "gemv", "tma_unfused", "tma_epilogue"])
 def test_cuda_graph_replay_with_fresh_routing(tile):
     x, w13, w2, w, ids = _inputs(4)
     res = torch.randn_like(x)

@@ -8,11 +8,15 @@
    that received no tokens get no block at all. Sizes are upper bounds known without a host sync;
    blocks past the real end exit immediately.
 2. `_fused_moe_kernel` on w13: rows gathered from `hidden` by sorted id // top_k, times the block's
-   expert weight -> gate_up [num_tokens * top_k, 2 * intermediate] in (token, slot) order.
+   expert weight -> gate_up [num_tokens * top_k, 2 * intermediate] in (token, slot) order. With the w13
+   tile config's `act_epilogue` (silu only) each program computes a gate tile and the matching up tile and
+   stores silu(gate) * up [num_tokens * top_k, intermediate] instead: half the stores, and the down GEMM
+   reads a plain activation.
 3. `_fused_moe_kernel` on w2, multiplying each row by its routing weight -> [num_tokens * top_k, hidden].
-   For silu the gated activation happens in this GEMM's A load (silu(gate) * up, rounded as the torch
-   path rounds), so no intermediate tensor exists, unless the w2 tile config says `fused_act` False (prefill
-   sizes: kernels-triton's silu_and_mul runs first); other activations run in torch in between.
+   Without the epilogue, for silu the gated activation happens in this GEMM's A load (silu(gate) * up,
+   rounded as the torch path rounds; recomputed by every N-block), unless the w2 tile config says
+   `fused_act` False (prefill sizes: kernels-triton's silu_and_mul runs first); other activations run in
+   torch in between.
 4. `moe_sum` (moe_sum.py) adds the top_k slots of each token (and optionally a residual such as the
    shared experts' output) in one small kernel.
 
@@ -25,6 +29,7 @@ decoration time whether a function is compiled or interpreted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -81,6 +86,8 @@ def _fused_moe_kernel(
     EVEN_K: tl.constexpr,  # K is whole BLOCK_K tiles and not split: the main loop loads without a K mask
     USE_DOT: tl.constexpr,  # False: the GEMV form, products summed over K on CUDA cores (BLOCK_M may be < 16)
     WEIGHT_TMA: tl.constexpr,  # weight tiles through b_desc (zero past K) instead of pointer loads
+    GATED: tl.constexpr = False,  # w13 with the silu epilogue: b holds 2 * N rows per expert (gate, then up);
+    # C [rows, N] = silu(A @ gate.T) * (A @ up.T), each rounded as torch's F.silu(gate) * up rounds
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
@@ -112,12 +119,17 @@ def _fused_moe_kernel(
     a_rows = tl.where(token_mask, offs_token // A_ROW_DIV, 0).to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    b_rows = 2 * N if GATED else N  # weight rows per expert (TMA row coordinates)
     # Only core builtins (tl.full, not tl.zeros / tl.cdiv): the jitted helpers of triton.language.standard
     # are bound to the mode (compiled or interpreted) triton was first imported in, which may not be ours.
     if USE_DOT:
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        if GATED:
+            acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     else:  # per (row, k, n) partial sums, reduced over k once after the loop: no shuffles in the loop
         acc3 = tl.full((BLOCK_M, BLOCK_K, BLOCK_N), 0.0, dtype=tl.float32)
+        if GATED:
+            acc3_up = tl.full((BLOCK_M, BLOCK_K, BLOCK_N), 0.0, dtype=tl.float32)
     for k in range((K_SLICE + BLOCK_K - 1) // BLOCK_K):
         k_left = K - k_start - k * BLOCK_K  # <= 0 past K: the tile is all masked
         if EVEN_K:
@@ -146,25 +158,46 @@ def _fused_moe_kernel(
         else:
             a = gate.to(b_ptr.dtype.element_ty)
         if WEIGHT_TMA:
-            # rows of the next expert fill a ragged last N-block; its columns are never stored
-            b = tl.trans(b_desc.load([(expert * N).to(tl.int32) + pid_n * BLOCK_N, k_start + k * BLOCK_K]))
+            # rows past this half (the up half, the next expert) fill a ragged last N-block; never stored
+            row0 = (expert * b_rows).to(tl.int32) + pid_n * BLOCK_N
+            b = tl.trans(b_desc.load([row0, k_start + k * BLOCK_K]))
+            if GATED:
+                b_up = tl.trans(b_desc.load([row0 + N, k_start + k * BLOCK_K]))
         elif EVEN_K:
             b = tl.load(b_ptrs, mask=offs_n[None, :] < N, other=0.0)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=offs_n[None, :] < N, other=0.0)
         else:
             b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N),
+                               other=0.0)
         if not USE_DOT:  # exact float32 products of 16-bit operands, float32 sums (as the dot accumulates)
             acc3 += a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+            if GATED:
+                acc3_up += a.to(tl.float32)[:, :, None] * b_up.to(tl.float32)[None, :, :]
         else:
             if UPCAST_DOT:  # the interpreter's dot misreads 16-bit floats; compiled kernels keep them
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
+                if GATED:
+                    b_up = b_up.to(tl.float32)
             acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if not USE_DOT:
         # tl.reduce with standard's combine, not tl.sum (a jitted helper bound to the mode triton was first
         # imported in; see routing.py)
         acc = tl.reduce(acc3, 1, tl.standard._sum_combine)  # [BLOCK_M, BLOCK_N]
+        if GATED:
+            acc_up = tl.reduce(acc3_up, 1, tl.standard._sum_combine)
+    if GATED:
+        # gate and up rounded to C's dtype as the unfused path stores them, silu rounded, the product rounded
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + tl.where(token_mask, offs_token, 0), mask=token_mask, other=0.0)
         acc = acc * w[:, None]
@@ -205,14 +238,21 @@ def invoke_fused_moe_kernel(
     config: MoETileConfig,
     act_silu: bool = False,
     even_k: bool | None = None,  # None: whenever K is whole BLOCK_K tiles and not split (benchmarks pass False)
+    gated: bool = False,  # w13 with the silu epilogue: c is [rows, N / 2] = silu(gate) * up
 ) -> None:
     """One grouped GEMM launch. `config.split_k` > 1 takes the small-M path: program_id(2) splits K and each
     slice writes its float32 partial of `c` ([split_k, rows, N]); a 3-D float32 `a` holds the previous
-    GEMM's partials, summed in the A load."""
+    GEMM's partials, summed in the A load. `gated`: b's rows per expert are gate then up, and `c` gets
+    silu(gate) * up (one K slice only)."""
     interpret = interpreter_enabled()
     kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
     split = config.split_k or 1
+    if gated:
+        if split > 1 or act_silu or topk_weights is not None or n % 2 or c.dim() != 2 or c.shape[1] != n // 2:
+            raise ValueError(f"the silu epilogue takes one K slice, no routing weights and c [rows, {n // 2}]; got "
+                             f"split_k={split}, c {tuple(c.shape)}")
+        n //= 2
     if expert_ids.numel() * config.block_m != sorted_ids.numel():
         raise ValueError(f"sorted ids were padded for another block_m than the tile config's {config.block_m}")
     a_splits = a.shape[0] if a.dim() == 3 else 1
@@ -251,6 +291,7 @@ def invoke_fused_moe_kernel(
         EVEN_K=(split == 1 and k % config.block_k == 0) if even_k is None else even_k,
         USE_DOT=config.kernel == "dot",
         WEIGHT_TMA=config.weight_tma,
+        GATED=gated,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(c),
@@ -290,10 +331,17 @@ def fused_experts_triton(
         raise ValueError(f"both GEMMs of one MoE call need one block_m, got {c13.block_m} and {c2.block_m}")
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
-    gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2 * I] or [split, rows, 2 * I] float32
-    invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
-    fuse = activation.lower() in FUSED_ACTIVATIONS and c2.fused_act
-    if not fuse:
+    silu = activation.lower() in FUSED_ACTIVATIONS
+    if c13.act_epilogue and silu:  # [rows, I] = silu(gate) * up straight from the w13 GEMM
+        gate_up = torch.empty(rows, w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
+        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k,
+                                dataclasses.replace(c13, split_k=1), gated=True)
+        fuse, activated = False, True
+    else:
+        gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2 * I] or [split, rows, 2 * I] float32
+        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
+        fuse, activated = silu and c2.fused_act, False
+    if not fuse and not activated:
         if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
             gate_up = gate_up.sum(0).to(hidden.dtype)
         if activation.lower() in FUSED_ACTIVATIONS and not interpreter_enabled():

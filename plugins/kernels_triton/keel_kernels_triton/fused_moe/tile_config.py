@@ -49,6 +49,7 @@ _GROUP_KEY = "GROUP_SIZE_M"  # optional (vLLM's key): absent means 1, M-blocks f
 _FUSED_ACT_KEY = "FUSED_ACT"  # optional, w2 files: false runs silu_and_mul as its own kernel first
 _KERNEL_KEY = "KERNEL"  # optional: the main loop's form, one of KERNELS; absent means "dot"
 _WEIGHT_TMA_KEY = "WEIGHT_TMA"  # optional: true loads weight tiles through a Hopper TMA descriptor
+_ACT_EPILOGUE_KEY = "ACT_EPILOGUE"  # optional, w13 files: true stores silu(gate) * up from the w13 GEMM
 # "dot": tensor-core tiles (BLOCK_M >= 16); "gemv": rows times weight tiles summed over K on CUDA cores,
 # for 1-2 rows per expert, where BLOCK_M 1-8 pads no rows and many short-N programs stream the weights.
 KERNELS = ("dot", "gemv")
@@ -73,7 +74,10 @@ class MoETileConfig:
     silu once per N-block and halves the main loop's rate (H200, DSV2-Lite, 8192 tokens: 1.80 ms fused vs
     0.69 + 0.18 ms, `benchmarks/h200_moe_prefill.py`). `kernel` "gemv" (KERNELS) runs the main loop without
     tensor cores, so `block_m` may be 1-16 (decode: one or two rows per expert). `weight_tma`: weight tiles
-    come through a TMA descriptor (Hopper and newer; block_n and block_k of at most 256)."""
+    come through a TMA descriptor (Hopper and newer; block_n and block_k of at most 256). `act_epilogue`
+    (w13 GEMMs, silu): each program computes a gate tile and its up tile and stores silu(gate) * up, so
+    the down GEMM reads a plain activation (no silu recomputed per N-block, no separate kernel); one K
+    slice only (`split_k` 1, or None: the lookup then resolves 1)."""
 
     block_m: int
     block_n: int
@@ -85,6 +89,7 @@ class MoETileConfig:
     fused_act: bool = True
     kernel: str = "dot"
     weight_tma: bool = False
+    act_epilogue: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -108,6 +113,9 @@ class MoETileConfig:
             raise MoETileConfigError(f"group_m must be an int in 1..64, got {self.group_m!r}")
         if not isinstance(self.fused_act, bool):
             raise MoETileConfigError(f"fused_act ({_FUSED_ACT_KEY}) must be true or false, got {self.fused_act!r}")
+        if not isinstance(self.act_epilogue, bool) or (self.act_epilogue and self.split_k not in (None, 1)):
+            raise MoETileConfigError(f"act_epilogue ({_ACT_EPILOGUE_KEY}) must be a bool and takes one K slice "
+                                     f"(SPLIT_K 1), got {self}")
 
     def to_json(self) -> dict[str, int]:
         body = {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
@@ -121,6 +129,8 @@ class MoETileConfig:
             body[_KERNEL_KEY] = self.kernel
         if self.weight_tma:
             body[_WEIGHT_TMA_KEY] = True
+        if self.act_epilogue:
+            body[_ACT_EPILOGUE_KEY] = True
         return body
 
     @classmethod
@@ -128,13 +138,14 @@ class MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY}
+        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY, _ACT_EPILOGUE_KEY}
         unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - optional)
         if unknown:
             raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
         return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY),
                    group_m=entry.get(_GROUP_KEY, 1), fused_act=entry.get(_FUSED_ACT_KEY, True),
-                   kernel=entry.get(_KERNEL_KEY, "dot"), weight_tma=entry.get(_WEIGHT_TMA_KEY, False))
+                   kernel=entry.get(_KERNEL_KEY, "dot"), weight_tma=entry.get(_WEIGHT_TMA_KEY, False),
+                   act_epilogue=entry.get(_ACT_EPILOGUE_KEY, False))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
@@ -278,7 +289,8 @@ def _lookup(
         if tuned:
             cfg = pick_for_tokens(tuned, num_tokens)
             if cfg.split_k is None:
-                cfg = dataclasses.replace(cfg, split_k=default_split_k(num_tokens, k, dtype, interpret))
+                split = 1 if cfg.act_epilogue else default_split_k(num_tokens, k, dtype, interpret)
+                cfg = dataclasses.replace(cfg, split_k=split)
             return cfg
     return default_moe_tile_config(num_tokens, num_experts, n, k, top_k, dtype, interpret)
 
