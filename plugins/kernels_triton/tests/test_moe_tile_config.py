@@ -62,18 +62,21 @@ def test_tuned_file_is_used_for_its_device_and_shape(fake_h200):
 
 
 def test_sibling_device_file_serves_a_device_without_one(fake_h200, monkeypatch, caplog):
-    """An H100 SXM borrows the H200's tiles (same SM), and says so; its own file wins; others get nothing."""
+    """A device without a file borrows its sibling's tiles (same SM), and says so; its own file wins; a device
+    with no sibling gets the heuristic. Fake names: the shipped folder already holds H100 and H200 files."""
+    assert tc.SIBLING_DEVICES["NVIDIA H100 80GB HBM3"] == ("NVIDIA H200",)
+    monkeypatch.setattr(tc, "SIBLING_DEVICES", {"Fake GPU B": ("Fake GPU A",)})
     tuned = {1: MoETileConfig(16, 32, 256, 4, 5)}
     own = {1: MoETileConfig(16, 64, 128, 4, 3)}
-    write_tile_config_file(fake_h200 / config_file_name(64, 2816, 2048, "NVIDIA H200"), tuned)
-    monkeypatch.setattr(tc, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    write_tile_config_file(fake_h200 / config_file_name(64, 2816, 2048, "Fake GPU A"), tuned)
+    monkeypatch.setattr(tc, "_device_name", lambda device: "Fake GPU B")
     with caplog.at_level("INFO", logger=tc.logger.name):
         assert get_moe_tile_config(1, 64, 2816, 2048, 6, torch.bfloat16, CUDA, False) == tuned[1]
-    assert "using the NVIDIA H200 file" in caplog.text
-    write_tile_config_file(fake_h200 / config_file_name(64, 2816, 2048, "NVIDIA H100 80GB HBM3"), own)
+    assert "using the Fake GPU A file" in caplog.text
+    write_tile_config_file(fake_h200 / config_file_name(64, 2816, 2048, "Fake GPU B"), own)
     tc.clear_tile_config_cache()
     assert get_moe_tile_config(1, 64, 2816, 2048, 6, torch.bfloat16, CUDA, False) == own[1]
-    monkeypatch.setattr(tc, "_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(tc, "_device_name", lambda device: "Fake GPU C")
     tc.clear_tile_config_cache()
     assert get_moe_tile_config(1, 64, 2816, 2048, 6, torch.bfloat16, CUDA, False) == default_moe_tile_config(
         1, 64, 2816, 2048, 6, torch.bfloat16)
