@@ -30,6 +30,9 @@
 #             of a small-m part run before it in the same call, over the shipped tables
 #   moe-w2    h200_moe_decode_sweep.py --focus w2: the fused MoE's down GEMM at decode sizes, silu in its A load or
 #             as its own kernel (MOE_BUDGET_S, default 75); config files and results under $W/moe-w2
+#   profile-tiles  h200_step_profile.py, DSV2-Lite (dummy) decode at batch 1 / 256 with the shipped MoE tiles, then
+#             with the H200 files under this device's name (KEEL_MOE_TILE_CONFIG_DIR): this device's tiles vs the
+#             H200's, in one call
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -104,6 +107,15 @@ for part in "$@"; do
     moe-w2) timeout $(( ${MOE_BUDGET_S:-75} + 90 )) python3 benchmarks/h200_moe_decode_sweep.py --focus w2 \
               --budget-s "${MOE_BUDGET_S:-75}" --out "$W/moe-w2" >"$W/moe-w2.log" 2>&1
             grep -E "^(M=|  drop|NVIDIA)" "$W/moe-w2.log" | cut -c1-420;;
+    profile-tiles)
+      dev=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))'); mkdir -p /tmp/h200tiles
+      for f in plugins/kernels_triton/keel_kernels_triton/fused_moe/configs/*NVIDIA_H200.json; do
+        b=$(basename "$f"); cp "$f" "/tmp/h200tiles/${b%NVIDIA_H200.json}$dev.json"; done
+      for t in shipped h200; do
+        KEEL_MOE_TILE_CONFIG_DIR=$([ $t = h200 ] && echo /tmp/h200tiles) timeout 110 python3 benchmarks/h200_step_profile.py \
+          --arch dsv2lite --batch 1,256 --mixed "" --out "$W/step-profile-dsv2lite-tiles-$t.json" >"$W/tiles-$t.log" 2>&1
+        echo "$t: $(grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step)"' "$W/step-profile-dsv2lite-tiles-$t.json" | tr -d ' \n')"
+      done;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.
