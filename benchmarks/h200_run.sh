@@ -33,6 +33,7 @@
 #   profile-tiles  h200_step_profile.py, DSV2-Lite (dummy) decode at batch 1 / 256 with the shipped MoE tiles, then
 #             with the H200 files under this device's name (KEEL_MOE_TILE_CONFIG_DIR): this device's tiles vs the
 #             H200's, in one call
+#   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -116,6 +117,8 @@ for part in "$@"; do
           --arch dsv2lite --batch 1,256 --mixed "" --out "$W/step-profile-dsv2lite-tiles-$t.json" >"$W/tiles-$t.log" 2>&1
         echo "$t: $(grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step)"' "$W/step-profile-dsv2lite-tiles-$t.json" | tr -d ' \n')"
       done;;
+    router) timeout 90 python3 benchmarks/h200_router_gemm.py --out "$W/h200-router-gemm.json" >"$W/router.log" 2>&1
+            tail -n 12 "$W/router.log" | cut -c1-300;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.

@@ -97,3 +97,32 @@ def test_op_runs_the_kernel_only_where_it_is_faster(interpret, monkeypatch):
         x, w = _inputs(tokens, 16, 32, torch.bfloat16, seed=tokens)
         assert torch.equal(op(x, w), torch.nn.functional.linear(x.float(), w))
     assert calls == [1, ops.ROUTER_KERNEL_MAX_TOKENS]
+
+
+@pytest.mark.parametrize("tokens", [SMALL_T + 1, 600])
+def test_split_weight_path_is_float32_exact_up_to_summation_order(interpret, tokens):
+    """bf16 activations past SMALL_T tokens: the float32 gate split into three bf16 parts (hi + mid + lo ==
+    w exactly) through bf16 dots. Every product is exact, so the error is float32 summation only -- far
+    below what dropping the low parts (a plain bf16 gate) costs."""
+    experts, k = 20, 96
+    assert router_gemm_launch(tokens, experts, k, split_w=True)["SPLIT_W"]
+    x, w = _inputs(tokens, experts, k, torch.bfloat16, seed=tokens)
+    w = w * (1 + torch.rand_like(w) * 2**-12)  # every one of the 24 mantissa bits in play
+    got = router_gemm_triton(x, w).double()
+    ref = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    bound = 2 * k * 2**-24 * scale + 1e-30  # float32 accumulation of k exact products, either order
+    assert ((got - ref).abs() <= bound).all()
+    dropped = (x.double() @ w.bfloat16().double().t() - ref).abs()
+    assert (dropped > bound).float().mean() > 0.5  # the mid and lo parts carry real bits
+
+
+def test_split_weight_parts_reassemble_the_weight_exactly():
+    """The decomposition the kernel does in registers, in torch: w == hi + mid + lo for float32 w of any
+    magnitude (bf16 has float32's exponent range), however the casts round."""
+    w = torch.cat([torch.randn(4096), torch.randn(64) * 1e-30, torch.randn(64) * 1e30, torch.tensor([0.0, -0.0])])
+    hi = w.bfloat16()
+    rest = w - hi.float()
+    mid = rest.bfloat16()
+    lo = (rest - mid.float()).bfloat16()
+    assert torch.equal(hi.double() + mid.double() + lo.double(), w.double())

@@ -43,12 +43,14 @@ COMPILE_SCRIPT = textwrap.dedent('''
     for v in variants:
         compile_(R._jitted(False), route, dict(zip(names, v)))
     gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "num_tokens": "i32", "stride_x": "i32"}
-    gemm.update({k: "constexpr" for k in ("E", "K", "USE_DOT", "BLOCK_T", "BLOCK_E", "BLOCK_K")})
+    gemm.update({k: "constexpr" for k in ("E", "K", "USE_DOT", "SPLIT_W", "UPCAST_DOT", "BLOCK_T", "BLOCK_E",
+                                          "BLOCK_K")})
     for tokens, experts, k in ((1, 64, 2048), (8, 64, 2048), (256, 64, 2048), (8192, 64, 2048), (4, 256, 7168),
                                (300, 256, 7168)):
-        launch = G.router_gemm_launch(tokens, experts, k)
-        launch.pop("num_warps")
-        compile_(G._jitted(False), gemm, {"E": experts, "K": k, **launch})
+        for split_w in (False, True):  # the split-weight bf16 tensor-core path past SMALL_T tokens
+            launch = G.router_gemm_launch(tokens, experts, k, split_w=split_w)
+            launch.pop("num_warps")
+            compile_(G._jitted(False), gemm, {"E": experts, "K": k, "UPCAST_DOT": False, **launch})
     for ids_ty in ("*i32", "*i64"):
         align = {"ids_ptr": ids_ty, "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "total_ptr": "*i32",
                  "num_pairs": "i32", "max_padded": "i32", "NUM_EXPERTS": "constexpr", "BLOCK_M": "constexpr",

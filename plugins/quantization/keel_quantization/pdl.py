@@ -5,9 +5,9 @@ why; this plugin keeps its own copy so it needs no other plugin).
 
 `ENABLED` is False: the H200 measured PDL on the other two plugins (h200-pdl-2bcda9d.json) but not yet on
 these kernels, nor ran the GPU tests with it, so their launches stay plain until a device call measures them
-(`h200_step_profile.py --pdl-quant` or KEEL_QUANT_PDL=1 turns it on for that process). Where every GEMM of a decode step is one
-of these kernels (GPTQ / fp8 at batch 1) the gain should be larger than bf16 Llama's, whose Triton kernels
-sit between cuBLAS GEMMs.
+(`h200_step_profile.py --pdl-quant` or KEEL_QUANT_PDL=1 turns it on for that process). Where every GEMM of a
+decode step is one of these kernels (GPTQ / fp8 at batch 1) the gain should be larger than bf16 Llama's,
+whose Triton kernels sit between cuBLAS GEMMs.
 """
 
 from __future__ import annotations

@@ -4,13 +4,23 @@
 gate (DeepSeek's `MoEGate`). The reference is `F.linear(x.float(), weight)` (HF computes DeepSeek's router
 in float32): the kernel widens each activation tile in registers instead of writing `x.float()` to memory
 (a copy kernel and a float32 tensor of the whole step's activations per layer), and accumulates in float32
-with IEEE products (never TF32), so only the summation order differs from the reference.
+with exact products (never TF32), so only the summation order differs from the reference.
 
 Two launch shapes, chosen from the token count alone (a CUDA graph bucket replays the one it captured):
 - decode sizes (<= SMALL_T tokens): products summed by a reduction, no tensor-core tile minimum, so the
   grid splits the experts finely (batch 1, 64 experts: 16 programs each streaming 4 gate rows);
-- larger steps: tiles of tokens x experts through `tl.dot` (IEEE float32), K in slices.
+- larger steps: tiles of tokens x experts through `tl.dot`, K in slices. With bfloat16 activations
+  the float32 gate tile is split in registers into three bfloat16 parts, w = hi + mid + lo exactly (each
+  part holds the next 8 significant bits of the remainder), and three bf16 tensor-core dots accumulate in
+  float32: every product x * part is exact, so the logits differ from `F.linear(x.float(), w)` only in
+  summation order, at tensor-core speed. Otherwise (float16 or float32 activations) IEEE float32
+  dots, which run on CUDA cores (H200: 46 us per DSV2-Lite layer at 256 tokens, against 13 us for the
+  copy + cuBLAS).
 The gate weight is read once per token tile; nothing is read back to the host.
+
+Prediction for the split path (before any GPU run): DSV2-Lite's router at 256 tokens ~5 us per layer
+(copy + cuBLAS fp32 13 us), at 8192 ~15 us (117 us); `benchmarks/h200_router_gemm.py` measures both.
+`ops.ROUTER_KERNEL_MAX_TOKENS` moves past 8 only once it has.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ def _router_gemm_kernel(
     E: tl.constexpr,
     K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    SPLIT_W: tl.constexpr,  # USE_DOT with bf16 x: w as three exact bf16 parts, three bf16 tensor-core dots
+    UPCAST_DOT: tl.constexpr,  # the interpreter's dot misreads 16-bit floats: widen the split parts first
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -57,11 +69,28 @@ def _router_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        x16 = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :],
+                      other=0.0)  # [BLOCK_T, BLOCK_K], x's dtype
+        x = x16.to(tl.float32)
         w = tl.load(w_ptr + offs_e[:, None] * K + offs_k[None, :], mask=e_mask[:, None] & k_mask[None, :],
                     other=0.0)  # [BLOCK_E, BLOCK_K] float32
-        if USE_DOT:
+        if SPLIT_W:
+            # w = hi + mid + lo exactly: each remainder is exact in float32 and has at most 8 significant bits
+            # left after the part before it (any rounding of the cast keeps this true)
+            w_hi = w.to(tl.bfloat16)
+            rest = w - w_hi.to(tl.float32)
+            w_mid = rest.to(tl.bfloat16)
+            w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+            xb = x16.to(tl.bfloat16)  # x is bf16 already (SPLIT_W is only asked for then): a no-op
+            if UPCAST_DOT:
+                acc += tl.dot(xb.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(xb.to(tl.float32), tl.trans(w_mid.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(xb.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xb, tl.trans(w_hi))
+                acc += tl.dot(xb, tl.trans(w_mid))
+                acc += tl.dot(xb, tl.trans(w_lo))
+        elif USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.reduce(x[:, None, :] * w[None, :, :], 2, tl.standard._sum_combine)
@@ -75,16 +104,22 @@ def _jitted(interpret: bool) -> Any:
     return triton.jit(_router_gemm_kernel, do_not_specialize=["num_tokens"])
 
 
-def router_gemm_launch(num_tokens: int, num_experts: int, k: int) -> dict[str, int | bool]:
-    """The constexprs and warps of one launch for this shape (a function of the token count only)."""
+def router_gemm_launch(num_tokens: int, num_experts: int, k: int, split_w: bool = False) -> dict[str, int | bool]:
+    """The constexprs and warps of one launch for this shape (a function of the token count and whether the
+    activations are bf16 (`split_w`: the split-weight tensor-core path) only)."""
     if num_tokens <= SMALL_T:
         block_t = triton.next_power_of_2(num_tokens)
         block_k = min(triton.next_power_of_2(k), 2048, _SMALL_TILE // block_t)
         block_e = max(1, min(triton.next_power_of_2(num_experts), _SMALL_TILE // (block_t * block_k)))
-        return {"USE_DOT": False, "BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": block_k, "num_warps": 4}
+        return {"USE_DOT": False, "SPLIT_W": False, "BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": block_k,
+                "num_warps": 4}
     big = num_tokens > 512
+    if split_w:  # every expert of a token tile in one program (the gate read once per token tile), deep K
+        block_e = min(max(16, triton.next_power_of_2(num_experts)), 64)
+        return {"USE_DOT": True, "SPLIT_W": True, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e,
+                "BLOCK_K": 64, "num_warps": 4}
     block_e = min(max(16, triton.next_power_of_2(num_experts)), 64 if big else 16)
-    return {"USE_DOT": True, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e, "BLOCK_K": 32,
+    return {"USE_DOT": True, "SPLIT_W": False, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e, "BLOCK_K": 32,
             "num_warps": 4}
 
 
@@ -111,9 +146,10 @@ def router_gemm_triton(
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    launch = router_gemm_launch(num_tokens, num_experts, k)
+    launch = router_gemm_launch(num_tokens, num_experts, k, split_w=x.dtype == torch.bfloat16)
     num_warps = launch.pop("num_warps")
     grid = (triton.cdiv(num_tokens, launch["BLOCK_T"]), triton.cdiv(num_experts, launch["BLOCK_E"]))
-    _jitted(interpreter_enabled())[grid](x, weight, out, num_tokens, x.stride(0), E=num_experts, K=k,
-                                         num_warps=num_warps, **launch, **pdl_kwargs(out))
+    interpret = interpreter_enabled()
+    _jitted(interpret)[grid](x, weight, out, num_tokens, x.stride(0), E=num_experts, K=k, UPCAST_DOT=interpret,
+                             num_warps=num_warps, **launch, **pdl_kwargs(out))
     return out

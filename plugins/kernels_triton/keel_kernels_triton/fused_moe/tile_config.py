@@ -12,9 +12,9 @@ K = intermediate), mapping a token count to a config:
 
 A step of M tokens uses the entry with the smallest key >= M, else the largest key. The folder named by
 KEEL_MOE_TILE_CONFIG_DIR is searched before the package's own `configs/` (which
-`benchmarks/h200_moe_tiles.py` writes); a device without a file of its own borrows the file of a sibling with the
-same SM (`SIBLING_DEVICES`: H100 SXM and H200), and logs it. Files describe 16-bit activations; float32 and interpreted runs
-always use the built-in tiles. The choice depends on the token count only, never on the routing, so a
+`benchmarks/h200_moe_tiles.py` writes); a device without a file of its own borrows the file of a sibling
+with the same SM (`SIBLING_DEVICES`: H100 SXM and H200), and logs it. Files describe 16-bit activations;
+float32 and interpreted runs always use the built-in tiles. The choice depends on the token count only, never on the routing, so a
 step captured in a CUDA graph replays with the launch shapes it was captured with.
 
 The path is part of the config: `split_k` (JSON "SPLIT_K") > 1 selects the small-M path of the grouped
