@@ -307,7 +307,8 @@ def run(args) -> dict:
         pairs_run = [("shipped", pair_shipped), ("best", (c13, c2))]
         for tag, bn in (("epilogue", c13.block_n), ("epilogue_half_n", c13.block_n // 2)):
             if bn >= 16:
-                pairs_run.append((tag, (dataclasses.replace(c13, block_n=bn, split_k=1, act_epilogue=True), c2e)))
+                c13e = dataclasses.replace(c13, block_n=bn, split_k=1, act_epilogue=True)
+                pairs_run.append((tag, (c13e, c2e)))
         layer = {}
         for name, pair in pairs_run:
             def call(i, pair=pair):
@@ -315,7 +316,8 @@ def run(args) -> dict:
                                    inp["res"], tile_configs=pair)
             outs = call(0).float()
             layer[name] = {"us": timer(call, args.layers) * 1e3, "out": outs}
-        devs = {k: ((v["out"] - layer["shipped"]["out"]).abs().max() / layer["shipped"]["out"].abs().max()).item()
+        base_out = layer["shipped"]["out"]
+        devs = {k: ((v["out"] - base_out).abs().max() / base_out.abs().max()).item()
                 for k, v in layer.items()}
         # the fastest whole call whose output agrees with the shipped pair's (bf16 rounding noise)
         ok = [k for k in layer if devs[k] <= 2e-2]
@@ -334,7 +336,8 @@ def run(args) -> dict:
         print(f"M={tokens:3d} experts={inp['used']:2d} floor {floor / (bw_GBps * 1e3):6.1f} us  "
               f"shipped {row['layer_us']['shipped']:6.1f} us ({row['layer_bw_frac']['shipped']:.0%})  "
               f"best {row['layer_us']['best']:6.1f} us ({row['layer_bw_frac']['best']:.0%})  "
-              + "".join(f"{k} {row['layer_us'][k]:6.1f} us  " for k in row["layer_us"] if k.startswith("epilogue"))
+              + "".join(f"{k} {us:6.1f} us  " for k, us in row["layer_us"].items()
+                        if k.startswith("epilogue"))
               + f"picked {pick} dev {dev:.1e}  "
               f"w13 {c13}  w2 {c2}   [{time.perf_counter() - start:.0f} s]")
         write()  # after every token count: a run cut short still leaves what it measured

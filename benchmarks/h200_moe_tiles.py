@@ -67,8 +67,8 @@ GEMMS = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}  # name -> (N, K)
 
 
 def tc_tuned(n: int, k: int, device: str) -> dict:
-    """The shipped file's entries for this GEMM on `device` (token count -> config), or {}: the file the engine
-    reads, a sibling device's where this one has none (tile_config.SIBLING_DEVICES)."""
+    """The shipped file's entries for this GEMM on `device` (token count -> config), or {}: the file the
+    engine reads, a sibling device's where this one has none (tile_config.SIBLING_DEVICES)."""
     from keel_kernels_triton.fused_moe.tile_config import _tuned
 
     return dict(_tuned(E, n, k, device, (CONFIG_DIR,)))

@@ -219,7 +219,8 @@ def test_act_epilogue_config_and_refusals(interpret):
                                 MoETileConfig(16, 16, 16), gated=True)
     # another activation than silu: the epilogue flag leaves the w13 GEMM plain, torch applies it
     c13 = MoETileConfig(16, 16, 16, 4, 1, act_epilogue=True)
-    out = fused_experts_triton(x, w13, w2, w, ids, "gelu", tile_configs=(c13, MoETileConfig(16, 16, 16, 4, 1)))
+    c2 = MoETileConfig(16, 16, 16, 4, 1)
+    out = fused_experts_triton(x, w13, w2, w, ids, "gelu", tile_configs=(c13, c2))
     torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, w, ids, "gelu"), atol=1e-5, rtol=1e-5)
 
 

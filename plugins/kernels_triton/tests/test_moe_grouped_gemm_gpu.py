@@ -5,6 +5,7 @@ path does) and replayed from a CUDA graph with fresh inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -38,7 +39,8 @@ COMPILE_PRELUDE = textwrap.dedent('''
         assert out.metadata.shared <= H200_SMEM, (consts, warps, stages, out.metadata.shared)
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
-             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA", "GATED")
+             "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA",
+             "GATED")
     def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, gated=False):
         c_ty = "fp32" if c.split_k > 1 else ty
         sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
@@ -193,8 +195,7 @@ def test_cuda_act_epilogue_rounds_like_torch(cfg):
     (up to silu's exp one ulp apart, rarely), and the whole MoE matches torch."""
     tokens, inter = 9, 192
     x, w13, _, w, ids = _inputs(tokens)
-    plain = MoETileConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, kernel=cfg.kernel,
-                          weight_tma=cfg.weight_tma)
+    plain = dataclasses.replace(cfg, act_epilogue=False)
     sorted_ids, expert_ids, total = moe_align_block_size(ids, w13.shape[0], cfg.block_m)
     rows = ids.numel()
     gate_up = torch.empty(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)

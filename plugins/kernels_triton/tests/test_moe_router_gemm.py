@@ -120,7 +120,8 @@ def test_split_weight_path_is_float32_exact_up_to_summation_order(interpret, tok
 def test_split_weight_parts_reassemble_the_weight_exactly():
     """The decomposition the kernel does in registers, in torch: w == hi + mid + lo for float32 w of any
     magnitude (bf16 has float32's exponent range), however the casts round."""
-    w = torch.cat([torch.randn(4096), torch.randn(64) * 1e-30, torch.randn(64) * 1e30, torch.tensor([0.0, -0.0])])
+    w = torch.cat([torch.randn(4096), torch.randn(64) * 1e-30, torch.randn(64) * 1e30,
+                   torch.tensor([0.0, -0.0])])
     hi = w.bfloat16()
     rest = w - hi.float()
     mid = rest.bfloat16()

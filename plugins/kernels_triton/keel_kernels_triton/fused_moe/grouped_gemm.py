@@ -170,8 +170,8 @@ def _fused_moe_kernel(
         else:
             b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
             if GATED:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N),
-                               other=0.0)
+                b_up = tl.load(b_ptrs + N * stride_bn,
+                               mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if not USE_DOT:  # exact float32 products of 16-bit operands, float32 sums (as the dot accumulates)
             acc3 += a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
             if GATED:
@@ -250,8 +250,8 @@ def invoke_fused_moe_kernel(
     split = config.split_k or 1
     if gated:
         if split > 1 or act_silu or topk_weights is not None or n % 2 or c.dim() != 2 or c.shape[1] != n // 2:
-            raise ValueError(f"the silu epilogue takes one K slice, no routing weights and c [rows, {n // 2}]; got "
-                             f"split_k={split}, c {tuple(c.shape)}")
+            raise ValueError(f"the silu epilogue takes one K slice, no routing weights, c [rows, {n // 2}]; "
+                             f"got split_k={split}, c {tuple(c.shape)}")
         n //= 2
     if expert_ids.numel() * config.block_m != sorted_ids.numel():
         raise ValueError(f"sorted ids were padded for another block_m than the tile config's {config.block_m}")
@@ -338,7 +338,7 @@ def fused_experts_triton(
                                 dataclasses.replace(c13, split_k=1), gated=True)
         fuse, activated = False, True
     else:
-        gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2 * I] or [split, rows, 2 * I] float32
+        gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2I] or [split, rows, 2I] float32
         invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
         fuse, activated = silu and c2.fused_act, False
     if not fuse and not activated:

@@ -69,8 +69,8 @@ def _router_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x16 = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :],
-                      other=0.0)  # [BLOCK_T, BLOCK_K], x's dtype
+        x16 = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                      mask=t_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_T, BLOCK_K], x's dtype
         x = x16.to(tl.float32)
         w = tl.load(w_ptr + offs_e[:, None] * K + offs_k[None, :], mask=e_mask[:, None] & k_mask[None, :],
                     other=0.0)  # [BLOCK_E, BLOCK_K] float32
@@ -104,23 +104,25 @@ def _jitted(interpret: bool) -> Any:
     return triton.jit(_router_gemm_kernel, do_not_specialize=["num_tokens"])
 
 
-def router_gemm_launch(num_tokens: int, num_experts: int, k: int, split_w: bool = False) -> dict[str, int | bool]:
+def router_gemm_launch(
+    num_tokens: int, num_experts: int, k: int, split_w: bool = False
+) -> dict[str, int | bool]:
     """The constexprs and warps of one launch for this shape (a function of the token count and whether the
     activations are bf16 (`split_w`: the split-weight tensor-core path) only)."""
     if num_tokens <= SMALL_T:
         block_t = triton.next_power_of_2(num_tokens)
         block_k = min(triton.next_power_of_2(k), 2048, _SMALL_TILE // block_t)
         block_e = max(1, min(triton.next_power_of_2(num_experts), _SMALL_TILE // (block_t * block_k)))
-        return {"USE_DOT": False, "SPLIT_W": False, "BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": block_k,
-                "num_warps": 4}
+        return {"USE_DOT": False, "SPLIT_W": False, "BLOCK_T": block_t, "BLOCK_E": block_e,
+                "BLOCK_K": block_k, "num_warps": 4}
     big = num_tokens > 512
     if split_w:  # every expert of a token tile in one program (the gate read once per token tile), deep K
         block_e = min(max(16, triton.next_power_of_2(num_experts)), 64)
         return {"USE_DOT": True, "SPLIT_W": True, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e,
                 "BLOCK_K": 64, "num_warps": 4}
     block_e = min(max(16, triton.next_power_of_2(num_experts)), 64 if big else 16)
-    return {"USE_DOT": True, "SPLIT_W": False, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e, "BLOCK_K": 32,
-            "num_warps": 4}
+    return {"USE_DOT": True, "SPLIT_W": False, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e,
+            "BLOCK_K": 32, "num_warps": 4}
 
 
 def router_gemm_triton(
@@ -150,6 +152,6 @@ def router_gemm_triton(
     num_warps = launch.pop("num_warps")
     grid = (triton.cdiv(num_tokens, launch["BLOCK_T"]), triton.cdiv(num_experts, launch["BLOCK_E"]))
     interpret = interpreter_enabled()
-    _jitted(interpret)[grid](x, weight, out, num_tokens, x.stride(0), E=num_experts, K=k, UPCAST_DOT=interpret,
-                             num_warps=num_warps, **launch, **pdl_kwargs(out))
+    _jitted(interpret)[grid](x, weight, out, num_tokens, x.stride(0), E=num_experts, K=k,
+                             UPCAST_DOT=interpret, num_warps=num_warps, **launch, **pdl_kwargs(out))
     return out

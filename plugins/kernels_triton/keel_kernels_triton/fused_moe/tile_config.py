@@ -14,8 +14,8 @@ A step of M tokens uses the entry with the smallest key >= M, else the largest k
 KEEL_MOE_TILE_CONFIG_DIR is searched before the package's own `configs/` (which
 `benchmarks/h200_moe_tiles.py` writes); a device without a file of its own borrows the file of a sibling
 with the same SM (`SIBLING_DEVICES`: H100 SXM and H200), and logs it. Files describe 16-bit activations;
-float32 and interpreted runs always use the built-in tiles. The choice depends on the token count only, never on the routing, so a
-step captured in a CUDA graph replays with the launch shapes it was captured with.
+float32 and interpreted runs always use the built-in tiles. The choice depends on the token count only,
+never on the routing, so a step captured in a CUDA graph replays with the launch shapes it was captured with.
 
 The path is part of the config: `split_k` (JSON "SPLIT_K") > 1 selects the small-M path of the grouped
 GEMM (grouped_gemm.py: K split over programs, float32 partials summed by the consumer). An entry without
@@ -114,8 +114,8 @@ class MoETileConfig:
         if not isinstance(self.fused_act, bool):
             raise MoETileConfigError(f"fused_act ({_FUSED_ACT_KEY}) must be true or false, got {self.fused_act!r}")
         if not isinstance(self.act_epilogue, bool) or (self.act_epilogue and self.split_k not in (None, 1)):
-            raise MoETileConfigError(f"act_epilogue ({_ACT_EPILOGUE_KEY}) must be a bool and takes one K slice "
-                                     f"(SPLIT_K 1), got {self}")
+            raise MoETileConfigError(f"act_epilogue ({_ACT_EPILOGUE_KEY}) must be a bool and takes one K "
+                                     f"slice (SPLIT_K 1), got {self}")
 
     def to_json(self) -> dict[str, int]:
         body = {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
