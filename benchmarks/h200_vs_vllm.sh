@@ -24,7 +24,11 @@ for part in "$@"; do
   case $part in
     install) python3 -m pip install -q --no-deps --no-build-isolation -e . $(ls -d plugins/*/ | sed 's/^/-e /') \
                >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
-             python3 -c 'import torch, triton; print("gpus", torch.cuda.device_count(), torch.__version__, triton.__version__)';;
+             python3 -c 'import torch, triton; print("gpus", torch.cuda.device_count(), torch.__version__, triton.__version__)'
+             # every engine start loads the xgrammar plugin: without its wheels (part wheels, .whl carried) each
+             # engine run and CUDA test fails at startup, minutes later
+             python3 -c 'import xgrammar' 2>/dev/null || echo "WARNING: xgrammar does not import: carry .whl" \
+               "(benchmarks/device_wheels.sh) and run part wheels first, or every engine start fails";;
     vllm-c0*)
       c=${part#vllm-}; mkdir -p /tmp/vin && cp -r ${VLLM_CHUNKS:-.vllm-peer/chunks}/$c /tmp/vin/
       if [ "$c" = "${VLLM_LAST_CHUNK:-c02}" ]; then
