@@ -344,14 +344,19 @@ def fused_experts_triton(
     if not fuse and not activated:
         if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
             gate_up = gate_up.sum(0).to(hidden.dtype)
-        if activation.lower() in FUSED_ACTIVATIONS and not interpreter_enabled():
-            gate_up = _silu_and_mul()(gate_up)  # [rows, intermediate]; the tile config unfused it
-        else:
-            gate_up = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, intermediate]
+        gate_up = act_and_mul(gate_up, activation)  # [rows, intermediate]
     down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
     return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:  # [rows, 2I] -> [rows, I], contiguous
+    """The gated activation between the two GEMMs when it runs as its own step: kernels-triton's silu_and_mul
+    kernel for silu on a GPU (one launch, one pass; rounds as torch does), else the torch module."""
+    if activation.lower() in FUSED_ACTIVATIONS and not interpreter_enabled():
+        return _silu_and_mul()(gate_up)
+    return get_act_and_mul_fn(activation)(gate_up).contiguous()
 
 
 @functools.cache

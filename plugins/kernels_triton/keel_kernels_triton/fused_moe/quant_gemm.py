@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.fp8_utils import per_token_group_quant_fp8
 from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
-from keel_kernels_triton.fused_moe.grouped_gemm import live_block_bound
+from keel_kernels_triton.fused_moe.grouped_gemm import act_and_mul, live_block_bound
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
 from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
 from keel_kernels_triton.support import interpreter_enabled
@@ -210,7 +209,7 @@ def fused_experts_quant_triton(
         return out
 
     gate_up = gemm(hidden, w13, quant.w13_scale, quant.w13_zeros, quant.w13_g_idx, n13, None, top_k, c13)
-    act = get_act_and_mul_fn(activation)(gate_up).contiguous()  # [rows, I]
+    act = act_and_mul(gate_up, activation)  # [rows, I]: one silu_and_mul launch on a GPU, not torch's two
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     down = gemm(act, w2, quant.w2_scale, quant.w2_zeros, quant.w2_g_idx, h, weights, 1, c2)
     return moe_sum(down.view(num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
