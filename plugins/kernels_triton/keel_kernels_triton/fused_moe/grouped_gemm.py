@@ -29,7 +29,6 @@ decoration time whether a function is compiled or interpreted.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -332,28 +331,30 @@ def fused_experts_triton(
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
     silu = activation.lower() in FUSED_ACTIVATIONS
-    if c13.act_epilogue and silu:  # [rows, I] = silu(gate) * up straight from the w13 GEMM
+    if c13.act_epilogue and silu:  # [rows, I] = silu(gate) * up straight from the w13 GEMM (one K slice:
+        # the config refuses another split, and a lookup resolves an unset one to 1)
         gate_up = torch.empty(rows, w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
-        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k,
-                                dataclasses.replace(c13, split_k=1), gated=True)
-        fuse, activated = False, True
+        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13,
+                                gated=True)
+        fuse = False
     else:
         gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2I] or [split, rows, 2I] float32
         invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
-        fuse, activated = silu and c2.fused_act, False
-    if not fuse and not activated:
-        if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
-            gate_up = gate_up.sum(0).to(hidden.dtype)
-        gate_up = act_and_mul(gate_up, activation)  # [rows, intermediate]
+        fuse = silu and c2.fused_act
+        if not fuse:
+            if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
+                gate_up = gate_up.sum(0).to(hidden.dtype)
+            gate_up = act_and_mul(gate_up, activation)  # [rows, intermediate]
     down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
     return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
 
 
-def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:  # [rows, 2I] -> [rows, I], contiguous
-    """The gated activation between the two GEMMs when it runs as its own step: kernels-triton's silu_and_mul
-    kernel for silu on a GPU (one launch, one pass; rounds as torch does), else the torch module."""
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:  # [rows, 2I] -> [rows, I]
+    """The gated activation between the two GEMMs when it runs as its own step (a contiguous result):
+    kernels-triton's silu_and_mul kernel for silu on a GPU (one launch, one pass; rounds as torch does),
+    else the torch module."""
     if activation.lower() in FUSED_ACTIVATIONS and not interpreter_enabled():
         return _silu_and_mul()(gate_up)
     return get_act_and_mul_fn(activation)(gate_up).contiguous()

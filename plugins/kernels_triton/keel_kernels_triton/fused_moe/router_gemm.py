@@ -81,15 +81,14 @@ def _router_gemm_kernel(
             rest = w - w_hi.to(tl.float32)
             w_mid = rest.to(tl.bfloat16)
             w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
-            xb = x16.to(tl.bfloat16)  # x is bf16 already (SPLIT_W is only asked for then): a no-op
-            if UPCAST_DOT:
-                acc += tl.dot(xb.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(xb.to(tl.float32), tl.trans(w_mid.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(xb.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
+            if UPCAST_DOT:  # x16 is bf16 (SPLIT_W is only asked for then); x is its exact widening
+                acc += tl.dot(x, tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(x, tl.trans(w_mid.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(x, tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
             else:
-                acc += tl.dot(xb, tl.trans(w_hi))
-                acc += tl.dot(xb, tl.trans(w_mid))
-                acc += tl.dot(xb, tl.trans(w_lo))
+                acc += tl.dot(x16, tl.trans(w_hi))
+                acc += tl.dot(x16, tl.trans(w_mid))
+                acc += tl.dot(x16, tl.trans(w_lo))
         elif USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:

@@ -188,14 +188,15 @@ SIBLING_DEVICES: dict[str, tuple[str, ...]] = {
 @functools.cache
 def _tuned(num_experts: int, n: int, k: int, device_name: str, dirs: tuple[Path, ...]) -> dict[int, MoETileConfig]:
     found = _tuned_for_device(num_experts, n, k, device_name, dirs)
+    if found:
+        return found
     for sibling in SIBLING_DEVICES.get(device_name, ()):
-        if found:
-            break
         found = _tuned_for_device(num_experts, n, k, sibling, dirs)
         if found:
             logger.info("fused MoE tiles for %s (E=%d, N=%d, K=%d): no file of its own, using the %s file "
                         "(same SM, see SIBLING_DEVICES)", device_name, num_experts, n, k, sibling)
-    return found
+            return found
+    return {}
 
 
 def _tuned_for_device(num_experts: int, n: int, k: int, device_name: str,
