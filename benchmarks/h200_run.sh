@@ -16,7 +16,7 @@
 #             (batch 256, plain and constrained, with and without bitmask_timeline's wrappers)
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
-#             (profile-gptq-pdl, profile-fp8-pdl: with the quantization kernels' PDL on, --pdl-quant)
+#             (profile-gptq-nopdl, profile-fp8-nopdl: with the quantization kernels' PDL off, --no-pdl-quant)
 #   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
 #   profile-pdl profile-nopdl  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) at batch 1 / 256, PDL on / off
 #   int4-wdeq h200_int4_wdeq.py: an int4 GEMM that scales the weight tile, not the partial product (WDEQ_MS)
@@ -66,11 +66,11 @@ for part in "$@"; do
           --out "$W/h200-step-profile-$arch-${part#profile-}.json" >"$W/$part-$arch.log" 2>&1
         grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step|num_kernels)"' "$W/h200-step-profile-$arch-${part#profile-}.json" | tr -d ' \n'; echo
       done;;
-    profile-gptq|profile-fp8|profile-gptq-pdl|profile-fp8-pdl)  # Llama-8B shape with dummy weights in h200_quant.py's
-      # GPTQ int4 g128 / fp8 per-tensor layout; -pdl: the quantization kernels with programmatic dependent launch
+    profile-gptq|profile-fp8|profile-gptq-nopdl|profile-fp8-nopdl)  # Llama-8B shape with dummy weights in h200_quant.py's
+      # GPTQ int4 g128 / fp8 per-tensor layout; -nopdl: the quantization kernels without programmatic dependent launch
       q=llama8b-gptq; b=1
       case $part in profile-fp8*) q=llama8b-fp8-tensor; b=1,256;; esac
-      f=$(case $part in *-pdl) echo --pdl-quant;; esac)
+      f=$(case $part in *-nopdl) echo --no-pdl-quant;; esac)
       timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch $b --mixed "" $f \
         --quantization-case $q --out "$W/h200-step-profile-llama8b-${part#profile-}.json" >"$W/$part.log" 2>&1
       tail -c 800 "$W/$part.log";;

@@ -152,21 +152,19 @@ def main() -> None:
                     help="the quantization_config of one of h200_quant.py's cases (instead of the JSON)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the kernel plugins' kernels without programmatic dependent launch (to measure it)")
-    ap.add_argument("--pdl-quant", action="store_true",
-                    help="the quantization plugin's kernels with programmatic dependent launch too (off by default "
-                         "until measured: keel_quantization.pdl)")
+    ap.add_argument("--no-pdl-quant", action="store_true",
+                    help="the quantization plugin's kernels without programmatic dependent launch "
+                         "(keel_quantization.pdl; --no-pdl implies it)")
     a = ap.parse_args()
-    if a.no_pdl and a.pdl_quant:
-        raise SystemExit("--no-pdl and --pdl-quant contradict each other")
     if a.no_pdl:
         from keel_attention_flash import pdl as flash_pdl
         from keel_kernels_triton import pdl as triton_pdl
 
         flash_pdl.ENABLED = triton_pdl.ENABLED = False
-    if a.pdl_quant:
-        from keel_quantization import pdl as quant_pdl
+    from keel_quantization import pdl as quant_pdl
 
-        quant_pdl.ENABLED = True
+    if a.no_pdl or a.no_pdl_quant:
+        quant_pdl.ENABLED = False
     if a.quantization_case:
         from h200_quant import CASES  # benchmarks/ is on sys.path when this script runs
 
@@ -191,7 +189,7 @@ def main() -> None:
     extra = {"disable_shared_experts_fusion": True} if a.disable_shared_experts_fusion else {}
     engine = make_engine(model_dir, dummy=a.model_dir is None, **extra)
     result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint", **extra,
-              "pdl": not a.no_pdl, "pdl_quant": a.pdl_quant,
+              "pdl": not a.no_pdl, "pdl_quant": quant_pdl.ENABLED,
               "quantization_config": json.loads(a.quantization_config) if a.quantization_config else None,
               "limits": vs.LIMITS, "commit": source_commit(Path(__file__).parent) or "?",
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}

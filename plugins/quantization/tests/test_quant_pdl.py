@@ -1,12 +1,14 @@
 """Programmatic dependent launch for the quantization kernels (keel_quantization.pdl): every kernel that
 takes `PDL` waits before its first load or store (its first statement is `pdl_enter(PDL)`, checked on the
-source); the launch keywords are PDL only with the module switch on (off until a GPU measures it), on CUDA
+source); the launch keywords are PDL only with the module switch on (on by default,
+KEEL_QUANT_PDL=0 turns it off), on CUDA
 sm_90+, outside the interpreter."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
 
 import pytest
 import torch
@@ -51,7 +53,10 @@ def test_launch_keywords(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     pdl._sm90.cache_clear()
-    assert not pdl.ENABLED and pdl.pdl_kwargs(fake_cuda) == {}  # off until measured on a GPU
+    # on unless KEEL_QUANT_PDL=0 (measured on an H100: pdl.py's docstring)
+    assert pdl.ENABLED == (os.environ.get("KEEL_QUANT_PDL", "1").strip() == "1")
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.pdl_kwargs(fake_cuda) == {}
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.pdl_kwargs(fake_cuda) == {"PDL": True, "launch_pdl": True}
     assert pdl.pdl_kwargs(torch.zeros(1)) == {}
