@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 SHAPES = {"dsv2lite": (64, 2048), "v3": (256, 7168)}
-TOKENS = [16, 64, 256, 1024, 8192]
+TOKENS = [16, 64, 256, 1024, 2048, 4096, 8192]
 
 
 def main() -> None:

@@ -79,24 +79,28 @@ def test_op_binds_float32_gates_only(interpret):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 256, 2000])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 256, 2000, 4100])
 @pytest.mark.parametrize("experts,k", [(64, 2048), (256, 7168)])  # DeepSeek-V2-Lite, V3
 def test_cuda_matches_float64_reference(tokens, experts, k):
     _check(tokens, experts, k, torch.bfloat16, seed=tokens, device="cuda")
 
 
 def test_op_runs_the_kernel_only_where_it_is_faster(interpret, monkeypatch):
-    """The op launches the kernel up to ROUTER_KERNEL_MAX_TOKENS tokens (measured faster there on the
-    H200) and the reference computation above (faster there)."""
+    """The op launches the kernel up to ROUTER_KERNEL_MAX_TOKENS tokens and, for bf16 activations, from
+    ROUTER_KERNEL_MIN_LARGE_TOKENS on (measured faster there), the reference computation between them and
+    for float16 past the small sizes (faster there)."""
     from keel_kernels_triton.fused_moe import ops
 
     calls = []
     monkeypatch.setattr(ops, "router_gemm_triton", lambda x, w: calls.append(x.shape[0]) or x.float() @ w.t())
     op = TritonRouterGemm()
-    for tokens in (1, ops.ROUTER_KERNEL_MAX_TOKENS, ops.ROUTER_KERNEL_MAX_TOKENS + 1, 256):
+    small, large = ops.ROUTER_KERNEL_MAX_TOKENS, ops.ROUTER_KERNEL_MIN_LARGE_TOKENS
+    for tokens in (1, small, small + 1, 256, large - 1, large):
         x, w = _inputs(tokens, 16, 32, torch.bfloat16, seed=tokens)
         assert torch.equal(op(x, w), torch.nn.functional.linear(x.float(), w))
-    assert calls == [1, ops.ROUTER_KERNEL_MAX_TOKENS]
+    x, w = _inputs(large, 16, 32, torch.float16, seed=0)
+    op(x, w)
+    assert calls == [1, small, large]
 
 
 @pytest.mark.parametrize("tokens", [SMALL_T + 1, 600])

@@ -19,8 +19,11 @@ Two launch shapes, chosen from the token count alone (a CUDA graph bucket replay
 The gate weight is read once per token tile; nothing is read back to the host.
 
 Prediction for the split path (before any GPU run): DSV2-Lite's router at 256 tokens ~5 us per layer
-(copy + cuBLAS fp32 13 us), at 8192 ~15 us (117 us); `benchmarks/h200_router_gemm.py` measures both.
-`ops.ROUTER_KERNEL_MAX_TOKENS` moves past 8 only once it has.
+(copy + cuBLAS fp32 13 us), at 8192 ~15 us (117 us). Outcome on an H100 SXM at e3a41fb
+(`h100-router-gemm-e3a41fb.json`): wrong below ~2048 tokens -- a flat 25 us up to 256 tokens and 42 us at
+1024 against 10-25 us, since one program per 16 (64) tokens leaves most SMs idle and each walks all of K --
+and at 8192 tokens 38.5 against 112.8 us, 2.9x (predicted 7.8x; V3: 338 against 757). So `ops` takes it
+only from `ROUTER_KERNEL_MIN_LARGE_TOKENS`.
 """
 
 from __future__ import annotations
