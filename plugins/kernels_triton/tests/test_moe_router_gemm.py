@@ -86,21 +86,28 @@ def test_cuda_matches_float64_reference(tokens, experts, k):
 
 
 def test_op_runs_the_kernel_only_where_it_is_faster(interpret, monkeypatch):
-    """The op launches the kernel up to ROUTER_KERNEL_MAX_TOKENS tokens and, for bf16 activations, from
-    ROUTER_KERNEL_MIN_LARGE_TOKENS on (measured faster there), the reference computation between them and
-    for float16 past the small sizes (faster there)."""
+    """The op launches the kernel for bf16 activations at every size and for other dtypes up to
+    ROUTER_KERNEL_MAX_TOKENS tokens (measured faster there), the reference computation past it."""
     from keel_kernels_triton.fused_moe import ops
 
     calls = []
     monkeypatch.setattr(ops, "router_gemm_triton", lambda x, w: calls.append(x.shape[0]) or x.float() @ w.t())
     op = TritonRouterGemm()
-    small, large = ops.ROUTER_KERNEL_MAX_TOKENS, ops.ROUTER_KERNEL_MIN_LARGE_TOKENS
-    for tokens in (1, small, small + 1, 256, large - 1, large):
-        x, w = _inputs(tokens, 16, 32, torch.bfloat16, seed=tokens)
-        assert torch.equal(op(x, w), torch.nn.functional.linear(x.float(), w))
-    x, w = _inputs(large, 16, 32, torch.float16, seed=0)
-    op(x, w)
-    assert calls == [1, small, large]
+    small = ops.ROUTER_KERNEL_MAX_TOKENS
+    for dtype in (torch.float16, torch.bfloat16):
+        for tokens in (1, small, small + 1, 300):
+            x, w = _inputs(tokens, 16, 32, dtype, seed=tokens)
+            assert torch.equal(op(x, w), torch.nn.functional.linear(x.float(), w))
+    assert calls == [1, small, 1, small, small + 1, 300]
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(SMALL_T + 1, 20, 1000), (40, 70, 700), (600, 20, 300)])
+def test_split_k_partials_sum_in_slice_order(interpret, tokens, experts, k):
+    """bf16 steps split K across programs (float32 partials per slice, moe_sum adds them): odd K (a short
+    last slice), experts past one tile, the large-step tile; the same bound as the unsplit path."""
+    launch = router_gemm_launch(tokens, experts, k, split_w=True)
+    assert launch["K_SLICE"] < k and launch["K_SLICE"] % launch["BLOCK_K"] == 0
+    _check(tokens, experts, k, torch.bfloat16, seed=k)
 
 
 @pytest.mark.parametrize("tokens", [SMALL_T + 1, 600])

@@ -44,7 +44,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
         compile_(R._jitted(False), route, dict(zip(names, v)))
     gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "num_tokens": "i32", "stride_x": "i32"}
     gemm.update({k: "constexpr" for k in ("E", "K", "USE_DOT", "SPLIT_W", "UPCAST_DOT", "BLOCK_T", "BLOCK_E",
-                                          "BLOCK_K")})
+                                          "BLOCK_K", "K_SLICE")})
     for tokens, experts, k in ((1, 64, 2048), (8, 64, 2048), (256, 64, 2048), (8192, 64, 2048), (4, 256, 7168),
                                (300, 256, 7168)):
         for split_w in (False, True):  # the split-weight bf16 tensor-core path past SMALL_T tokens

@@ -19,23 +19,19 @@ from keel_kernels_triton.fused_moe.routing import routing_triton_supported, sele
 from keel_kernels_triton.support import TritonOp
 
 
-# Between the two, cuBLAS on a float32 copy. On the H200 (DeepSeek-V2-Lite, 64 experts x 2048) the kernel's
-# IEEE-float32 tl.dot tiles took 46 us per layer at 256 tokens and 215 us at 8192, the copy plus cuBLAS's
-# float32 GEMM 13 us and 117 us; at one token the kernel's reduction path took 2.3 us against 4.6. The
-# split-weight path for bf16 activations (router_gemm.py) on an H100 SXM at e3a41fb
-# (h100-router-gemm-e3a41fb.json): a flat ~25-40 us per layer up to 1024 tokens (too few programs for the SMs:
-# one per 16 or 64 tokens), against 10-25 us; at 8192 tokens 38.5 against 112.8 us (V3's 256 x 7168: 338
-# against 757). So bf16 steps of ROUTER_KERNEL_MIN_LARGE_TOKENS or more take the kernel: predicted ~40 against
-# ~60 us at 4096 tokens (64 programs), a tie near 2048 (not taken).
+# Past them, cuBLAS on a float32 copy for 16- and 32-bit floats: on the H200 (DeepSeek-V2-Lite, 64 experts x
+# 2048) the kernel's IEEE-float32 tl.dot tiles took 46 us per layer at 256 tokens and 215 us at 8192, the copy
+# plus cuBLAS's float32 GEMM 13 us and 117 us; at one token the kernel's reduction path took 2.3 us against
+# 4.6. bf16 activations take the kernel at every size: its split-weight tensor-core path (router_gemm.py)
+# took 38.5 against 112.8 us at 8192 tokens on an H100 SXM at e3a41fb (h100-router-gemm-e3a41fb.json), but a
+# flat 25-42 us up to 1024 tokens (10-25 for the reference) until it split K across programs (predicted ~7-8).
 ROUTER_KERNEL_MAX_TOKENS = SMALL_T
-ROUTER_KERNEL_MIN_LARGE_TOKENS = 4096
 
 
 class TritonRouterGemm(TritonOp):
-    """`router_gemm(x, weight) -> logits`: float32 router logits from 16-bit activations. Up to
-    ROUTER_KERNEL_MAX_TOKENS tokens, and bf16 steps of ROUTER_KERNEL_MIN_LARGE_TOKENS or more, one launch
-    without a float32 copy of the activations; between them the reference computation (the faster one
-    there). Declines gates whose weight is not float32."""
+    """`router_gemm(x, weight) -> logits`: float32 router logits from 16-bit activations without a float32
+    copy of them: bf16 at every size, other dtypes up to ROUTER_KERNEL_MAX_TOKENS tokens (the reference
+    computation past it: the faster one there). Declines gates whose weight is not float32."""
 
     def supports_layer(self, layer: torch.nn.Module) -> bool:
         weight = getattr(layer, "weight", None)
@@ -46,9 +42,7 @@ class TritonRouterGemm(TritonOp):
         x: torch.Tensor,  # [num_tokens, hidden]
         weight: torch.Tensor,  # [num_experts, hidden] float32
     ) -> torch.Tensor:  # [num_tokens, num_experts] float32
-        tokens = x.shape[0]  # static per CUDA graph bucket
-        if tokens <= ROUTER_KERNEL_MAX_TOKENS or (tokens >= ROUTER_KERNEL_MIN_LARGE_TOKENS
-                                                  and x.dtype == torch.bfloat16):
+        if x.dtype == torch.bfloat16 or x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:  # static per graph bucket
             return router_gemm_triton(x, weight)
         return F.linear(x.float(), weight)
 

@@ -16,14 +16,18 @@ Two launch shapes, chosen from the token count alone (a CUDA graph bucket replay
   summation order, at tensor-core speed. Otherwise (float16 or float32 activations) IEEE float32
   dots, which run on CUDA cores (H200: 46 us per DSV2-Lite layer at 256 tokens, against 13 us for the
   copy + cuBLAS).
-The gate weight is read once per token tile; nothing is read back to the host.
+  With bf16 activations K is also split across programs until the grid has ~256 of them (slices of 256 or
+  more): each program writes float32 partials and `moe_sum` adds them in slice order (a fixed order per
+  token count, so repeatable), a second launch instead of a chain of K / 64 dependent steps per program.
+The gate weight is read once per token tile and K slice; nothing is read back to the host.
 
 Prediction for the split path (before any GPU run): DSV2-Lite's router at 256 tokens ~5 us per layer
 (copy + cuBLAS fp32 13 us), at 8192 ~15 us (117 us). Outcome on an H100 SXM at e3a41fb
 (`h100-router-gemm-e3a41fb.json`): wrong below ~2048 tokens -- a flat 25 us up to 256 tokens and 42 us at
 1024 against 10-25 us, since one program per 16 (64) tokens leaves most SMs idle and each walks all of K --
-and at 8192 tokens 38.5 against 112.8 us, 2.9x (predicted 7.8x; V3: 338 against 757). So `ops` takes it
-only from `ROUTER_KERNEL_MIN_LARGE_TOKENS`.
+and at 8192 tokens 38.5 against 112.8 us, 2.9x (predicted 7.8x; V3: 338 against 757). Hence the split K.
+Prediction for it (DSV2-Lite, H100, per layer): ~7 us at 16 and 256 tokens (reference 10.1 / 12.1), ~8 at
+1024 (25.2), ~25 at 8192 (38.5 unsplit); V3 ~25 at 256 (42.0). `ops` runs it for every bf16 step.
 """
 
 from __future__ import annotations
@@ -35,17 +39,20 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_kernels_triton.fused_moe.moe_sum import moe_sum
 from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 SMALL_T = 8  # up to this many tokens the reduction path runs
 _SMALL_TILE = 8192  # elements of one [BLOCK_T, BLOCK_E, BLOCK_K] product tile on the reduction path
+_SPLIT_PROGRAMS = 256  # the split-weight path splits K until its grid has about this many programs
+_K_SLICE = 256  # ... into slices of at least this many K elements
 
 
 def _router_gemm_kernel(
     x_ptr,  # [num_tokens, K] float (16- or 32-bit), unit stride over K
     w_ptr,  # [E, K] float32, contiguous
-    out_ptr,  # [num_tokens, E] float32, contiguous; written
+    out_ptr,  # [cdiv(K, K_SLICE), num_tokens, E] float32, contiguous; written (one [num_tokens, E] per slice)
     num_tokens,
     stride_x,
     E: tl.constexpr,
@@ -56,6 +63,7 @@ def _router_gemm_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_SLICE: tl.constexpr,  # K elements per program (axis 2 of the grid); K itself when K is not split
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
@@ -69,9 +77,10 @@ def _router_gemm_kernel(
     e_mask = offs_e < E
     rows = tl.where(t_mask, offs_t, 0).to(tl.int64)
     acc = tl.full((BLOCK_T, BLOCK_E), 0.0, dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = tl.program_id(2) * K_SLICE  # split K: this program's slice, its sums to out's slice 2 (below)
+    for k0 in range(k_begin, k_begin + K_SLICE, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
+        k_mask = offs_k < K  # (K_SLICE is a multiple of BLOCK_K: a slice ends where the next begins)
         x16 = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
                       mask=t_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_T, BLOCK_K], x's dtype
         x = x16.to(tl.float32)
@@ -96,7 +105,7 @@ def _router_gemm_kernel(
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.reduce(x[:, None, :] * w[None, :, :], 2, tl.standard._sum_combine)
-    out = out_ptr + rows[:, None] * E + offs_e[None, :]
+    out = out_ptr + tl.program_id(2).to(tl.int64) * num_tokens * E + rows[:, None] * E + offs_e[None, :]
     tl.store(out, acc, mask=t_mask[:, None] & e_mask[None, :])
 
 
@@ -110,21 +119,28 @@ def router_gemm_launch(
     num_tokens: int, num_experts: int, k: int, split_w: bool = False
 ) -> dict[str, int | bool]:
     """The constexprs and warps of one launch for this shape (a function of the token count and whether the
-    activations are bf16 (`split_w`: the split-weight tensor-core path) only)."""
+    activations are bf16 (`split_w`: the split-weight tensor-core path) only). `K_SLICE` < k splits K
+    across programs: each writes float32 partials, which `moe_sum` adds in slice order."""
     if num_tokens <= SMALL_T:
         block_t = triton.next_power_of_2(num_tokens)
         block_k = min(triton.next_power_of_2(k), 2048, _SMALL_TILE // block_t)
         block_e = max(1, min(triton.next_power_of_2(num_experts), _SMALL_TILE // (block_t * block_k)))
         return {"USE_DOT": False, "SPLIT_W": False, "BLOCK_T": block_t, "BLOCK_E": block_e,
-                "BLOCK_K": block_k, "num_warps": 4}
+                "BLOCK_K": block_k, "K_SLICE": k, "num_warps": 4}
     big = num_tokens > 512
-    if split_w:  # every expert of a token tile in one program (the gate read once per token tile), deep K
+    if split_w:  # every expert of a token tile in one program (the gate read once per token tile), K split
+        # until the grid has _SPLIT_PROGRAMS programs (one program walking all of K is ~0.8 us per 64: too
+        # long a chain when there are few token tiles), in _K_SLICE pieces at most
+        block_t, block_k = (64 if big else 16), 64
         block_e = min(max(16, triton.next_power_of_2(num_experts)), 64)
-        return {"USE_DOT": True, "SPLIT_W": True, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e,
-                "BLOCK_K": 64, "num_warps": 4}
+        tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
+        splits = max(1, min(triton.cdiv(_SPLIT_PROGRAMS, tiles), triton.cdiv(k, _K_SLICE)))
+        k_slice = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+        return {"USE_DOT": True, "SPLIT_W": True, "BLOCK_T": block_t, "BLOCK_E": block_e,
+                "BLOCK_K": block_k, "K_SLICE": k_slice, "num_warps": 4}
     block_e = min(max(16, triton.next_power_of_2(num_experts)), 64 if big else 16)
     return {"USE_DOT": True, "SPLIT_W": False, "BLOCK_T": 64 if big else 16, "BLOCK_E": block_e,
-            "BLOCK_K": 32, "num_warps": 4}
+            "BLOCK_K": 32, "K_SLICE": k, "num_warps": 4}
 
 
 def router_gemm_triton(
@@ -152,8 +168,14 @@ def router_gemm_triton(
     weight = weight.contiguous()
     launch = router_gemm_launch(num_tokens, num_experts, k, split_w=x.dtype == torch.bfloat16)
     num_warps = launch.pop("num_warps")
-    grid = (triton.cdiv(num_tokens, launch["BLOCK_T"]), triton.cdiv(num_experts, launch["BLOCK_E"]))
+    splits = triton.cdiv(k, launch["K_SLICE"])
+    # [splits, num_tokens, E] float32 partials when K is split, summed in slice order by moe_sum
+    dest = out if splits == 1 else torch.empty(splits, num_tokens, num_experts, dtype=torch.float32,
+                                               device=x.device)
+    grid = (triton.cdiv(num_tokens, launch["BLOCK_T"]), triton.cdiv(num_experts, launch["BLOCK_E"]), splits)
     interpret = interpreter_enabled()
-    _jitted(interpret)[grid](x, weight, out, num_tokens, x.stride(0), E=num_experts, K=k,
-                             UPCAST_DOT=interpret, num_warps=num_warps, **launch, **pdl_kwargs(out))
+    _jitted(interpret)[grid](x, weight, dest, num_tokens, x.stride(0), E=num_experts, K=k,
+                             UPCAST_DOT=interpret, num_warps=num_warps, **launch, **pdl_kwargs(dest))
+    if splits > 1:
+        moe_sum(dest.unsqueeze(2), out)  # [splits, num_tokens, 1, E] -> [num_tokens, E]
     return out
