@@ -44,7 +44,7 @@ def _moe_sum_kernel(
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.full((BLOCK_H,), 0.0, dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # unrolled: every slot's loads in flight at once, not one round trip each
+    for j in range(TOP_K):
         slot = tl.full((BLOCK_H,), 0.0, dtype=tl.float32)
         for s in tl.static_range(SPLITS):
             slot += tl.load(down_ptr + s * stride_ds + t * stride_dt + j * stride_dk + offs, mask=mask,
@@ -61,14 +61,6 @@ def _moe_sum_kernel(
 def _jitted_sum(interpret: bool) -> Any:
     del interpret
     return triton.jit(_moe_sum_kernel, do_not_specialize=["stride_ds"])  # grows with the token count
-
-
-def moe_sum_block_h(num_tokens: int) -> int:
-    """Hidden elements per program. Decode-sized steps take narrow blocks so the grid (tokens x hidden
-    blocks) still covers the SMs: at one token and 512, DeepSeek-V2-Lite's 2048 made 4 programs, each walking
-    its 8 slots (x K-slice partials) in turn -- 13 us per launch on the H200 (h200-step-profile-dsv2lite-tiles-
-    new-d646db6.json), where the bytes take under 1 us."""
-    return 128 if num_tokens < 64 else 512
 
 
 def moe_sum(
@@ -92,7 +84,7 @@ def moe_sum(
     if num_tokens == 0:
         return out
     interpret = interpreter_enabled()
-    block_h = min(moe_sum_block_h(num_tokens) if not interpret else 64, triton.next_power_of_2(hidden))
+    block_h = min(512 if not interpret else 64, triton.next_power_of_2(hidden))
     res = residual if residual is not None else out
     _jitted_sum(interpret)[(num_tokens, -(-hidden // block_h))](
         parts, out, res, hidden, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0), res.stride(0),
