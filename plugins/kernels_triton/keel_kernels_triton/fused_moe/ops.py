@@ -24,7 +24,8 @@ from keel_kernels_triton.support import TritonOp
 # plus cuBLAS's float32 GEMM 13 us and 117 us; at one token the kernel's reduction path took 2.3 us against
 # 4.6. bf16 activations take the kernel at every size: its split-weight tensor-core path (router_gemm.py)
 # took 38.5 against 112.8 us at 8192 tokens on an H100 SXM at e3a41fb (h100-router-gemm-e3a41fb.json), but a
-# flat 25-42 us up to 1024 tokens (10-25 for the reference) until it split K across programs (predicted ~7-8).
+# flat 25-42 us up to 1024 tokens (10-25 for the reference) until it split K across programs: then 5.2-8.9 us
+# up to 1024 tokens and 40.3 at 8192 (h100-router-gemm-splitk-f183f15.json).
 ROUTER_KERNEL_MAX_TOKENS = SMALL_T
 
 

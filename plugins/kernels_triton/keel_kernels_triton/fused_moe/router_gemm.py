@@ -26,8 +26,12 @@ Prediction for the split path (before any GPU run): DSV2-Lite's router at 256 to
 (`h100-router-gemm-e3a41fb.json`): wrong below ~2048 tokens -- a flat 25 us up to 256 tokens and 42 us at
 1024 against 10-25 us, since one program per 16 (64) tokens leaves most SMs idle and each walks all of K --
 and at 8192 tokens 38.5 against 112.8 us, 2.9x (predicted 7.8x; V3: 338 against 757). Hence the split K.
-Prediction for it (DSV2-Lite, H100, per layer): ~7 us at 16 and 256 tokens (reference 10.1 / 12.1), ~8 at
-1024 (25.2), ~25 at 8192 (38.5 unsplit); V3 ~25 at 256 (42.0). `ops` runs it for every bf16 step.
+Predicted (DSV2-Lite, H100, per layer): ~7 us at 16 and 256 tokens, ~8 at 1024, ~25 at 8192 (38.5 unsplit);
+V3 ~25 at 256. Measured at f183f15 (`h100-router-gemm-splitk-f183f15.json`), us at 16 / 64 / 256 / 1024 /
+2048 / 4096 / 8192 tokens: DSV2-Lite 5.2 / 5.3 / 6.6 / 8.9 / 13.0 / 22.1 / 40.3 against the reference's
+10.2 / 10.7 / 12.3 / 25.4 / 37.3 / 63.0 / 113.2; V3 6.0 / 9.8 / 38.2 / 49.8 / 96 / 178 / 345 against 20.5 /
+22.7 / 43.0 / 116 / 205 / 392 / 761. Faster everywhere, so `ops` runs it for every bf16 step; wrong where
+the split is 2 (DSV2-Lite at 8192: 40.3, unsplit 38.5) or the slices long (V3 at 256: 4 slices of 1792).
 """
 
 from __future__ import annotations
