@@ -297,12 +297,32 @@ def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose
     long_ = min(timed(257) for _ in range(3))
     first = [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]
     row = {"engine": engine, "init_s": round(init_s, 1), "num_prompts": num_prompts,
-           "load_format": load_format, "throughput_out_tok_s": rounds,
+           "load_format": load_format, "quantization_applied": applied_quantization(llm, engine),
+           "throughput_out_tok_s": rounds,
            "round1_vs_round2": round(rounds[0] / rounds[1], 3),
            "b1_ms_per_token": round((long_ - short) / 256 * 1000, 3), "first_tokens": first}
     if diag:
         row["lazy_work_per_round"] = diag
     print(json.dumps(row), flush=True)
+
+
+def applied_quantization(llm, engine: str) -> str | None:
+    """The quantization method the engine says it runs (None: unquantized). keel refuses a checkpoint's
+    quantization_config it cannot serve, so it runs what config.json names; vLLM reports its choice (e.g.
+    gptq_marlin) in its model config -- a 2026-12-06 GPTQ run gave its bf16 run's tokens and speed."""
+    try:
+        if engine == "vllm":
+            eng = llm.llm_engine
+            mc = getattr(eng, "model_config", None) or eng.vllm_config.model_config
+            return mc.quantization
+        return llm.llm_engine.config.model.quantization or _checkpoint_quant_method(llm)
+    except Exception as e:  # a benchmark records what it could not read rather than failing the run
+        return f"unknown ({type(e).__name__}: {e})"
+
+
+def _checkpoint_quant_method(llm) -> str | None:
+    path = Path(llm.llm_engine.config.model.model, "config.json")
+    return json.loads(path.read_text()).get("quantization_config", {}).get("quant_method") if path.exists() else None
 
 
 def versions(engine: str) -> dict:
@@ -372,8 +392,13 @@ def main() -> None:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
             row = {"engine": engine, "error": "timeout", "stderr_tail": err[-3000:]}
         row["process_s"] = round(time.perf_counter() - t, 1)
-        if "error" not in row:  # which kernels the engine chose (vLLM logs its quantization / attention choices)
-            row["log_choices"] = [ln[-300:] for ln in p.stderr.splitlines() if LOG_CHOICES.search(ln)][-20:]
+        if "error" not in row:  # which kernels the engine chose (vLLM logs its quantization / attention choices;
+            # its engine core process may log to stdout)
+            row["log_choices"] = [ln[-300:] for ln in (p.stderr + p.stdout).splitlines()
+                                  if LOG_CHOICES.search(ln) and not ln.startswith("{")][-20:]
+            if a.quantization and not row.get("quantization_applied"):
+                row["error"] = (f"asked for {a.quantization} (config.json's quantization_config), the engine "
+                                f"reports {row.get('quantization_applied')!r}: its figures are not {a.quantization}'s")
         if "error" not in row:
             vcmd = [sys.executable, "-c", f"import json,sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import h200_vs_vllm as m; print(json.dumps(m.versions({engine!r})))"]
