@@ -11,6 +11,10 @@ its prompt), the GPU time the profiler saw per step (kernels, graph replays incl
 batches also a window of 3 steps in which prompts filling the rest of the token budget arrive beside
 the decodes (the mixed step runs eagerly): its wall and GPU time. Dummy weights unless
 `--model-dir` names a checkpoint (for an MoE model the router then reads the same experts as vLLM did).
+With PDL on (the default) a kernel's profiled duration includes its wait for the kernel before it, so the
+per-kernel times and their sum overstate, and "host_not_hidden_ms" goes negative: attribute time with
+`--no-pdl`, compare changes by the wall times. (A moe_sum change predicted from PDL-inflated per-launch times
+moved nothing: h100-step-profile-dsv2lite-moe-sum-f183f15.json.)
 """
 
 from __future__ import annotations
@@ -190,6 +194,9 @@ def main() -> None:
     engine = make_engine(model_dir, dummy=a.model_dir is None, **extra)
     result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint", **extra,
               "pdl": not a.no_pdl, "pdl_quant": quant_pdl.ENABLED,
+              # with PDL a kernel starts during the one before and its profiled duration includes its wait
+              # (griddepcontrol.wait): per-kernel ms and their sum overstate; attribute with --no-pdl
+              "kernel_ms_include_pdl_waits": not a.no_pdl,
               "quantization_config": json.loads(a.quantization_config) if a.quantization_config else None,
               "limits": vs.LIMITS, "commit": source_commit(Path(__file__).parent) or "?",
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
