@@ -9,6 +9,7 @@ DeepSeek-V3's multi-token-prediction modules; they are skipped here (MTP is serv
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -24,7 +25,7 @@ from keel.layers.mla_attention import MLAAttention
 from keel.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from keel.models.interface import ModelBuildContext
 from keel.models.weights import load_mapped_weights
-from keel_models_deepseek.attention import DeepseekV2MLAAttention
+from keel_models_deepseek.attention import DeepseekV2MLAAttention, fuse_qkv_a
 from keel_models_deepseek.moe import (
     DeepseekV2MLP,
     DeepseekV2MoE,
@@ -32,6 +33,7 @@ from keel_models_deepseek.moe import (
     shared_experts_fusion,
 )
 
+logger = logging.getLogger("keel.models.deepseek")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -97,6 +99,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = config = build.hf_config
         self.shared_experts_fusion = shared_experts_fusion(config, build)
         log_shared_experts_fusion(self.shared_experts_fusion)
+        self.fused_qkv_a = fuse_qkv_a(config, build)  # every attention layer (MTP's too) decides alike
+        logger.info("DeepSeek MLA: %s", "q and kv_a projections fused (fused_qkv_a_proj)" if self.fused_qkv_a
+                    else "q and kv_a projections separate (quantized, or q_proj split over tensor parallel)")
         self.model = DeepseekV2Model(build, self.version)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -132,9 +137,12 @@ class DeepseekV2ForCausalLM(nn.Module):
     def stacked_params_mapping(self) -> list[tuple[str, str, Any]]:
         # Expert rows first: the dense ".gate_proj" row would otherwise claim expert tensors too.
         shared = FusedMoE.make_shared_expert_params_mapping() if self.shared_experts_fusion.num_fused else []
+        q_first = ".q_a_proj" if getattr(self.config, "q_lora_rank", None) else ".q_proj"
+        qkv_a = [(".fused_qkv_a_proj", q_first, 0), (".fused_qkv_a_proj", ".kv_a_proj_with_mqa", 1)]
         return [
             *FusedMoE.make_expert_params_mapping(self.config.n_routed_experts or 0),
             *shared,
+            *(qkv_a if self.fused_qkv_a else []),
             (".gate_up_proj", ".gate_proj", 0),
             (".gate_up_proj", ".up_proj", 1),
         ]

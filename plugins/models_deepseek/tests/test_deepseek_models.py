@@ -168,3 +168,31 @@ def test_shared_experts_fusion_is_decided_at_build_and_logged(tmp_path, caplog):
         assert shared_experts_fusion(cfg, kept).num_fused == 0
     cfg.n_shared_experts = 0
     assert "no shared experts" in shared_experts_fusion(cfg, build).reason
+
+
+def test_qkv_a_fusion_is_decided_at_build_and_logged(tmp_path, caplog):
+    """Unquantized, the q (or q_a) and kv_a projections are one GEMM where both are whole on every rank
+    and alike in bias (the fidelity cases above run both layouts: v2-greedy-no-qlora and the q_lora cases
+    fused, v3-neox-rope-unnormalized -- attention_bias without q_lora -- separate)."""
+    import dataclasses
+
+    from keel_models_deepseek.attention import fuse_qkv_a
+
+    path = make_deepseek_checkpoint(2, tmp_path / "v2")
+    with caplog.at_level("INFO", logger="keel.models.deepseek"):
+        model = load_keel(DeepseekV2ForCausalLM, path)
+    assert "q and kv_a projections fused" in caplog.text
+    attn = model.model.layers[0].self_attn
+    assert attn.fused_qkv_a_proj is not None and not hasattr(attn, "q_proj")
+    cfg = model.config
+    assert attn.fused_qkv_a_proj.weight.shape == (
+        cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+        + cfg.qk_rope_head_dim, cfg.hidden_size)
+    build = build_context(path)
+    assert fuse_qkv_a(cfg, build)
+    assert not fuse_qkv_a(cfg, dataclasses.replace(build, tp_size=2))  # q_proj split over ranks
+    assert not fuse_qkv_a(cfg, dataclasses.replace(build, quant_method=object()))
+    cfg.attention_bias = True  # HF's q_proj has no bias, kv_a has one
+    assert not fuse_qkv_a(cfg, build)
+    cfg.q_lora_rank = 48  # q_a and kv_a: replicated, both biased
+    assert fuse_qkv_a(cfg, dataclasses.replace(build, tp_size=2))
