@@ -33,6 +33,8 @@
 #   profile-tiles  h200_step_profile.py, DSV2-Lite (dummy) decode at batch 1 / 256 with the shipped MoE tiles, then
 #             with the H200 files under this device's name (KEEL_MOE_TILE_CONFIG_DIR): this device's tiles vs the
 #             H200's, in one call
+#   profile-qkv-a  h200_step_profile.py, DSV2-Lite (dummy) decode at batch 1 / 256 with MLA's fused_qkv_a_proj and
+#             without (--no-fuse-qkv-a), in one call
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -116,6 +118,12 @@ for part in "$@"; do
         KEEL_MOE_TILE_CONFIG_DIR=$([ $t = h200 ] && echo /tmp/h200tiles) timeout 110 python3 benchmarks/h200_step_profile.py \
           --arch dsv2lite --batch 1,256 --mixed "" --out "$W/step-profile-dsv2lite-tiles-$t.json" >"$W/tiles-$t.log" 2>&1
         echo "$t: $(grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step)"' "$W/step-profile-dsv2lite-tiles-$t.json" | tr -d ' \n')"
+      done;;
+    profile-qkv-a)
+      for t in fused separate; do
+        timeout 110 python3 benchmarks/h200_step_profile.py --arch dsv2lite --batch 1,256 --mixed "" \
+          $([ $t = separate ] && echo --no-fuse-qkv-a) --out "$W/step-profile-dsv2lite-qkv-a-$t.json" >"$W/qkv-a-$t.log" 2>&1
+        echo "$t: $(grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step)"' "$W/step-profile-dsv2lite-qkv-a-$t.json" | tr -d ' \n')"
       done;;
     router) timeout 90 python3 benchmarks/h200_router_gemm.py --out "$W/h200-router-gemm.json" >"$W/router.log" 2>&1
             tail -n 12 "$W/router.log" | cut -c1-300;;

@@ -154,6 +154,9 @@ def main() -> None:
                          "config.json (e.g. one of h200_quant.py's cases)")
     ap.add_argument("--quantization-case", default=None, metavar="CASE",
                     help="the quantization_config of one of h200_quant.py's cases (instead of the JSON)")
+    ap.add_argument("--no-fuse-qkv-a", action="store_true",
+                    help="DeepSeek: keep MLA's q and kv_a projections two GEMMs (what the build did before "
+                         "fused_qkv_a_proj; keel_models_deepseek.attention.fuse_qkv_a), to measure the fusion")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the kernel plugins' kernels without programmatic dependent launch (to measure it)")
     ap.add_argument("--no-pdl-quant", action="store_true",
@@ -177,6 +180,10 @@ def main() -> None:
             raise SystemExit(f"--quantization-case {a.quantization_case} is a {arch} case, and replaces "
                              "--quantization-config")
         a.quantization_config = json.dumps(config)
+    if a.no_fuse_qkv_a:  # before the engine builds the model (in this process)
+        from keel_models_deepseek import attention as ds_attention, deepseek_v2 as ds_v2
+
+        ds_attention.fuse_qkv_a = ds_v2.fuse_qkv_a = lambda config, build: False
     mixed = {int(x) for x in a.mixed.split(",") if x}
     model_dir = a.model_dir
     if model_dir is None:
@@ -196,7 +203,7 @@ def main() -> None:
               "pdl": not a.no_pdl, "pdl_quant": quant_pdl.ENABLED,
               # with PDL a kernel starts during the one before and its profiled duration includes its wait
               # (griddepcontrol.wait): per-kernel ms and their sum overstate; attribute with --no-pdl
-              "kernel_ms_include_pdl_waits": not a.no_pdl,
+              "kernel_ms_include_pdl_waits": not a.no_pdl, "fuse_qkv_a": not a.no_fuse_qkv_a,
               "quantization_config": json.loads(a.quantization_config) if a.quantization_config else None,
               "limits": vs.LIMITS, "commit": source_commit(Path(__file__).parent) or "?",
               "init_s": round(time.perf_counter() - t, 1), "versions": vs.versions("keel"), "decode": []}
