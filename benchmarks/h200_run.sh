@@ -54,7 +54,7 @@ for part in "$@"; do
   case $part in
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
               .whl/*.whl && export PYTHONPATH=/tmp/site;;
-    install|ckpt|keel-*|vllm-*|diag-*) OUT=$W bash benchmarks/h200_vs_vllm.sh "$part";;
+    install|ckpt|ckpt-*|keel-*|vllm-*|diag-*) OUT=$W bash benchmarks/h200_vs_vllm.sh "$part";;
     profile-dsv2) timeout 100 python3 benchmarks/h200_step_profile.py --arch dsv2lite --model-dir /tmp/dsv2ckpt \
                     --batch 1,256 --mixed 256 --out "$W/h200-step-profile-dsv2lite.json" >"$W/profile-dsv2.log" 2>&1
                   tail -c 800 "$W/profile-dsv2.log";;

@@ -2,7 +2,8 @@
 its own process (the vllm-peer harness's protocol, plus what the comparison needs to be trusted).
 
     python benchmarks/h200_vs_vllm.py --arch llama8b|dsv2lite [--engines keel,vllm] [--vllm-site DIR]
-        [--model-dir DIR | --write-checkpoint DIR | --quantization fp8-tensor|fp8-block|gptq] [--num-prompts 1000]
+        [--model-dir DIR | --write-checkpoint DIR [--quantization gptq] | --quantization fp8-tensor|fp8-block|gptq]
+        [--num-prompts 1000]
         [--out FILE.json] [--diagnose]
 
 Per engine: start time; a 16 x 16-token warm call (the same for both engines); then two rounds of
@@ -84,14 +85,56 @@ def hub_tensors_dsv2(c: dict):
     yield "lm_head.weight", (c["vocab_size"], h)
 
 
-def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 << 30) -> None:
-    """Seeded random weights (norms 1, matrices N(0, 1/fan_in), like keel's dummy init), bf16 shards."""
+def hub_tensors_llama(c: dict):
+    """(name, shape) of every tensor of a Llama checkpoint in the hub layout."""
+    h, nh, nkv, inter = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    hd = h // nh
+    yield "model.embed_tokens.weight", (c["vocab_size"], h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd), ("o_proj", h)):
+            yield p + f"self_attn.{name}.weight", (n, h)
+        yield p + "mlp.gate_proj.weight", (inter, h)
+        yield p + "mlp.up_proj.weight", (inter, h)
+        yield p + "mlp.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (c["vocab_size"], h)
+
+
+GPTQ_ZEROS = 0x77777777  # eight nibbles of 7: zero point 8 stored minus one (checkpoint_format gptq)
+
+
+def gptq_tensors(name: str, shape: tuple[int, int], gen) -> dict:
+    """A linear weight [N, K] in GPTQ's 4-bit g128 layout (sym, no act order) with random codes: qweight
+    [K/8, N] int32 (8 inputs a word), qzeros [K/128, N/8], scales [K/128, N] fp16 sized so the weight's
+    std is ~1/sqrt(K) (codes 0..15 about 8: std 4.6 scales), g_idx [K]. Values, not a quantized model:
+    enough for both engines to run the same GPTQ kernels on the same bytes."""
+    import torch
+
+    n, k = shape
+    g = QUANTIZATION["gptq"]["group_size"]
+    base = name.removesuffix(".weight")
+    qweight = torch.randint(-(1 << 31), (1 << 31) - 1, (k // 8, n), generator=gen, device=gen.device, dtype=torch.int32)
+    scales = (torch.rand(k // g, n, generator=gen, device=gen.device) * 0.5 + 0.75) / (4.6 * k**0.5)
+    return {base + ".qweight": qweight.cpu(),
+            base + ".qzeros": torch.full((k // g, n // 8), GPTQ_ZEROS, dtype=torch.int32),
+            base + ".scales": scales.half().cpu(),
+            base + ".g_idx": torch.arange(k, dtype=torch.int32) // g}
+
+
+def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 << 30,
+                     quantization: str | None = None) -> None:
+    """Seeded random weights (norms 1, matrices N(0, 1/fan_in), like keel's dummy init), bf16 shards; with
+    quantization "gptq" (Llama-8B only) the projections in GPTQ's layout (`gptq_tensors`)."""
     import torch
     from safetensors.torch import save_file
 
-    write_config(out, arch)
-    if arch != "dsv2lite":
-        raise SystemExit("--write-checkpoint: only dsv2lite (dense models compare fine on dummy weights)")
+    if (arch, quantization) not in (("dsv2lite", None), ("llama8b", "gptq")):
+        raise SystemExit("--write-checkpoint: dsv2lite in bf16 or llama8b in gptq (dense bf16 models compare "
+                         "fine on dummy weights)")
+    write_config(out, arch, quantization)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shard, size, index, n = {}, 0, {}, 0
 
@@ -103,14 +146,17 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
             index.update({k: name for k in shard})
             shard, size, n = {}, 0, n + 1
 
-    for name, shape in hub_tensors_dsv2(DSV2_LITE):
+    tensors = hub_tensors_dsv2(DSV2_LITE) if arch == "dsv2lite" else hub_tensors_llama(LLAMA3_8B)
+    for name, shape in tensors:
         if len(shape) == 1:
-            t = torch.ones(shape, dtype=torch.bfloat16)
+            ts = {name: torch.ones(shape, dtype=torch.bfloat16)}
+        elif quantization == "gptq" and name.endswith("_proj.weight"):
+            ts = gptq_tensors(name, shape, gen)
         else:
             t = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) / shape[1] ** 0.5)
-            t = t.to(torch.bfloat16).cpu()
-        shard[name] = t
-        size += t.numel() * 2
+            ts = {name: t.to(torch.bfloat16).cpu()}
+        shard.update(ts)
+        size += sum(t.numel() * t.element_size() for t in ts.values())
         if size >= shard_bytes:
             flush()
     flush()
@@ -363,15 +409,19 @@ def main() -> None:
     dummy = a.model_dir is None and a.write_checkpoint is None
     if a.write_checkpoint:
         t = time.perf_counter()
-        write_checkpoint(Path(a.write_checkpoint), a.arch)
+        write_checkpoint(Path(a.write_checkpoint), a.arch, quantization=a.quantization)
         print(json.dumps({"checkpoint_written_s": round(time.perf_counter() - t, 1)}), flush=True)
     model_dir = a.model_dir or a.write_checkpoint
     if model_dir is None:
         model_dir = tempfile.mkdtemp()
         write_config(Path(model_dir), a.arch, a.quantization)
-    elif a.quantization:
-        ap.error("--quantization describes dummy weights; a checkpoint carries its own quantization_config")
-    result = {"arch": a.arch, "quantization": a.quantization, "limits": LIMITS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+    elif a.quantization and not a.write_checkpoint:
+        ap.error("--quantization describes dummy weights (or, with --write-checkpoint, the checkpoint written); "
+                 "a checkpoint carries its own quantization_config")
+    # what the engines must apply: the dummy layout asked for, or the checkpoint's own quantization_config
+    asked = a.quantization or json.loads(Path(model_dir, "config.json").read_text()).get(
+        "quantization_config", {}).get("quant_method")
+    result = {"arch": a.arch, "quantization": asked, "limits": LIMITS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
               "same_weights": not dummy, "commit": os.environ.get("KEEL_COMMIT", "?"), "engines": {}}
     for engine in a.engines.split(","):
         env = dict(os.environ)
@@ -396,9 +446,9 @@ def main() -> None:
             # its engine core process may log to stdout)
             row["log_choices"] = [ln[-300:] for ln in (p.stderr + p.stdout).splitlines()
                                   if LOG_CHOICES.search(ln) and not ln.startswith("{")][-20:]
-            if a.quantization and not row.get("quantization_applied"):
-                row["error"] = (f"asked for {a.quantization} (config.json's quantization_config), the engine "
-                                f"reports {row.get('quantization_applied')!r}: its figures are not {a.quantization}'s")
+            if asked and not row.get("quantization_applied"):
+                row["error"] = (f"asked for {asked} (config.json's quantization_config), the engine "
+                                f"reports {row.get('quantization_applied')!r}: its figures are not {asked}'s")
         if "error" not in row:
             vcmd = [sys.executable, "-c", f"import json,sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import h200_vs_vllm as m; print(json.dumps(m.versions({engine!r})))"]

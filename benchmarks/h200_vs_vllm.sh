@@ -3,10 +3,16 @@
 #   install        keel (no network) into the device's python3
 #   vllm-cNN       unpack vLLM chunk NN ($VLLM_CHUNKS/cNN, carried; default .vllm-peer/chunks), one call per
 #                  chunk, back to back (the machine must stay warm); VLLM_LAST_CHUNK=cNN (default c02) names the last,
-#                  whose part also reassembles vLLM into /tmp/vsite
+#                  whose part also reassembles vLLM into /tmp/vsite. A call carries 64 MiB with the working
+#                  tree (~7 MiB now), so the kit's default 60 MiB chunks no longer fit: split it into 50 MiB
+#                  ones (the kit's split.sh with CHUNK=50M: c01-c03; VLLM_CHUNKS=<dir> VLLM_LAST_CHUNK=c03)
 #   vllm-extra     wheels vLLM imports for quantized models, not in the kit (compressed-tensors, loguru: fetch them
 #                  here with `pip download --no-deps compressed-tensors loguru -d .vllm-peer/extra`), into its site
 #   ckpt           write the seeded random DSV2-Lite checkpoint both engines load (/tmp/dsv2ckpt)
+#   ckpt-gptq      write a seeded Llama-8B-shape checkpoint in GPTQ's 4-bit g128 layout (/tmp/llamagptq; random
+#                  codes, write_checkpoint): both engines load the same bytes and run their GPTQ kernels
+#                  (vLLM: Marlin) -- on dummy weights vLLM ran its bf16 model
+#   keel-gptq-ckpt vllm-gptq-ckpt               one engine on that checkpoint
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
 #   keel-dsv2-Q vllm-dsv2-Q                     DSV2-Lite the same way (each engine draws its own weights: routing differs)
@@ -19,6 +25,7 @@ export PYTHONUNBUFFERED=1
 B="python3 benchmarks/h200_vs_vllm.py"
 VSITE=/tmp/vsite
 CKPT=/tmp/dsv2ckpt
+GPTQ_CKPT=/tmp/llamagptq
 for part in "$@"; do
   start=$(date +%s)
   case $part in
@@ -38,6 +45,13 @@ for part in "$@"; do
     ckpt) [ -f $CKPT/model.safetensors.index.json ] || timeout 240 python3 -c "
 import sys, json, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+    ckpt-gptq) [ -f $GPTQ_CKPT/model.safetensors.index.json ] || timeout 300 python3 -c "
+import sys, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
+t = time.perf_counter(); m.write_checkpoint(Path('$GPTQ_CKPT'), 'llama8b', quantization='gptq')
+print('gptq checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+    keel-gptq-ckpt|vllm-gptq-ckpt)
+      timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $GPTQ_CKPT --vllm-site $VSITE \
+        --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-llama|vllm-llama|diag-llama|keel-llama-*|vllm-llama-*)
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
       q=${part#*-llama}; q=${q#-}  # keel-llama-fp8-tensor: dummy weights in that layout (fp8-tensor, fp8-block, gptq)

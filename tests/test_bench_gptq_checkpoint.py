@@ -1,0 +1,55 @@
+"""benchmarks/h200_vs_vllm.py's GPTQ checkpoint (random codes in GPTQ's 4-bit g128 layout, which keel and vLLM
+both load, so the two run GPTQ kernels on the same bytes): a tiny Llama written with its tensors loads in
+keel, decodes to weights of the intended scale and serves."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+pytest.importorskip("keel_quantization")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import h200_vs_vllm as vs  # noqa: E402
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rope_theta=10000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch):
+    monkeypatch.setattr(vs, "LLAMA3_8B", TINY)
+    vs.write_config(tmp_path, "llama8b", "gptq")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in vs.hub_tensors_llama(TINY):
+        if len(shape) == 1:
+            tensors[name] = torch.ones(shape)
+        elif name.endswith("_proj.weight"):
+            tensors.update(vs.gptq_tensors(name, shape, gen))
+        else:
+            tensors[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+    q = "model.layers.0.self_attn.q_proj"
+    assert tensors[f"{q}.qweight"].shape == (128 // 8, 128) and tensors[f"{q}.scales"].shape == (1, 128)
+    assert tensors["model.layers.0.mlp.down_proj.qzeros"].shape == (2, 128 // 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+    from keel import LLM, SamplingParams
+
+    llm = LLM(model=str(tmp_path), profile="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+              max_num_seqs=2, seed=0)
+    assert vs.applied_quantization(llm, "keel") == "gptq"
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0,
+                                                                             ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    # the codes decode around zero point 8 at ~1/sqrt(K): weights of keel's dummy-init scale
+    words = tensors[f"{q}.qweight"]
+    codes = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], 1).reshape(-1, 128).float()
+    w = (codes - 8) * tensors[f"{q}.scales"].float()
+    assert abs(w.std().item() * 128**0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.01
+    llm.shutdown()
