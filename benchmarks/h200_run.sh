@@ -35,6 +35,10 @@
 #             H200's, in one call
 #   profile-qkv-a  h200_step_profile.py, DSV2-Lite (dummy) decode at batch 1 / 256 with MLA's fused_qkv_a_proj and
 #             without (--no-fuse-qkv-a), in one call
+#   linear-small-m  h200_linear_small_m.py: the unquantized small-M GEMV against cuBLAS per decode projection
+#             shape (LINEAR_BUDGET_S, default 120); plans it wins written to $W/linear-small-m/<device>.json
+#   profile-linear  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) decode at batch 1 / 8, with the plans of
+#             a linear-small-m part run before it in the same call (KEEL_LINEAR_SMALL_M_CONFIG_DIR) and without
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -124,6 +128,18 @@ for part in "$@"; do
         timeout 110 python3 benchmarks/h200_step_profile.py --arch dsv2lite --batch 1,256 --mixed "" \
           $([ $t = separate ] && echo --no-fuse-qkv-a) --out "$W/step-profile-dsv2lite-qkv-a-$t.json" >"$W/qkv-a-$t.log" 2>&1
         echo "$t: $(grep -E '"(batch|step_wall_ms_median|gpu_ms_per_step)"' "$W/step-profile-dsv2lite-qkv-a-$t.json" | tr -d ' \n')"
+      done;;
+    linear-small-m) timeout $(( ${LINEAR_BUDGET_S:-120} + 90 )) python3 benchmarks/h200_linear_small_m.py \
+                      --out-dir "$W/linear-small-m" --budget-s "${LINEAR_BUDGET_S:-120}" >"$W/linear-small-m.log" 2>&1
+                    grep -E "^(NVIDIA|llama|dsv2|plans)" "$W/linear-small-m.log" | cut -c1-400;;
+    profile-linear)
+      for arch in llama8b dsv2lite; do
+        for t in gemv cublas; do
+          KEEL_LINEAR_SMALL_M_CONFIG_DIR=$([ $t = gemv ] && echo "$W/linear-small-m") timeout 110 python3 \
+            benchmarks/h200_step_profile.py --arch $arch --batch 1,8 --mixed "" \
+            --out "$W/step-profile-$arch-linear-$t.json" >"$W/linear-$arch-$t.log" 2>&1
+          echo "$arch $t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-$arch-linear-$t.json" | tr -d ' \n')"
+        done
       done;;
     router) timeout 90 python3 benchmarks/h200_router_gemm.py --out "$W/h200-router-gemm.json" >"$W/router.log" 2>&1
             tail -n 12 "$W/router.log" | cut -c1-300;;

@@ -19,6 +19,7 @@ from keel.layers.activation import SiluAndMul
 from keel.layers.custom_op import CUSTOM_OP_NAMES, CustomOpError, MissingCustomOpError, bind_custom_ops
 from keel.layers.fused_moe import FusedMoE, RoutingConfig
 from keel.layers.layernorm import RMSNorm
+from keel.layers.linear import ReplicatedLinear, RowParallelLinear
 from keel.layers.mla_attention import MLAAttention
 from keel.layers.rotary import RotaryEmbedding
 from keel.layers.token_bitmask import TokenBitmask
@@ -100,13 +101,14 @@ class _Block(nn.Module):
 def test_custom_op_is_a_registry_kind():
     assert "custom_op" in KINDS
     assert set(CUSTOM_OP_NAMES) == {"fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope",
-                                    "silu_and_mul", "router_gemm", "select_experts", "fused_experts",
-                                    "apply_token_bitmask"}
+                                    "silu_and_mul", "linear_small_m", "router_gemm", "select_experts",
+                                    "fused_experts", "apply_token_bitmask"}
     assert TokenBitmask.custom_ops == ("apply_token_bitmask",)
     assert RMSNorm.custom_ops == ("rms_norm", "fused_add_rms_norm")
     assert SiluAndMul.custom_ops == ("silu_and_mul",) and RotaryEmbedding.custom_ops == ("rotary_embedding",)
     assert FusedMoE.custom_ops == ("select_experts", "fused_experts")
     assert MLAAttention.custom_ops == ("mla_rope",)
+    assert ReplicatedLinear.custom_ops == RowParallelLinear.custom_ops == ("linear_small_m",)
 
 
 def test_platforms_ask_for_custom_ops_only_on_cuda():

@@ -33,6 +33,11 @@ the native layers):
         nope part is neither read nor copied. cos/sin_cache: [cache_len, R] float32 (halves repeated).
     silu_and_mul(x) -> out
         x: [..., 2 * d]; out: [..., d] = silu(x[..., :d]) * x[..., d:].
+    linear_small_m(x, weight, bias) -> out
+        An unquantized linear layer (`LinearBase`, no quantization method): x [..., K]; weight [N, K];
+        bias [N] or None; out [..., N] = F.linear(x, weight, bias) within the dtype's rounding (float32
+        sums, any order). Providers decline layers (`supports_layer`) whose shape they have no measured
+        reason to take, and may fall back to F.linear by row count (static per CUDA graph bucket).
     router_gemm(x, weight) -> router_logits
         A MoE router gate (e.g. DeepSeek's `MoEGate`): x [n, H] any float; weight [E, H] float32; logits
         [n, E] float32 = `F.linear(x.float(), weight)` with float32 products and sums (no TF32), in any
@@ -68,8 +73,8 @@ import torch
 logger = logging.getLogger("keel.custom_op")
 
 CUSTOM_OP_NAMES: tuple[str, ...] = (
-    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "silu_and_mul", "router_gemm", "select_experts",
-    "fused_experts", "apply_token_bitmask",
+    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "silu_and_mul", "linear_small_m", "router_gemm",
+    "select_experts", "fused_experts", "apply_token_bitmask",
 )
 
 

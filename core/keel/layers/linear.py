@@ -13,9 +13,10 @@ that method then creates the weights (each with its own `weight_loader`) and com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,14 @@ class LinearBase(nn.Module):
     With a quantization method, `weight` is whatever the method registers and `forward` calls its
     `apply`; the bias stays a plain parameter. `prefix` is the parameter path quantization configs
     match layers by (e.g. "model.layers.0.self_attn.qkv_proj").
+
+    `custom_ops` / `bound_ops`: without a quantization method the worker may bind a plugin's
+    `linear_small_m` kernel (see `keel.layers.custom_op`), which takes decode-sized steps where it was
+    measured faster than F.linear; unbound, F.linear.
     """
+
+    custom_ops: ClassVar[tuple[str, ...]] = ("linear_small_m",)
+    bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def __init__(
         self,
@@ -157,6 +165,9 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
+        op = self.bound_ops.get("linear_small_m")  # a plugin's kernel for decode-sized steps, where measured
+        if op is not None:
+            return op(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, input_size_per_partition]

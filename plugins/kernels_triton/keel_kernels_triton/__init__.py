@@ -26,6 +26,7 @@ def manifest() -> PluginManifest:
                 "rotary_embedding": f"{_OPS}:TritonRotaryEmbedding",
                 "mla_rope": f"{_OPS}:TritonMLARope",
                 "silu_and_mul": f"{_OPS}:TritonSiluAndMul",
+                "linear_small_m": f"{_OPS}:TritonLinearSmallM",
                 "router_gemm": f"{_MOE_OPS}:TritonRouterGemm",
                 "select_experts": f"{_MOE_OPS}:TritonSelectExperts",
                 "fused_experts": f"{_MOE_OPS}:TritonFusedExperts",
@@ -33,6 +34,6 @@ def manifest() -> PluginManifest:
             }
         },
         description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, MLA's q/k rope, "
-                    "SiluAndMul; MoE router logits, routing and fused experts (grouped GEMMs with tuned tiles); the "
+                    "SiluAndMul; unquantized linear layers at decode sizes where measured faster (GEMV); MoE router logits, routing and fused experts (grouped GEMMs with tuned tiles); the "
                     "structured-output token bitmask.",
     )

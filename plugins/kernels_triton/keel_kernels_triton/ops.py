@@ -175,3 +175,41 @@ class TritonSiluAndMul(TritonOp):
                 x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **_pdl(x2),
             )
         return out.view(*x.shape[:-1], d)
+
+
+class TritonLinearSmallM(TritonOp):
+    """`linear_small_m(x, weight, bias) -> y`: an unquantized 16-bit linear layer's F.linear as a Triton GEMV
+    for steps of at most a plan's `max_m` rows (linear_small_m.py), cuBLAS above. Binds only into layers
+    whose (N, K) has a measured plan for this device (`linear_configs/<device>.json`): without one, nothing
+    changes. On the CPU (interpreter, tests) the plans are the file named `cpu.json`."""
+
+    def __init__(self) -> None:
+        self._plans: dict = {}
+
+    def supports(self, device_type: str, dtype: torch.dtype) -> bool:
+        if dtype not in (torch.bfloat16, torch.float16) or not super().supports(device_type, dtype):
+            return False
+        from keel_kernels_triton.linear_small_m import load_plans
+
+        name = torch.cuda.get_device_name() if device_type == "cuda" else "cpu"
+        self._plans = load_plans(name, str(dtype).removeprefix("torch."))
+        return bool(self._plans)
+
+    def supports_layer(self, layer: torch.nn.Module) -> bool:
+        weight = getattr(layer, "weight", None)
+        return (getattr(layer, "quant_method", None) is None and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2 and tuple(weight.shape) in self._plans)
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [..., K]
+        weight: torch.Tensor,  # [N, K]
+        bias: torch.Tensor | None,  # [N] or None
+    ) -> torch.Tensor:  # [..., N] = F.linear(x, weight, bias)
+        from keel_kernels_triton.linear_small_m import linear_small_m
+
+        plan = self._plans.get((weight.shape[0], weight.shape[1]))
+        x2 = x.reshape(-1, x.shape[-1])
+        if plan is None or x2.shape[0] > plan.max_m or x2.stride(-1) != 1 or x.dtype != weight.dtype:
+            return torch.nn.functional.linear(x, weight, bias)  # static per CUDA graph bucket
+        return linear_small_m(x2, weight, bias, plan).view(*x.shape[:-1], weight.shape[0])
