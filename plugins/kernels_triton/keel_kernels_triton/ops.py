@@ -12,6 +12,7 @@ import torch
 import triton
 
 from keel_kernels_triton.kernels import mla_rope_kernel, rms_norm_kernel, rotary_kernel, silu_and_mul_kernel
+from keel_kernels_triton.linear_small_m import linear_small_m, load_plans
 from keel_kernels_triton.pdl import pdl_kwargs as _pdl
 from keel_kernels_triton.support import SUPPORTED_DTYPES, TritonOp
 
@@ -189,8 +190,6 @@ class TritonLinearSmallM(TritonOp):
     def supports(self, device_type: str, dtype: torch.dtype) -> bool:
         if dtype not in (torch.bfloat16, torch.float16) or not super().supports(device_type, dtype):
             return False
-        from keel_kernels_triton.linear_small_m import load_plans
-
         name = torch.cuda.get_device_name() if device_type == "cuda" else "cpu"
         self._plans = load_plans(name, str(dtype).removeprefix("torch."))
         return bool(self._plans)
@@ -202,14 +201,12 @@ class TritonLinearSmallM(TritonOp):
 
     def __call__(
         self,
-        x: torch.Tensor,  # [..., K]
+        x: torch.Tensor,  # [M, K]
         weight: torch.Tensor,  # [N, K]
         bias: torch.Tensor | None,  # [N] or None
-    ) -> torch.Tensor:  # [..., N] = F.linear(x, weight, bias)
-        from keel_kernels_triton.linear_small_m import linear_small_m
-
-        plan = self._plans.get((weight.shape[0], weight.shape[1]))
-        x2 = x.reshape(-1, x.shape[-1])
-        if plan is None or x2.shape[0] > plan.max_m or x2.stride(-1) != 1 or x.dtype != weight.dtype:
-            return torch.nn.functional.linear(x, weight, bias)  # static per CUDA graph bucket
-        return linear_small_m(x2, weight, bias, plan).view(*x.shape[:-1], weight.shape[0])
+    ) -> torch.Tensor:  # [M, N] = F.linear(x, weight, bias)
+        plan = self._plans.get(weight.shape)  # torch.Size hashes as the (N, K) tuple
+        if (plan is None or x.dim() != 2 or x.shape[0] > plan.max_m or x.stride(1) != 1
+                or x.dtype != weight.dtype):  # static per CUDA graph bucket; eager prefill steps: cuBLAS
+            return torch.nn.functional.linear(x, weight, bias)
+        return linear_small_m(x, weight, bias, plan)
