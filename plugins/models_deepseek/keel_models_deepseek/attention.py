@@ -23,7 +23,12 @@ from torch import nn
 
 from keel.forward_context import ForwardContext
 from keel.layers.layernorm import RMSNorm
-from keel.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from keel.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from keel.layers.mla_attention import MLAAttention
 from keel.layers.rotary import get_rope, get_rope_parameters
 from keel.models.interface import ModelBuildContext
@@ -50,10 +55,11 @@ def fuse_qkv_a(config: Any, build: ModelBuildContext) -> bool:
     """Whether the q (or q_a) and kv_a projections are one GEMM (`fused_qkv_a_proj`), decided once per build
     (the model logs it and maps the checkpoint names). Both must be whole on every rank and alike in bias:
     q_a and kv_a are replicated and both carry `attention_bias`; q_proj (no q_lora_rank) is whole only at
-    tp_size 1 and never has a bias (HF), so it fuses only without `attention_bias`. Unquantized only: a quantized checkpoint may
-    treat the two differently (GPTQ's g_idx per module, ignore lists), so they stay two layers there.
-    Why: at decode sizes these GEMMs are a few MB each and launch-bound (DeepSeek-V2-Lite at batch 1 on the
-    H100: ~5 us per small GEMM); one launch per layer fewer is ~0.1 ms of a 27-layer batch-1 step."""
+    tp_size 1 and never has a bias (HF), so it fuses only without `attention_bias`. Unquantized only: a
+    quantized checkpoint may treat the two differently (GPTQ's g_idx per module, ignore lists), so they stay
+    two layers there. Why: at decode sizes these GEMMs are a few MB each and launch-bound (DeepSeek-V2-Lite
+    at batch 1 on the H200: ~6 us per small GEMM); one launch per layer fewer is ~0.1 ms of a 27-layer
+    batch-1 step."""
     if build.quant_method is not None:
         return False
     if getattr(config, "q_lora_rank", None):
