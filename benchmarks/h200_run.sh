@@ -39,6 +39,10 @@
 #             shape (LINEAR_BUDGET_S, default 120); plans it wins written to $W/linear-small-m/<device>.json
 #   profile-linear  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) decode at batch 1 / 8, with the plans of
 #             a linear-small-m part run before it in the same call (KEEL_LINEAR_SMALL_M_CONFIG_DIR) and without
+#   profile-ab  h200_step_profile.py (AB_ARCH, default dsv2lite; AB_BATCH, default 1,256; dummy weights) on the
+#             working tree ("after"), then with the files under AB_DIR (default ab/: the same relative paths, e.g.
+#             `git show <base>:<path> > ab/<path>` for each file a change touched; untracked files travel) copied
+#             over ("before"), then the tree restored: a change's effect on the step in one call
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -141,6 +145,20 @@ for part in "$@"; do
           echo "$arch $t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-$arch-linear-$t.json" | tr -d ' \n')"
         done
       done;;
+    profile-ab)
+      ab=${AB_DIR:-ab}; bak=/tmp/ab-backup; rm -rf $bak; mkdir -p $bak
+      [ -d "$ab" ] || { echo "profile-ab: no $ab folder"; continue; }
+      for t in after before; do
+        if [ $t = before ]; then
+          (cd "$ab" && find . -type f) | while read -r f; do
+            mkdir -p "$bak/$(dirname "$f")"; cp "$f" "$bak/$f" 2>/dev/null; cp "$ab/$f" "$f"; done
+        fi
+        timeout 110 python3 benchmarks/h200_step_profile.py --arch ${AB_ARCH:-dsv2lite} --batch ${AB_BATCH:-1,256} \
+          --mixed "" --out "$W/step-profile-ab-$t.json" >"$W/ab-$t.log" 2>&1
+        echo "$t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-ab-$t.json" | tr -d ' \n')"
+      done
+      (cd "$ab" && find . -type f) | while read -r f; do  # restore the tree (a file new in "after" stays)
+        if [ -f "$bak/$f" ]; then cp "$bak/$f" "$f"; fi; done;;
     router) timeout 90 python3 benchmarks/h200_router_gemm.py --out "$W/h200-router-gemm.json" >"$W/router.log" 2>&1
             tail -n 12 "$W/router.log" | cut -c1-300;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
