@@ -137,6 +137,7 @@ def bind_custom_ops(
     resolved: dict[str, tuple[Any, str]] = {}
     counts: dict[str, int] = {}
     missing: dict[str, list[tuple[str, str]]] = {}  # op -> (layer, reason)
+    declined: dict[str, list[str]] = {}  # op -> layers its provider declined (logged once per op, below)
     for qualname, module in model.named_modules():
         names = getattr(type(module), "custom_ops", ())
         if not names:
@@ -148,7 +149,7 @@ def bind_custom_ops(
             op, why = resolved[name]
             if op is not None and not _accepts(op, module):
                 op, why = None, f"its provider ({registry.provider(name)}) declines this layer ({module!r})"
-                logger.info("custom op %r declined %s; it keeps its native math", name, qualname or "the model")
+                declined.setdefault(name, []).append(qualname or "the model")
             if op is not None:
                 bound[name] = op
                 counts[name] = counts.get(name, 0) + 1
@@ -156,6 +157,9 @@ def bind_custom_ops(
                 missing.setdefault(name, []).append((qualname or type(module).__name__, why))
         if bound:
             module.bound_ops = bound
+    for name, layers in declined.items():  # one line per op: a provider may decline most linear layers
+        more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+        logger.info("custom op %r declined %s%s; they keep their native math", name, ", ".join(layers[:3]), more)
     if counts:
         logger.info("custom ops bound (%s, %s): %s", device_type, dtype,
                     ", ".join(f"{n} -> {registry.provider(n)} x{c}" for n, c in sorted(counts.items())))
