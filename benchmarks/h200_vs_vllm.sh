@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for the keel-vs-vLLM comparison (benchmarks/h200_vs_vllm.py). Parts, in order given:
-#   install        keel (no network) into the device's python3
+#   install        keel and its plugins (no network) into the device's python3: benchmarks/fast_install.py (a .pth
+#                  and dist-infos, ~1 s) unless INSTALL=pip (editable pip installs, ~50 s)
 #   vllm-cNN       unpack vLLM chunk NN ($VLLM_CHUNKS/cNN, carried; default .vllm-peer/chunks), one call per
 #                  chunk, back to back (the machine must stay warm); VLLM_LAST_CHUNK=cNN (default c02) names the last,
 #                  whose part also reassembles vLLM into /tmp/vsite. A call carries 64 MiB with the working
@@ -29,8 +30,15 @@ GPTQ_CKPT=/tmp/llamagptq
 for part in "$@"; do
   start=$(date +%s)
   case $part in
-    install) python3 -m pip install -q --no-deps --no-build-isolation -e . $(ls -d plugins/*/ | sed 's/^/-e /') \
-               >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
+    install) n=$(ls plugins/*/pyproject.toml | wc -l)
+             [ "${INSTALL:-fast}" = pip ] || { python3 benchmarks/fast_install.py 2>&1 | tail -2
+               # discovery must see keel and every plugin, or the editable pip install runs after all
+               python3 -c "import importlib.metadata as md, keel, keel_kernels_triton
+assert len({e.name for e in md.entry_points(group='keel.plugins')}) >= $n + 1" || INSTALL=pip; }
+             if [ "${INSTALL:-fast}" = pip ]; then
+               python3 -m pip install -q --no-deps --no-build-isolation -e . $(ls -d plugins/*/ | sed 's/^/-e /') \
+                 >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
+             fi
              python3 -c 'import torch, triton; print("gpus", torch.cuda.device_count(), torch.__version__, triton.__version__)'
              # every engine start loads the xgrammar plugin: without its wheels (part wheels, .whl carried) each
              # engine run and CUDA test fails at startup, minutes later
