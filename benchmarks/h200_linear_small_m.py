@@ -71,17 +71,12 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     shapes = {"tiny": (40, 96)} if args.smoke else SHAPES
     dtype = torch.bfloat16
+    import h200_moe_tiles as tiles
+
+    timer = tiles.wall_ms_per_layer if args.smoke else tiles.graph_ms_per_layer
     if args.smoke:
-        def timer(launch, layers):
-            start = time.perf_counter()
-            for i in range(layers):
-                launch(i)
-            return (time.perf_counter() - start) * 1e3 / layers
         device_name, bw = "cpu", None
     else:
-        import h200_moe_tiles as tiles
-
-        timer = tiles.graph_ms_per_layer
         device_name, bw = torch.cuda.get_device_name(), tiles.copy_bandwidth_GBps()
         print(f"{device_name}: copy bandwidth {bw:.0f} GB/s", flush=True)
     layers = 2 if args.smoke else args.layers

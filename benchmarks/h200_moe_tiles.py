@@ -98,6 +98,14 @@ def default_tiles(tokens: int, n: int, k: int) -> MoETileConfig:
     return dataclasses.replace(default_moe_tile_config(tokens, E, n, k, TOP_K, torch.bfloat16), split_k=1)
 
 
+def wall_ms_per_layer(launch, layers: int) -> float:
+    """launch(0) .. launch(layers - 1) timed by the wall clock, ms per layer: the smoke runs' timer (CPU)."""
+    start = time.perf_counter()
+    for layer in range(layers):
+        launch(layer)
+    return (time.perf_counter() - start) * 1e3 / layers
+
+
 def graph_ms_per_layer(launch, layers: int, reps: int = 5) -> float:
     """Capture launch(0) .. launch(layers - 1) in one CUDA graph (compile first); median replay ms / layers."""
     torch.cuda.synchronize()

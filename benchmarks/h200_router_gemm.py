@@ -46,18 +46,9 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     shapes = {"tiny": (12, 40)} if args.smoke else SHAPES
     tokens_list = [9, 20] if args.smoke else TOKENS
-    if args.smoke:
-        import time
+    import h200_moe_tiles as tiles
 
-        def timer(launch, layers):
-            start = time.perf_counter()
-            for i in range(layers):
-                launch(i)
-            return (time.perf_counter() - start) * 1e3 / layers
-    else:
-        import h200_moe_tiles as tiles
-
-        timer = tiles.graph_ms_per_layer
+    timer = tiles.wall_ms_per_layer if args.smoke else tiles.graph_ms_per_layer
     layers = 2 if args.smoke else args.layers
     rows = []
     for name, (experts, k) in shapes.items():
