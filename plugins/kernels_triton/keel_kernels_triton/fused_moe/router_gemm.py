@@ -10,12 +10,12 @@ Two launch shapes, chosen from the token count alone (a CUDA graph bucket replay
 - decode sizes (<= SMALL_T tokens): products summed by a reduction, no tensor-core tile minimum, so the
   grid splits the experts finely (batch 1, 64 experts: 16 programs each streaming 4 gate rows);
 - larger steps: tiles of tokens x experts through `tl.dot`, K in slices. With bfloat16 activations
-  the float32 gate tile is split in registers into three bfloat16 parts, w = hi + mid + lo exactly (each
-  part holds the next 8 significant bits of the remainder), and three bf16 tensor-core dots accumulate in
-  float32: every product x * part is exact, so the logits differ from `F.linear(x.float(), w)` only in
-  summation order, at tensor-core speed. Otherwise (float16 or float32 activations) IEEE float32
-  dots, which run on CUDA cores (H200: 46 us per DSV2-Lite layer at 256 tokens, against 13 us for the
-  copy + cuBLAS).
+  the float32 gate tile is split in registers into three bfloat16 parts, w = hi + mid + lo exactly for
+  |w| >= 2^-110 (each part holds the next 8 significant bits of the remainder), and three bf16
+  tensor-core dots accumulate in float32: every product x * part is exact, so the logits differ from
+  `F.linear(x.float(), w)` only in summation order, at tensor-core speed. Otherwise (float16 or float32
+  activations) IEEE float32 dots, which run on CUDA cores (H200: 46 us per DSV2-Lite layer at 256 tokens,
+  against 13 us for the copy + cuBLAS).
   With bf16 activations K is also split across programs until the grid has ~256 of them (slices of 256 or
   more): each program writes float32 partials and `moe_sum` adds them in slice order (a fixed order per
   token count, so repeatable), a second launch instead of a chain of K / 64 dependent steps per program.
@@ -134,7 +134,7 @@ def router_gemm_launch(
     big = num_tokens > 512
     if split_w:  # every expert of a token tile in one program (the gate read once per token tile), K split
         # until the grid has _SPLIT_PROGRAMS programs (one program walking all of K is ~0.8 us per 64: too
-        # long a chain when there are few token tiles), in _K_SLICE pieces at most
+        # long a chain when there are few token tiles), in slices of at least _K_SLICE
         block_t, block_k = (64 if big else 16), 64
         block_e = min(max(16, triton.next_power_of_2(num_experts)), 64)
         tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
@@ -152,7 +152,8 @@ def router_gemm_triton(
     weight: torch.Tensor,  # [E, K] float32
     out: torch.Tensor | None = None,  # [num_tokens, E] float32, written instead of allocating
 ) -> torch.Tensor:  # [num_tokens, E] float32 = x.float() @ weight.T
-    """The router logits in one launch; the caller checks Triton can run on x's device."""
+    """The router logits in one launch (and a `moe_sum` of the slices when K is split); the caller checks
+    Triton can run on x's device."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_gemm needs x [tokens, K] and weight [E, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
