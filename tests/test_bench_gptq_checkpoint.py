@@ -51,9 +51,13 @@ def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0,
                                                                              ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
-    # the codes decode around zero point 8 at ~1/sqrt(K): weights of keel's dummy-init scale
-    words = tensors[f"{q}.qweight"]
-    codes = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], 1).reshape(-1, 128).float()
-    w = (codes - 8) * tensors[f"{q}.scales"].float()
+    # the codes decode (the quantization plugin's own unpacking; zeros stored minus one) around zero point 8
+    # at ~1/sqrt(K): weights of keel's dummy-init scale
+    from keel_quantization import int4_math
+
+    zeros = int4_math.unpack_cols(tensors[f"{q}.qzeros"]) + 1
+    assert bool((zeros == 8).all())
+    w = int4_math.dequantize_int4(int4_math.unpack_rows(tensors[f"{q}.qweight"]), zeros, tensors[f"{q}.scales"],
+                                  tensors[f"{q}.g_idx"], torch.float32)
     assert abs(w.std().item() * 128**0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.01
     llm.shutdown()
