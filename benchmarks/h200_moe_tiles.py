@@ -107,7 +107,10 @@ def wall_ms_per_layer(launch, layers: int) -> float:
 
 
 def graph_ms_per_layer(launch, layers: int, reps: int = 5) -> float:
-    """Capture launch(0) .. launch(layers - 1) in one CUDA graph (compile first); median replay ms / layers."""
+    """Capture launch(0) .. launch(layers - 1) in one CUDA graph; median replay ms / layers. One eager
+    launch first: Triton compiles, and a process's first cuBLAS call creates its handle, which fails inside
+    a capture (CUBLAS_STATUS_NOT_INITIALIZED: h200_linear_small_m.py's reference, when it ran first)."""
+    launch(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

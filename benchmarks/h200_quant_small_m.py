@@ -134,8 +134,12 @@ def candidates(family: str, m: int) -> dict:
     return out
 
 
+MS_SWEPT: tuple[int, ...] | None = None  # --ms: only these M
+
+
 def family_ms(family: str) -> tuple[int, ...]:
-    return W8A8_MS if family.endswith(W8A8_SUFFIX) else MS
+    ms = W8A8_MS if family.endswith(W8A8_SUFFIX) else MS
+    return ms if MS_SWEPT is None else tuple(m for m in ms if m in MS_SWEPT)
 
 
 def compile_count(family: str) -> int:
@@ -260,7 +264,10 @@ def tables(best: dict) -> dict:
     """best_per_bucket -> small_m_plan.use_tables' argument (family -> ((largest M, plan or None), ...)).
     A W8A8 family's table ends before the first M its best plan loses to the large-M W8A8 path: its last
     bucket is the largest M the small-M GEMM serves (small_m_plan.w8a8_max_m)."""
-    from keel_quantization.small_m_plan import SmallMPlan
+    from keel_quantization.small_m_plan import SHIPPED, SmallMPlan
+
+    def shipped(family: str, m: int) -> SmallMPlan | None:  # what "default" ran in the sweep: the shipped table's
+        return next((plan for max_m, plan in SHIPPED.get(TABLE_KEYS[family], ()) if m <= max_m), None)
 
     out = {}
     for family, buckets in best.items():
@@ -268,7 +275,8 @@ def tables(best: dict) -> dict:
         for m, b in sorted(buckets.items(), key=lambda kv: int(kv[0])):
             if family.endswith(W8A8_SUFFIX) and b["total_us"] >= b.get("w8a8_total_us", float("inf")):
                 break
-            rows.append((int(m), None if b["plan"] is None else SmallMPlan(**b["plan"])))
+            # a "default" win keeps the shipped plan (None there: the built-in default, as in the sweep)
+            rows.append((int(m), shipped(family, int(m)) if b["plan"] is None else SmallMPlan(**b["plan"])))
         out[TABLE_KEYS[family]] = tuple(rows)
     return out
 
@@ -294,9 +302,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/h200-quant-small-m.json")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--ms", help="comma-separated M to sweep (default: all of MS / W8A8_MS)")
     ap.add_argument("--print-tables", metavar="RESULT_JSON",
                     help="no GPU: print small_m_plan.TABLES for a sweep's result (this script's or h200_quant's)")
     ns = ap.parse_args()
+    global MS_SWEPT
+    MS_SWEPT = tuple(int(m) for m in ns.ms.split(",")) if ns.ms else None
     if ns.print_tables:
         r = json.loads(Path(ns.print_tables).read_text())
         print(tables_literal(tables(r.get("cases", {}).get("small-m", r)["best_per_bucket"])))

@@ -15,6 +15,8 @@
 #   gc        gc_per_step.py: objects left in reference cycles per decode step, collections per 100 steps
 #             (batch 256, plain and constrained, with and without bitmask_timeline's wrappers)
 #   block-gemm h200_block_fp8_gemm.py: block fp8 GEMMs (cuBLAS block-scaled, Triton) vs bf16 at M 256-8192
+#   profile-plans  h200_step_profile.py, Llama-8B GPTQ int4 g128 and fp8 per-tensor (dummy) at batch 1 with the shipped
+#             decode GEMM plans, then with those of a small-m part run before it in the same call
 #   profile-gptq, profile-fp8  h200_step_profile.py on Llama-8B with dummy GPTQ int4 / fp8 per-tensor weights
 #             (profile-gptq-nopdl, profile-fp8-nopdl: with the quantization kernels' PDL off, --no-pdl-quant)
 #   int4-prefill h200_int4_prefill.py: prefill-sized int4 GEMMs (Triton tiles, dequantize + cuBLAS, bf16 cuBLAS)
@@ -24,7 +26,8 @@
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
-#   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150)
+#   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150;
+#             SMALLM_MS: only these M, e.g. 1,2)
 #   quant     h200_quant.py's engine cases (QUANT_CASES; QUANT_INT4_MIN_M: int4's dequantize + cuBLAS threshold;
 #             QUANT_TAG: a suffix for its files, to run it twice in a call); QUANT_PLANS=$W/h200-quant-small-m.json: with the plans
 #             of a small-m part run before it in the same call, over the shipped tables
@@ -84,6 +87,15 @@ for part in "$@"; do
       timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch $b --mixed "" $f \
         --quantization-case $q --out "$W/h200-step-profile-llama8b-${part#profile-}.json" >"$W/$part.log" 2>&1
       tail -c 800 "$W/$part.log";;
+    profile-plans)  # Llama-8B GPTQ / fp8 (dummy) decode with the shipped plans, then a small-m part's (run before it)
+      for q in llama8b-gptq llama8b-fp8-tensor; do
+        for t in shipped swept; do
+          timeout 100 python3 benchmarks/h200_step_profile.py --arch llama8b --batch 1 --mixed "" --quantization-case $q \
+            $([ $t = swept ] && echo --plans "$W/h200-quant-small-m.json") --out "$W/step-profile-$q-plans-$t.json" \
+            >"$W/plans-$q-$t.log" 2>&1
+          echo "$q $t: $(grep -E '"(step_wall_ms_median|gpu_ms_per_step|num_kernels)"' "$W/step-profile-$q-plans-$t.json" | tr -d ' \n')"
+        done
+      done;;
     spec) timeout 120 python3 benchmarks/h200_spec.py --engines plain,mtp_k3 --out "$W/h200-spec.json" \
             >"$W/spec.log" 2>&1; grep -E "^(plain|mtp)" "$W/spec.log" | cut -c1-600;;
     bitmask) timeout 150 python3 benchmarks/h200_bitmask.py --vocab-file "${BPE_FILE:-dev/bpe128k.json}" \
@@ -114,6 +126,7 @@ for part in "$@"; do
                 >"$W/kv-write.log" 2>&1; tail -n 20 "$W/kv-write.log" | cut -c1-400;;
     small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
                --families ${SMALLM_FAMILIES:-fp8_row fp8_block int4_g128} --budget-s "${SMALLM_BUDGET_S:-150}" \
+               $([ -n "${SMALLM_MS:-}" ] && echo --ms "$SMALLM_MS") \
                --out "$W/h200-quant-small-m.json" >"$W/small-m.log" 2>&1; tail -n 30 "$W/small-m.log" | cut -c1-400;;
     moe-w2) timeout $(( ${MOE_BUDGET_S:-75} + 90 )) python3 benchmarks/h200_moe_decode_sweep.py --focus w2 \
               --budget-s "${MOE_BUDGET_S:-75}" --out "$W/moe-w2" >"$W/moe-w2.log" 2>&1

@@ -162,7 +162,18 @@ def main() -> None:
     ap.add_argument("--no-pdl-quant", action="store_true",
                     help="the quantization plugin's kernels without programmatic dependent launch "
                          "(keel_quantization.pdl; --no-pdl implies it)")
+    ap.add_argument("--plans", default=None, metavar="SMALL_M_JSON",
+                    help="the quantized decode GEMMs take a small-m sweep's plans (h200_quant_small_m.py's result) "
+                         "over the shipped tables, for the families it swept")
     a = ap.parse_args()
+    used_plans = "shipped"
+    if a.plans:  # before any layer runs: plans are cached per shape
+        from h200_quant_small_m import tables
+        from keel_quantization import small_m_plan
+
+        best = json.loads(Path(a.plans).read_text())["best_per_bucket"]
+        small_m_plan.use_tables({**small_m_plan.SHIPPED, **tables(best)})
+        used_plans = {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
     if a.no_pdl:
         from keel_attention_flash import pdl as flash_pdl
         from keel_kernels_triton import pdl as triton_pdl
@@ -200,7 +211,7 @@ def main() -> None:
     extra = {"disable_shared_experts_fusion": True} if a.disable_shared_experts_fusion else {}
     engine = make_engine(model_dir, dummy=a.model_dir is None, **extra)
     result = {"arch": a.arch, "weights": "dummy" if a.model_dir is None else "checkpoint", **extra,
-              "pdl": not a.no_pdl, "pdl_quant": quant_pdl.ENABLED,
+              "pdl": not a.no_pdl, "pdl_quant": quant_pdl.ENABLED, "small_m_plans": used_plans,
               # with PDL a kernel starts during the one before and its profiled duration includes its wait
               # (griddepcontrol.wait): per-kernel ms and their sum overstate; attribute with --no-pdl
               "kernel_ms_include_pdl_waits": not a.no_pdl, "fuse_qkv_a": not a.no_fuse_qkv_a,

@@ -62,12 +62,20 @@ def test_a_sweeps_best_plans_become_the_tables(sweep):
 
     dot = SmallMPlan("dot", 16, 64, 128, 4)
     best = {"fp8_row": {"1": {"plan": None}, "16": {"plan": dataclasses.asdict(dot)}},
-            "int4_g128": {"1": {"plan": dataclasses.asdict(SmallMPlan("gemv", 1, 32, 128, 2))}}}
+            "int4_g128": {"1": {"plan": dataclasses.asdict(SmallMPlan("gemv", 1, 32, 128, 2))}},
+            "fp8_row_w8a8": {"1": {"plan": None, "total_us": 1.0}, "8": {"plan": None, "total_us": 1.0}}}
+    shipped_m1 = small_m_plan.SHIPPED["fp8_row"][0]
+    assert shipped_m1[0] == 1 and shipped_m1[1] is not None
     try:
         small_m_plan.use_tables({})
         builtin = small_m_plan.fp8_plan(1, 4096, 4096, 4096)  # no tables: the built-in tiles
+        assert builtin != shipped_m1[1]
         small_m_plan.use_tables(sweep.tables(best))
-        assert small_m_plan.fp8_plan(1, 4096, 4096, 4096) == builtin  # the default won M = 1
+        # the default won M = 1: the sweep's "default" ran the shipped table's plan, which the table keeps (it
+        # once became the built-in plan, and an engine run "with the swept plans" ran slower than shipped)
+        assert small_m_plan.fp8_plan(1, 4096, 4096, 4096) == shipped_m1[1]
+        # where the shipped table itself says None, the built-in plan stays
+        assert small_m_plan.TABLES["fp8_row_w8a8"] == ((1, small_m_plan.SHIPPED["fp8_row_w8a8"][0][1]), (8, None))
         assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) == dot
         assert small_m_plan.fp8_plan(17, 4096, 4096, 4096).split_k == 1  # past the last bucket: built-in
         assert small_m_plan.int4_plan(1, 4096, 4096, 128).kernel == "gemv"
