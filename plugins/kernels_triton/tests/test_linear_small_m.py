@@ -92,6 +92,21 @@ def test_op_binds_only_where_a_plan_exists(interpret, tmp_path, monkeypatch):
         L.load_plans.cache_clear()
 
 
+def test_shipped_plan_files_are_valid_and_documented():
+    """Every committed plan file parses into valid plans (a device named there would refuse its layers at bind
+    time otherwise) and is named in the folder's README with the run that measured it."""
+    readme = (L.CONFIG_DIR / "README.md").read_text()
+    files = sorted(L.CONFIG_DIR.glob("*.json"))
+    assert files, "the H100 plans are shipped"
+    for path in files:
+        assert f"`{path.name}`" in readme, path.name
+        for dtype, table in json.loads(path.read_text()).items():
+            assert dtype in ("bfloat16", "float16") and table, path.name
+            for key, entry in table.items():
+                n, k = (int(v) for v in key.split(","))
+                assert n > 0 and k > 0 and L.LinearPlan(**entry).max_m >= 1
+
+
 def test_compiles_for_sm90():
     run_sm90_compile_script(textwrap.dedent('''
         import triton
