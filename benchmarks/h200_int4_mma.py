@@ -1,0 +1,99 @@
+"""Mid-size int4 GEMMs (GPTQ / AWQ, group 128 in order) at Llama-3-8B's layer shapes: the swapped-operand
+tensor-core GEMM (`int4_mma_triton`, a few tiles) against what keel runs today -- the in-register tile GEMM's
+shipped plan below `int4_linear.DEQUANT_GEMM_MIN_M` (256) and the full dequantize + cuBLAS from it -- and bf16
+cuBLAS on a ready weight; per M the four layers' total, and the largest difference of each tile's output from
+the dequantize + cuBLAS output (the same bf16 weights: only the summation order differs).
+
+    python benchmarks/h200_int4_mma.py --out benchmarks/results/h200-int4-mma.json
+
+Why and prediction: int4_mma_triton's docstring (four layers at M = 256 on an H100 ~320-380 us against
+dequantize + cuBLAS ~600). Timing: each call alone, CUDA events over 10 (h200_llama8b._events_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+_here = Path(__file__).resolve().parent
+MS = (64, 128, 256, 512, 2048)
+# (BLOCK_N weight rows, BLOCK_M tokens, num_warps, num_stages); BLOCK_K 128 (the scale group)
+TILES = [(128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 256, 8, 2), (64, 64, 4, 4), (256, 128, 8, 2)]
+
+
+def _sibling(name: str):
+    from keel.testing.scripts import load_script
+
+    return load_script(_here / f"{name}.py")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/h200-int4-mma.json")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--budget-s", type=float, default=120.0)
+    ns = ap.parse_args()
+    import triton
+
+    from keel.bench import source_commit
+    from keel_quantization.int4_dequant_triton import int4_dequantize
+    from keel_quantization.int4_mma_triton import MmaTile, int4_mma_gemm
+    from keel_quantization.int4_triton import int4_gemm
+
+    prefill = _sibling("h200_int4_prefill")
+    llama = _sibling("h200_llama8b")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = {name: prefill._layer(n, k, gen) for name, (n, k) in prefill.SHAPES.items()}
+    t0 = time.perf_counter()
+    rows = []
+    for m in (int(v) for v in ns.ms.split(",")):
+        for name, (n, k) in prefill.SHAPES.items():
+            qw, s, z, g = layers[name]
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            dense = int4_dequantize(qw, s, z, g, torch.bfloat16, 128)
+            ref = (x @ dense).float()
+            fns = {"dequant_cublas": lambda: x @ int4_dequantize(qw, s, z, g, torch.bfloat16, 128),
+                   "shipped_tile_gemm": lambda: int4_gemm(x, qw, s, z, g, group_size=128),
+                   "bf16_cublas": lambda: x @ dense}
+            for bn, bm, warps, stages in TILES:
+                tile = MmaTile(bn, bm, 128, warps, stages)
+                fns[f"mma {bn}x{bm} w{warps} s{stages}"] = lambda tile=tile: int4_mma_gemm(x, qw, s, z, 128, tile=tile)
+            row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
+            for label, fn in fns.items():
+                if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):
+                    continue  # past the budget: today's paths only
+                try:
+                    out = fn()
+                    if label.startswith("mma"):
+                        row["max_rel_diff"][label] = float((out.float() - ref).abs().max() / ref.abs().max())
+                    row["us"][label] = llama._events_ms(fn, iters=10) * 1000
+                except Exception as e:  # a tile that does not compile or fit is a result, not a crash
+                    row.setdefault("errors", {})[label] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps({k_: row[k_] for k_ in ("m", "layer", "us")}, default=lambda v: round(v, 1)), flush=True)
+    totals = {}
+    for r in rows:
+        t = totals.setdefault(r["m"], {})
+        for lb, us in r["us"].items():
+            t[lb] = t.get(lb, 0.0) + us
+    for m, t in totals.items():  # a label missing on a layer has no total
+        for lb in list(t):
+            if sum(1 for r in rows if r["m"] == m and lb in r["us"]) < len(prefill.SHAPES):
+                del t[lb]
+    best = {m: min((us, lb) for lb, us in t.items() if lb.startswith("mma")) if any(lb.startswith("mma") for lb in t)
+            else None for m, t in totals.items()}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "commit": source_commit(_here) or "unknown", "rows": rows, "us_per_four_layers": totals,
+              "best_mma_per_m": best}
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(result, indent=1, default=float))
+    print(json.dumps({"us_per_four_layers": totals, "best_mma_per_m": best}, indent=1,
+                     default=lambda v: round(v, 1)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Int4 GEMM for mid-size steps (decode batches of 64-512 tokens) with the dequantized weight as the MMA's
+register operand: y^T [N, M] = w [N, K] . x^T [K, M], w = (q - z) * s rounded to x's dtype per element --
+the very numbers `int4_dequant_triton` writes, so the result is that dequantize + cuBLAS path's GEMM up to
+float32 summation order, without writing and re-reading a bf16 copy of the weight.
+
+Why: at a 256-token step keel's GPTQ runs the full dequantize then cuBLAS (`int4_linear.DEQUANT_GEMM_MIN_M`;
+477 us over Llama-8B's four layers on the H200, the dequantize ~170 of it) and the throughput run reached 0.66x
+vLLM's Machete on one GPTQ checkpoint (h100-vs-vllm-gptq-ckpt-fbd3fe2.json). The in-register tile GEMM
+(`int4_triton`, x as the MMA's A) took 712 us there: on sm_90 the MMA's B operand must sit in shared memory,
+so every dequantized weight tile is stored there and fenced before its MMA. Swapped, the weight rows are the
+MMA's M dimension (BLOCK_N, 64 per warpgroup), an operand sm_90 takes from registers; the tokens are its N
+dimension (BLOCK_M) and come from shared memory as the loads' pipeline puts them there.
+
+Nibble planes: word w of a tile holds inputs 8w .. 8w + 7; plane j is [BLOCK_N, BLOCK_K / 8], input 8w + j of
+each word (a shift, one mask-or -- the float 2^23 + q --, a subtract, a multiply and a conversion an element,
+the dequantize's arithmetic). The eight planes are joined into one [BLOCK_N, BLOCK_K] tile in the inputs' own
+order and multiplied by one dot a K tile.
+
+Measured and changed (H100 SXM, benchmarks/results/h100-int4-mma-553a477.json, Llama-8B's four layers): the
+first version multiplied each plane by a dot of its own (x permuted into plane order to match). This
+compiler waits for every MMA with a register operand before the next instruction (wgmma.wait_group 0), so the
+eight planes' dequantize and MMAs ran in series: 1063 us at M = 256 against 745 for dequantize + cuBLAS (bf16
+cuBLAS 301), 698 / 578 at M = 128, 1068 / 884 at 512; it won only gate_up at M = 128 (167 vs 240). Joined, the
+sm_90 compile issues a tile's MMAs as one group and keeps one group in flight (wait_group 1) while the next
+tile is loaded and dequantized; the joined tile reaches the MMA's register layout through stmatrix /
+ldmatrix. Unmeasured: nothing calls this kernel yet (`int4_linear` keeps its paths); part `int4-mma` measures
+it. Prediction: M = 256 ~500-600 us (the dequantize overlapped with the MMAs, the stmatrix / ldmatrix pass
+~10% more), so at best a win over dequantize + cuBLAS's 745 of ~20-30%.
+
+Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order); desc_act's gathered
+groups and groups under 128 inputs are not served (`misfit` says why; a caller keeps its other paths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
+
+_TWO_23 = tl.constexpr(8388608.0)
+
+
+@dataclass(frozen=True)
+class MmaTile:
+    block_n: int = 128  # weight rows a program (the MMA's M: 64 per warpgroup)
+    block_m: int = 128  # tokens a program (the MMA's N)
+    block_k: int = 128  # inputs a tile: BLOCK_K / 8 >= 16 word rows, dividing the scale group
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+DEFAULT_TILE = MmaTile()
+
+
+@triton.jit
+def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr):
+    """Nibble plane j of [BN, KW] packed words dequantized: (q - z) * s rounded to dtype (the dequantize's numbers)."""
+    q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+    return ((q - zb) * s).to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _plane_dot(acc, w, xk, j: tl.constexpr, mask_m, stride_xk, KW: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + w [BN, KW] . x^T rows of plane j [KW, BM] (x in plane order: plane j's inputs follow plane 0's by j KW)."""
+    xt = tl.load(xk + j * KW * stride_xk, mask=mask_m[None, :], other=0.0)
+    if DOT_F32:
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
+
+
+@triton.jit
+def _int4_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_qk, stride_sg, stride_ym, stride_yn,
+    GROUP: tl.constexpr,  # inputs a scale group: a multiple of BLOCK_K (or K itself)
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,  # the CPU interpreter: its 16-bit dot multiplies the operands' bit patterns; the same
+    # (16-bit-rounded) values in float32 give the products the MMA makes
+    PDL: tl.constexpr = False,
+):
+    pdl_enter(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows (outputs)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] tokens
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    offs_w = tl.arange(0, BLOCK_K // 8)  # [KW] word rows of a tile
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (the launcher checks)
+        words = k0 // 8 + offs_w
+        packed = tl.load(qw_ptr + words[None, :] * stride_qk + offs_n[:, None], mask=mask_n[:, None],
+                         other=0)  # [BN, KW] int32, N contiguous in memory
+        sz = (k0 // GROUP) * stride_sg + offs_n
+        s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
+        zb = tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None] + _TWO_23  # 2^23 + z, exact
+        # the tile's eight planes joined into one [BN, BLOCK_K] operand and one dot: MMAs with a register operand
+        # each wait for completion (wgmma.wait_group 0) in this compiler, so one dot a tile, not one a plane
+        dt = x_ptr.dtype.element_ty
+        # join appends its axis last: the innermost pairs planes j, j + 4, the outermost j, j + 1, so the reshape
+        # puts plane j of word w at column 8w + j -- the inputs' own order
+        w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt), _plane(packed, 4, zb, s, dt)),
+                            tl.join(_plane(packed, 2, zb, s, dt), _plane(packed, 6, zb, s, dt))),
+                    tl.join(tl.join(_plane(packed, 1, zb, s, dt), _plane(packed, 5, zb, s, dt)),
+                            tl.join(_plane(packed, 3, zb, s, dt), _plane(packed, 7, zb, s, dt))))  # [BN, KW, 2, 2, 2]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BN, BK]
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None] * stride_xk, mask=mask_m[None, :],
+                     other=0.0)  # [BK, BM]
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[None, :] & mask_n[:, None])
+
+
+def misfit(k: int, group_size: int, tile: MmaTile = DEFAULT_TILE) -> str | None:
+    """Why a layer of K inputs with scale groups of `group_size` (in order; 0: gathered) cannot take this GEMM
+    with `tile` (None: it can)."""
+    if tile.block_k % 128 or tile.block_k & (tile.block_k - 1):
+        return f"BLOCK_K {tile.block_k} is not a power of two from 128 (16 word rows: a bf16 MMA's K)"
+    if k % tile.block_k:
+        return f"K {k} is not a multiple of BLOCK_K {tile.block_k}"
+    group = min(group_size, k)
+    if group <= 0 or group % tile.block_k:
+        return (f"scale groups of {group_size} inputs" + (" (gathered)" if group_size <= 0 else "")
+                + f" do not hold whole K tiles of {tile.block_k}")
+    return None
+
+
+def int4_mma_gemm(
+    x: torch.Tensor,  # [M, K] bf16 / fp16
+    qweight: torch.Tensor,  # int32 [K / 8, N], N contiguous
+    scales: torch.Tensor,  # [groups, N]
+    zeros: torch.Tensor,  # [groups, N], same dtype and strides as scales; integer values (GPTQ / AWQ)
+    group_size: int,  # inputs a scale group, in order (int4_linear.tileable_group); K: one group
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
+    tile: MmaTile = DEFAULT_TILE,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.shape[0] * 8 != k or scales.shape != zeros.shape or scales.shape[1] != n:
+        raise ValueError(f"int4_mma_gemm: shapes do not fit: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
+    if qweight.stride(1) != 1 or scales.stride(1) != 1 or zeros.stride() != scales.stride():
+        raise ValueError("int4_mma_gemm: qweight, scales and zeros need contiguous rows and equal strides")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"int4_mma_gemm: x must be bf16 or fp16, got {x.dtype}")
+    why = misfit(k, group_size, tile)
+    if why:
+        raise ValueError(f"int4_mma_gemm: {why}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return y
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    _int4_mma_kernel[grid](x, qweight, scales, zeros, y, m, n, k, x.stride(0), x.stride(1), qweight.stride(0),
+                           scales.stride(0), y.stride(0), y.stride(1), GROUP=min(group_size, k),
+                           BLOCK_N=tile.block_n, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
+                           DOT_F32=x.device.type == "cpu",
+                           num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_kwargs(x))
+    return y
