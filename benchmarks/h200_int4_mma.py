@@ -5,6 +5,8 @@ cuBLAS on a ready weight; per M the four layers' total, and the largest differen
 the dequantize + cuBLAS output (the same bf16 weights: only the summation order differs).
 
     python benchmarks/h200_int4_mma.py --out benchmarks/results/h200-int4-mma.json
+        (plans where a tile beats today's paths by 3%+ over the four layers: int4-mma/<device>.json beside
+        --out, or --plans-dir: `int4_mma_plans`' file for this device, to commit with the result)
 
 Why and prediction: int4_mma_triton's docstring (four layers at M = 256 on an H100 ~320-380 us against
 dequantize + cuBLAS ~600). Timing: each call alone, CUDA events over 10 (h200_llama8b._events_ms).
@@ -25,6 +27,30 @@ MS = (64, 128, 256, 512, 2048)
 TILES = [(128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 256, 8, 2), (64, 64, 4, 4), (256, 128, 8, 2)]
 
 
+WIN = 0.97  # a tile is written where its four-layer total is under this fraction of today's best path's
+
+
+def _tiles(tile_cls) -> list:
+    """(label, tile) per TILES entry."""
+    return [(f"mma {bn}x{bm} w{warps} s{stages}", tile_cls(bn, bm, 128, warps, stages)) for bn, bm, warps, stages in TILES]
+
+
+def plan_rows(totals: dict, tiles: dict) -> list[dict]:
+    """int4_mma_configs rows from the four-layer totals per M: the best tile where it beats min(dequantize +
+    cuBLAS, the tile GEMM) by WIN, else null (those paths stay)."""
+    import dataclasses
+
+    rows = []
+    for m in sorted(totals, key=int):
+        t = totals[m]
+        today = min(t.get("dequant_cublas", float("inf")), t.get("shipped_tile_gemm", float("inf")))
+        mma = [(us, lb) for lb, us in t.items() if lb in tiles]
+        best = min(mma) if mma else None
+        win = best is not None and best[0] < WIN * today
+        rows.append({"m": int(m), "tile": dataclasses.asdict(tiles[best[1]]) if win else None})
+    return rows
+
+
 def _sibling(name: str):
     from keel.testing.scripts import load_script
 
@@ -36,12 +62,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/h200-int4-mma.json")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--plans-dir", default=None, help="where to write this device's int4_mma_configs file "
+                    "(default: beside --out, in int4-mma/)")
     ns = ap.parse_args()
     import triton
 
     from keel.bench import source_commit
     from keel_quantization.int4_dequant_triton import int4_dequantize
-    from keel_quantization.int4_mma_triton import MmaTile, int4_mma_gemm
+    from keel_quantization.int4_mma_plans import MmaTile
+    from keel_quantization.int4_mma_triton import int4_mma_gemm
     from keel_quantization.int4_triton import int4_gemm
 
     prefill = _sibling("h200_int4_prefill")
@@ -59,9 +88,8 @@ def main() -> None:
             fns = {"dequant_cublas": lambda: x @ int4_dequantize(qw, s, z, g, torch.bfloat16, 128),
                    "shipped_tile_gemm": lambda: int4_gemm(x, qw, s, z, g, group_size=128),
                    "bf16_cublas": lambda: x @ dense}
-            for bn, bm, warps, stages in TILES:
-                tile = MmaTile(bn, bm, 128, warps, stages)
-                fns[f"mma {bn}x{bm} w{warps} s{stages}"] = lambda tile=tile: int4_mma_gemm(x, qw, s, z, 128, tile=tile)
+            for label, tile in _tiles(MmaTile):
+                fns[label] = lambda tile=tile: int4_mma_gemm(x, qw, s, z, 128, tile=tile)
             row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
             for label, fn in fns.items():
                 if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):
@@ -86,9 +114,15 @@ def main() -> None:
                 del t[lb]
     best = {m: min((us, lb) for lb, us in t.items() if lb.startswith("mma")) if any(lb.startswith("mma") for lb in t)
             else None for m, t in totals.items()}
+    plans = plan_rows(totals, {label: tile for label, tile in _tiles(MmaTile)})
+    plans_dir = Path(ns.plans_dir) if ns.plans_dir else Path(ns.out).parent / "int4-mma"
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    from keel_quantization.int4_mma_plans import device_file_name
+
+    (plans_dir / device_file_name(torch.cuda.get_device_name())).write_text(json.dumps({"bfloat16": plans}, indent=1))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": source_commit(_here) or "unknown", "rows": rows, "us_per_four_layers": totals,
-              "best_mma_per_m": best}
+              "best_mma_per_m": best, "plans_written": plans, "win_threshold": WIN}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=1, default=float))
     print(json.dumps({"us_per_four_layers": totals, "best_mma_per_m": best}, indent=1,

@@ -23,7 +23,7 @@
 #   profile-pdl profile-nopdl  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) at batch 1 / 256, PDL on / off
 #   int4-wdeq h200_int4_wdeq.py: an int4 GEMM that scales the weight tile, not the partial product (WDEQ_MS)
 #   int4-mma  h200_int4_mma.py: the swapped-operand int4 tensor-core GEMM's tiles against the tile GEMM, dequantize +
-#             cuBLAS and bf16 cuBLAS at M 64-2048 (MMA_MS, MMA_BUDGET_S)
+#             cuBLAS and bf16 cuBLAS at M 64-2048 (MMA_MS, MMA_BUDGET_S); the device's plan file in $W/int4-mma/
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /

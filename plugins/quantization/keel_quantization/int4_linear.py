@@ -5,12 +5,15 @@ Loading keeps the checkpoint's tensors (see `int4_math` for the layouts); after 
 in the model dtype (zeros already decoded) and `g_idx` int32 [in]. Forward: on a CUDA device the Triton
 kernel dequantizes tiles inside the GEMM (`int4_triton`); elsewhere the reference path dequantizes the
 weight and multiplies (CPU, or `backend="torch"`); steps of `DEQUANT_GEMM_MIN_M` tokens or more on CUDA
-(prefill chunks, full-batch decode) dequantize the weight with a Triton kernel and run one cuBLAS GEMM. Where inputs are in group order the kernel reads one
-scale row per K tile (`group_in_order`, decided once after loading).
+(prefill chunks, full-batch decode) dequantize the weight with a Triton kernel and run one cuBLAS GEMM -- unless
+this device has measured the mid-size int4 GEMM (`int4_mma_triton`) faster for the step's size
+(`int4_mma_plans`). Where inputs are in group order the kernel reads one scale row per K tile
+(`group_in_order`, decided once after loading).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ import torch
 
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import int4_dummy, int4_math
+from keel_quantization.int4_mma_plans import MmaTile, misfit, mma_tile
 from keel_quantization.loading import add_param, load_per_shard, load_sharded
 
 BACKENDS = ("auto", "torch", "triton")
@@ -28,6 +32,11 @@ BACKENDS = ("auto", "torch", "triton")
 # cuBLAS on a ready weight 4,950). The dequantize alone: 169.5 us for the four back to back at 2328ea6, 1.31x
 # its int4-read + bf16-written floor (h200-int4-dequant-2328ea6.json); the rest of the gap to bf16 is its GEMM's.
 DEQUANT_GEMM_MIN_M = 256
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,14 @@ class Int4LinearMethod:
         module.zeros = frozen(zeros.to(self.params_dtype))
         module.scales = frozen(module.scales.data.to(self.params_dtype))
 
+    def mma_tile(self, m: int, k: int, dtype: torch.dtype, device_name: str) -> MmaTile | None:
+        """The mid-size int4 GEMM's tile for a step of m tokens x k inputs, where measured on this device
+        (`int4_mma_plans`) and the layer's groups fit it; None: the tile GEMM or dequantize + cuBLAS."""
+        if self.group_in_order <= 0 or dtype not in (torch.bfloat16, torch.float16):
+            return None
+        tile = mma_tile(m, device_name, str(dtype).removeprefix("torch."))
+        return None if tile is None or misfit(k, self.group_in_order, tile) else tile
+
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
         q = int4_math.unpack_rows(module.qweight)
         return int4_math.dequantize_int4(q, module.zeros, module.scales, module.g_idx, self.params_dtype).T
@@ -145,7 +162,16 @@ class Int4LinearMethod:
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
-        if use_triton and x2.shape[0] >= DEQUANT_GEMM_MIN_M:
+        tile = (self.mma_tile(x2.shape[0], x2.shape[1], x2.dtype, _device_name(x2.device.index))
+                if use_triton and x2.is_cuda else None)
+        if tile is not None:
+            from keel_quantization.int4_mma_triton import int4_mma_gemm
+
+            self.last_backend = "triton_mma"
+            out = int4_mma_gemm(x2, module.qweight, module.scales, module.zeros, self.group_in_order, tile=tile)
+            if bias is not None:
+                out = out + bias
+        elif use_triton and x2.shape[0] >= DEQUANT_GEMM_MIN_M:
             from keel_quantization.int4_dequant_triton import int4_dequantize
 
             self.last_backend = "triton_dequant"

@@ -33,24 +33,14 @@ groups and groups under 128 inputs are not served (`misfit` says why; a caller k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.int4_mma_plans import MmaTile, misfit
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 
 _TWO_23 = tl.constexpr(8388608.0)
-
-
-@dataclass(frozen=True)
-class MmaTile:
-    block_n: int = 128  # weight rows a program (the MMA's M: 64 per warpgroup)
-    block_m: int = 128  # tokens a program (the MMA's N)
-    block_k: int = 128  # inputs a tile: BLOCK_K / 8 >= 16 word rows, dividing the scale group
-    num_warps: int = 8
-    num_stages: int = 3
 
 
 DEFAULT_TILE = MmaTile()
@@ -116,20 +106,6 @@ def _int4_mma_kernel(
             acc = tl.dot(w, xt, acc)
     tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn, acc.to(y_ptr.dtype.element_ty),
              mask=mask_m[None, :] & mask_n[:, None])
-
-
-def misfit(k: int, group_size: int, tile: MmaTile = DEFAULT_TILE) -> str | None:
-    """Why a layer of K inputs with scale groups of `group_size` (in order; 0: gathered) cannot take this GEMM
-    with `tile` (None: it can)."""
-    if tile.block_k % 128 or tile.block_k & (tile.block_k - 1):
-        return f"BLOCK_K {tile.block_k} is not a power of two from 128 (16 word rows: a bf16 MMA's K)"
-    if k % tile.block_k:
-        return f"K {k} is not a multiple of BLOCK_K {tile.block_k}"
-    group = min(group_size, k)
-    if group <= 0 or group % tile.block_k:
-        return (f"scale groups of {group_size} inputs" + (" (gathered)" if group_size <= 0 else "")
-                + f" do not hold whole K tiles of {tile.block_k}")
-    return None
 
 
 def int4_mma_gemm(

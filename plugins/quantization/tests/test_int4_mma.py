@@ -56,7 +56,8 @@ def test_refuses_what_it_does_not_serve():
         mma.int4_mma_gemm(x, qw, s, z, 64, tile=TILE)
     with pytest.raises(ValueError, match="gathered"):
         mma.int4_mma_gemm(x, qw, s, z, 0, tile=TILE)
-    assert "BLOCK_K 64" in mma.misfit(256, 128, mma.MmaTile(block_k=64))
+    with pytest.raises(ValueError, match="int4 mma tile"):
+        mma.MmaTile(block_k=64)  # 8 word rows: under a bf16 MMA's K of 16
     assert "K 200" in mma.misfit(200, 200, TILE)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         mma.int4_mma_gemm(x.float(), qw, s, z, 256, tile=TILE)

@@ -1,0 +1,84 @@
+"""Where the mid-size int4 GEMM (`int4_mma_triton`) serves a step, per device, as measured -- nothing else.
+
+`int4_linear` asks `mma_tile(m, device_name)` for a CUDA step of M tokens on a layer whose scale groups the
+kernel takes (in order, whole K tiles); a tile means that kernel, None the paths it had (the tile GEMM below
+`DEQUANT_GEMM_MIN_M`, dequantize + cuBLAS from it). The answer comes from `int4_mma_configs/<device>.json`
+(or the folder named by KEEL_INT4_MMA_CONFIG_DIR, read first), written by `benchmarks/h200_int4_mma.py` with
+the M it measured and, where the kernel beat both other paths over Llama-8B's four layers by 3% or more, the
+tile that did:
+
+    {"bfloat16": [{"m": 128, "tile": {"block_n": 128, "block_m": 64, ...}}, {"m": 512, "tile": null}, ...]}
+
+A step of M tokens takes the entry of the least measured M at or above it (M is fixed per CUDA-graph bucket,
+so the choice is too); past the last, or for a device without a file, the other paths. No file is committed
+until a device run has measured the kernel faster. Pure Python: the CPU never imports Triton for this.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parent / "int4_mma_configs"
+CONFIG_DIR_ENV = "KEEL_INT4_MMA_CONFIG_DIR"
+
+
+@dataclass(frozen=True)
+class MmaTile:
+    block_n: int = 128  # weight rows a program (the MMA's M: 64 per warpgroup)
+    block_m: int = 128  # tokens a program (the MMA's N)
+    block_k: int = 128  # inputs a tile: BLOCK_K / 8 >= 16 word rows, dividing the scale group
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        pow2 = lambda v: v > 0 and not v & (v - 1)  # noqa: E731
+        if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.block_m) and self.block_m >= 16
+                and pow2(self.block_k) and self.block_k >= 128 and self.num_warps in (4, 8) and self.num_stages >= 1):
+            raise ValueError(f"int4 mma tile: blocks must be powers of two (N, M >= 16; K >= 128), num_warps 4 or 8, "
+                             f"num_stages >= 1: {self}")
+
+
+def misfit(k: int, group_size: int, tile: MmaTile) -> str | None:
+    """Why a layer of K inputs with scale groups of `group_size` (in order; 0: gathered) cannot take this GEMM
+    with `tile` (None: it can)."""
+    if k % tile.block_k:
+        return f"K {k} is not a multiple of BLOCK_K {tile.block_k}"
+    group = min(group_size, k)
+    if group <= 0 or group % tile.block_k:
+        return (f"scale groups of {group_size} inputs" + (" (gathered)" if group_size <= 0 else "")
+                + f" do not hold whole K tiles of {tile.block_k}")
+    return None
+
+
+def device_file_name(device_name: str) -> str:
+    return device_name.replace(" ", "_") + ".json"
+
+
+@functools.cache
+def load_plans(device_name: str, dtype_name: str) -> tuple[tuple[int, MmaTile | None], ...]:
+    """((measured M, tile or None), ...) ascending for activations of `dtype_name` on this device."""
+    for folder in (os.environ.get(CONFIG_DIR_ENV), CONFIG_DIR):
+        if not folder:
+            continue
+        path = Path(folder) / device_file_name(device_name)
+        if path.exists():
+            rows = json.loads(path.read_text()).get(dtype_name, [])
+            plans = tuple(sorted((int(r["m"]), MmaTile(**r["tile"]) if r.get("tile") else None) for r in rows))
+            logger.info("int4 mma: %d measured step sizes for %s %s (%s)", len(plans), device_name, dtype_name, path)
+            return plans
+    return ()
+
+
+def mma_tile(m: int, device_name: str, dtype_name: str) -> MmaTile | None:
+    """The tile a step of `m` tokens runs the mid-size int4 GEMM with on this device, or None."""
+    for measured_m, tile in load_plans(device_name, dtype_name):
+        if m <= measured_m:
+            return tile
+    return None
