@@ -90,6 +90,9 @@ def main() -> None:
                    "bf16_cublas": lambda: x @ dense}
             for label, tile in _tiles(MmaTile):
                 fns[label] = lambda tile=tile: int4_mma_gemm(x, qw, s, z, 128, tile=tile)
+            first = _tiles(MmaTile)[0][1]  # the float32 dequantize, for its cost against the 16-bit one
+            fns["float32 dequantize " + _tiles(MmaTile)[0][0]] = lambda: int4_mma_gemm(x, qw, s, z, 128, tile=first,
+                                                                                       magic16=False)
             row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
             for label, fn in fns.items():
                 if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 ONES = ("stride_xk", "stride_qn", "stride_sn", "stride_yn")
+MMA_ONLY = "--mma" in sys.argv  # only the int4 mma cases
 
 
 def compile_sm90(fn, sig: dict, consts: dict, ones=ONES, **options):
@@ -66,7 +67,7 @@ def loop_mix(compiled) -> dict:
 def _int4_cases():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import h200_int4_wdeq
-    from keel_quantization import int4_dequant_triton, int4_gemv_fold_triton, int4_triton
+    from keel_quantization import int4_dequant_triton, int4_gemv_fold_triton, int4_mma_triton, int4_triton
 
     i32 = "i32"
     gemm = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "y_ptr": "*bf16",
@@ -84,6 +85,15 @@ def _int4_cases():
                {k: v for k, v in gemm.items() if k != "M"},
                {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN": True, "PREFETCH": False},
                {"num_warps": w})
+    mma = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16", "M": i32,
+           "N": i32, "K": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_sg", "stride_ym",
+                                                   "stride_yn")}}
+    for bn, bm, w, st in ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 256, 8, 2)):
+        yield (f"int4 mma {bn}x{bm}x128 w{w} s{st} (weights as the register operand, bf16 dequantize)",
+               int4_mma_triton._int4_mma_kernel,
+               mma, {"GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128, "DOT_F32": False, "MAGIC16": 0x4300,
+                     "OFFSET": 128.0},
+               {"num_warps": w, "num_stages": st})
     yield ("int4 dequantize 128x128 w4", int4_dequant_triton._int4_dequant_kernel,
            {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "w_ptr": "*bf16",
             **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
@@ -94,6 +104,8 @@ def main() -> None:
     import json
 
     for name, fn, sig, consts, options in _int4_cases():
+        if MMA_ONLY and "mma" not in name:
+            continue
         print(name, json.dumps(loop_mix(compile_sm90(fn, sig, consts, **options))))
 
 

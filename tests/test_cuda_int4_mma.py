@@ -1,6 +1,7 @@
 """The mid-size int4 GEMM (keel_quantization.int4_mma_triton) on a GPU (skipped without one): compiled, against
 float64 on the weights the dequantize pass writes (the same bf16 numbers), over M across and past the token
-tiles, N off the weight-row tiles and tiles of each shape the benchmark sweeps; and `int4_linear` routed to it
+tiles, N off the weight-row tiles and tiles of each shape the benchmark sweeps, its 16-bit dequantize bit-equal
+to its float32 one; and `int4_linear` routed to it
 by a plan file for this device (int4_mma_plans), captured in a CUDA graph and replayed."""
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ def test_matches_float64_on_the_dequantized_weight(tile, m):
     qw, s, z, _, w = _layer(k, n, seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    int4_mma_gemm(x, qw, s, z, 128, out=out, tile=MmaTile(tile[0], tile[1], 128, tile[2], tile[3]))
+    t = MmaTile(tile[0], tile[1], 128, tile[2], tile[3])
+    int4_mma_gemm(x, qw, s, z, 128, out=out, tile=t)
     _check(out, x, w)
+    # the 16-bit dequantize makes the float32 one's numbers: the same bits out
+    assert torch.equal(out, int4_mma_gemm(x, qw, s, z, 128, tile=t, magic16=False))
 
 
 def test_int4_linear_takes_it_where_a_plan_says_and_replays(tmp_path, monkeypatch):

@@ -12,8 +12,10 @@ MMA's M dimension (BLOCK_N, 64 per warpgroup), an operand sm_90 takes from regis
 dimension (BLOCK_M) and come from shared memory as the loads' pipeline puts them there.
 
 Nibble planes: word w of a tile holds inputs 8w .. 8w + 7; plane j is [BLOCK_N, BLOCK_K / 8], input 8w + j of
-each word (a shift, one mask-or -- the float 2^23 + q --, a subtract, a multiply and a conversion an element,
-the dequantize's arithmetic). The eight planes are joined into one [BLOCK_N, BLOCK_K] tile in the inputs' own
+each word: the nibble or-ed into the bits of 128.0 (bf16; 1024.0 fp16) is 128 + q, minus 128 + z is q - z
+exactly, times s rounds the exact product once -- the dequantize pass's float32 numbers, in packed 16-bit math
+(HADD2 / HMUL2 in the sm_90 SASS: 486 instructions a thread per 128 x 128 x 128 tile against 539 in float32,
+`benchmarks/sass_mix.py --mma`; the interpreter, whose 16-bit arithmetic is not the GPU's, runs float32). The eight planes are joined into one [BLOCK_N, BLOCK_K] tile in the inputs' own
 order and multiplied by one dot a K tile.
 
 Measured and changed (H100 SXM, benchmarks/results/h100-int4-mma-553a477.json, Llama-8B's four layers): the
@@ -47,19 +49,16 @@ DEFAULT_TILE = MmaTile()
 
 
 @triton.jit
-def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr):
-    """Nibble plane j of [BN, KW] packed words dequantized: (q - z) * s rounded to dtype (the dequantize's numbers)."""
+def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr):
+    """Nibble plane j of [BN, KW] packed words dequantized: (q - z) * s rounded to dtype (the dequantize's numbers).
+    zb: 2^23 + z in float32 (MAGIC16 0), or OFFSET + z in dtype; s: float32, or dtype."""
+    if MAGIC16:
+        # 16-bit: the nibble or-ed into the bits of 128.0 (bf16) is 128 + q; minus 128 + z is q - z, exact; one
+        # multiply by s rounds the exact product once, as the float32 path's conversion does
+        q = (((packed >> (4 * j)) & 0xF) | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+        return (q - zb) * s
     q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
     return ((q - zb) * s).to(dtype, fp_downcast_rounding="rtne")
-
-
-@triton.jit
-def _plane_dot(acc, w, xk, j: tl.constexpr, mask_m, stride_xk, KW: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + w [BN, KW] . x^T rows of plane j [KW, BM] (x in plane order: plane j's inputs follow plane 0's by j KW)."""
-    xt = tl.load(xk + j * KW * stride_xk, mask=mask_m[None, :], other=0.0)
-    if DOT_F32:
-        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(w, xt, acc)
 
 
 @triton.jit
@@ -71,6 +70,9 @@ def _int4_mma_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,  # the CPU interpreter: its 16-bit dot multiplies the operands' bit patterns; the same
     # (16-bit-rounded) values in float32 give the products the MMA makes
+    MAGIC16: tl.constexpr = 0,  # bits of OFFSET in x's dtype (bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0): the
+    # dequantize in 16-bit math; 0: in float32
+    OFFSET: tl.constexpr = 0.0,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -86,17 +88,21 @@ def _int4_mma_kernel(
         packed = tl.load(qw_ptr + words[None, :] * stride_qk + offs_n[:, None], mask=mask_n[:, None],
                          other=0)  # [BN, KW] int32, N contiguous in memory
         sz = (k0 // GROUP) * stride_sg + offs_n
-        s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
-        zb = tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None] + _TWO_23  # 2^23 + z, exact
+        dt = x_ptr.dtype.element_ty
+        if MAGIC16:  # OFFSET + z in x's dtype, exact for integer zeros (GPTQ / AWQ); s as stored
+            s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(dt)[:, None]  # [BN, 1]
+            zb = (tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32) + OFFSET).to(dt)[:, None]
+        else:
+            s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
+            zb = tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None] + _TWO_23  # 2^23 + z, exact
         # the tile's eight planes joined into one [BN, BLOCK_K] operand and one dot: MMAs with a register operand
         # each wait for completion (wgmma.wait_group 0) in this compiler, so one dot a tile, not one a plane
-        dt = x_ptr.dtype.element_ty
         # join appends its axis last: the innermost pairs planes j, j + 4, the outermost j, j + 1, so the reshape
         # puts plane j of word w at column 8w + j -- the inputs' own order
-        w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt), _plane(packed, 4, zb, s, dt)),
-                            tl.join(_plane(packed, 2, zb, s, dt), _plane(packed, 6, zb, s, dt))),
-                    tl.join(tl.join(_plane(packed, 1, zb, s, dt), _plane(packed, 5, zb, s, dt)),
-                            tl.join(_plane(packed, 3, zb, s, dt), _plane(packed, 7, zb, s, dt))))  # [BN, KW, 2, 2, 2]
+        w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt, MAGIC16), _plane(packed, 4, zb, s, dt, MAGIC16)),
+                            tl.join(_plane(packed, 2, zb, s, dt, MAGIC16), _plane(packed, 6, zb, s, dt, MAGIC16))),
+                    tl.join(tl.join(_plane(packed, 1, zb, s, dt, MAGIC16), _plane(packed, 5, zb, s, dt, MAGIC16)),
+                            tl.join(_plane(packed, 3, zb, s, dt, MAGIC16), _plane(packed, 7, zb, s, dt, MAGIC16))))  # [BN, KW, 2, 2, 2]
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BN, BK]
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None] * stride_xk, mask=mask_m[None, :],
                      other=0.0)  # [BK, BM]
@@ -108,6 +114,10 @@ def _int4_mma_kernel(
              mask=mask_m[None, :] & mask_n[:, None])
 
 
+# x's dtype -> (bits, value) of the float whose mantissa's last 4 bits take a nibble exactly: OFFSET + q
+_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
 def int4_mma_gemm(
     x: torch.Tensor,  # [M, K] bf16 / fp16
     qweight: torch.Tensor,  # int32 [K / 8, N], N contiguous
@@ -116,6 +126,7 @@ def int4_mma_gemm(
     group_size: int,  # inputs a scale group, in order (int4_linear.tileable_group); K: one group
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
     tile: MmaTile = DEFAULT_TILE,
+    magic16: bool = True,  # dequantize in 16-bit math (the same numbers); False: in float32 (benchmarks compare)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n = qweight.shape[1]
@@ -137,5 +148,8 @@ def int4_mma_gemm(
                            scales.stride(0), y.stride(0), y.stride(1), GROUP=min(group_size, k),
                            BLOCK_N=tile.block_n, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
                            DOT_F32=x.device.type == "cpu",
+                           # the interpreter's 16-bit bitcasts and arithmetic are not the GPU's: float32 there
+                           MAGIC16=_MAGIC16[x.dtype][0] if magic16 and x.device.type != "cpu" else 0,
+                           OFFSET=_MAGIC16[x.dtype][1],
                            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_kwargs(x))
     return y

@@ -76,7 +76,8 @@ COMPILE = textwrap.dedent('''
                **{s: i32 for s in ("stride_xm", "stride_qk", "stride_sg", "stride_ym")}}
         # as a launch on Llama's shapes specializes them: unit strides constant, the rest divisible by 16
         consts = {"stride_xk": 1, "stride_yn": 1, "GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128,
-                  "DOT_F32": False, "PDL": True}
+                  "DOT_F32": False, "MAGIC16": 0x4300 if dt == "*bf16" else 0x6400,
+                  "OFFSET": 128.0 if dt == "*bf16" else 1024.0, "PDL": True}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr",
                                                                          "N", "K", "stride_xm", "stride_qk",
                                                                          "stride_sg", "stride_ym")}
