@@ -25,9 +25,12 @@ eight planes' dequantize and MMAs ran in series: 1063 us at M = 256 against 745 
 cuBLAS 301), 698 / 578 at M = 128, 1068 / 884 at 512; it won only gate_up at M = 128 (167 vs 240). Joined, the
 sm_90 compile issues a tile's MMAs as one group and keeps one group in flight (wait_group 1) while the next
 tile is loaded and dequantized; the joined tile reaches the MMA's register layout through stmatrix /
-ldmatrix. Unmeasured: nothing calls this kernel yet (`int4_linear` keeps its paths); part `int4-mma` measures
-it. Prediction: M = 256 ~500-600 us (the dequantize overlapped with the MMAs, the stmatrix / ldmatrix pass
-~10% more), so at best a win over dequantize + cuBLAS's 745 of ~20-30%.
+ldmatrix. Unmeasured: `int4_linear` routes to it only where a measured plan file says so (`int4_mma_plans`);
+part `int4-mma` measures it and writes that file. Prediction, from the sm_90 SASS (`benchmarks/sass_mix.py
+--mma`): a thread issues ~490-540 instructions a K tile whatever the tile, so a 128 x 256 tile (8 warps) spends
+~1040 issue clocks per scheduler against ~2050 of MMA and, overlapped, runs at the MMA's pace; 128 x 128 is
+balanced (~970 / ~1020). Four layers at M = 256 on an H100 ~450-550 us (the small layers fill 32-48 of 132 SMs
+at N / 128 programs) against dequantize + cuBLAS's 745; gate_up alone ~120 against 288.
 
 Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order); desc_act's gathered
 groups and groups under 128 inputs are not served (`misfit` says why; a caller keeps its other paths).
