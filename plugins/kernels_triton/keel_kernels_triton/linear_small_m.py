@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
-from keel_kernels_triton.pdl import pdl_kwargs
+from keel_kernels_triton.pdl import pdl_enter, pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 logger = logging.getLogger(__name__)
@@ -99,9 +99,7 @@ def _linear_gemv_kernel(
     PARTIALS: tl.constexpr, HAS_BIAS: tl.constexpr,  # PARTIALS: K is split (one compile for any count)
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     # Reductions through tl.reduce with the standard combine (not tl.sum): see fused_moe/routing.py.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)

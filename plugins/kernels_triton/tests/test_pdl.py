@@ -10,10 +10,10 @@ import inspect
 
 import pytest
 import torch
-from keel_kernels_triton import kernels, pdl
+from keel_kernels_triton import kernels, linear_small_m, pdl
 from keel_kernels_triton.fused_moe import align, grouped_gemm, moe_sum, router_gemm, routing
 
-MODULES = (kernels, align, grouped_gemm, moe_sum, router_gemm, routing)
+MODULES = (kernels, linear_small_m, align, grouped_gemm, moe_sum, router_gemm, routing)
 
 
 def _waits_first(fn: ast.FunctionDef) -> bool:
@@ -36,7 +36,7 @@ def test_every_pdl_kernel_waits_before_touching_memory():
                 assert _waits_first(node), f"{module.__name__}.{node.name} takes PDL but does not wait first"
     expected = {"rms_norm_kernel", "rotary_kernel", "mla_rope_kernel", "silu_and_mul_kernel", "_align_kernel",
                 "_count_kernel", "_scatter_kernel", "_fused_moe_kernel", "_moe_sum_kernel", "_router_gemm_kernel",
-                "_routing_kernel"}
+                "_routing_kernel", "_linear_gemv_kernel"}
     assert expected <= set(kernels_seen), expected - set(kernels_seen)
 
 
