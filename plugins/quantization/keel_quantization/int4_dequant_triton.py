@@ -48,6 +48,14 @@ DEFAULT_TILE = DequantTile()
 
 
 @triton.jit
+def dequant_plane(packed, j: tl.constexpr, zb, s):
+    """(q - z) * s in float32 for nibble j of each packed word: the nibble or-ed into the mantissa of 2^23 is
+    the float 2^23 + q exactly; zb = 2^23 + z, s in float32 (shaped to broadcast against `packed`)."""
+    q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+    return (q - zb) * s
+
+
+@triton.jit
 def _int4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr,  # w: [K, N] out
     N, K, stride_qk, stride_sg, stride_wk,
@@ -77,8 +85,7 @@ def _int4_dequant_kernel(
             sz = g[:, None] * stride_sg + offs_n[None, :]
             s = tl.load(s_ptr + sz, mask=mask_w, other=0.0).to(tl.float32)
             zb = tl.load(z_ptr + sz, mask=mask_w, other=0.0).to(tl.float32) + _TWO_23
-        q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
-        w = (q - zb) * s
+        w = dequant_plane(packed, j, zb, s)
         tl.store(w_ptr + k[:, None] * stride_wk + offs_n[None, :], w.to(w_ptr.dtype.element_ty), mask=mask_w)
 
 

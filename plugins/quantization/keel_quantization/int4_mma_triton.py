@@ -42,10 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
+from keel_quantization.int4_dequant_triton import _TWO_23, dequant_plane
 from keel_quantization.int4_mma_plans import MmaTile, misfit
+from keel_quantization.int4_triton import _MAGIC
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
-
-_TWO_23 = tl.constexpr(8388608.0)
 
 
 DEFAULT_TILE = MmaTile()
@@ -60,8 +60,7 @@ def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr, MAGIC16: tl.cons
         # multiply by s rounds the exact product once, as the float32 path's conversion does
         q = (((packed >> (4 * j)) & 0xF) | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
         return (q - zb) * s
-    q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
-    return ((q - zb) * s).to(dtype, fp_downcast_rounding="rtne")
+    return dequant_plane(packed, j, zb, s).to(dtype, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -117,10 +116,6 @@ def _int4_mma_kernel(
              mask=mask_m[None, :] & mask_n[:, None])
 
 
-# x's dtype -> (bits, value) of the float whose mantissa's last 4 bits take a nibble exactly: OFFSET + q
-_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-
-
 def int4_mma_gemm(
     x: torch.Tensor,  # [M, K] bf16 / fp16
     qweight: torch.Tensor,  # int32 [K / 8, N], N contiguous
@@ -152,7 +147,9 @@ def int4_mma_gemm(
                            BLOCK_N=tile.block_n, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
                            DOT_F32=x.device.type == "cpu",
                            # the interpreter's 16-bit bitcasts and arithmetic are not the GPU's: float32 there
-                           MAGIC16=_MAGIC16[x.dtype][0] if magic16 and x.device.type != "cpu" else 0,
-                           OFFSET=_MAGIC16[x.dtype][1],
+                           # int4_triton's table: x's dtype -> (bits, value) of OFFSET, whose mantissa's
+                           # last 4 bits take a nibble exactly
+                           MAGIC16=_MAGIC[x.dtype][0] if magic16 and x.device.type != "cpu" else 0,
+                           OFFSET=_MAGIC[x.dtype][1],
                            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_kwargs(x))
     return y
