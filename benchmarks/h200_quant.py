@@ -114,12 +114,7 @@ def run_case(name: str, num_prompts: int, out: Path, plans: Path | None = None,
 
     used_plans = None
     if plans is not None:  # the decode-size GEMM plans of a small-m sweep instead of the shipped tables
-        from keel_quantization import small_m_plan
-
-        best = json.loads(plans.read_text())
-        best = best.get("cases", {}).get(SMALL_M, best)["best_per_bucket"]
-        small_m_plan.use_tables({**small_m_plan.SHIPPED, **_sibling("h200_quant_small_m").tables(best)})
-        used_plans = {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
+        used_plans = _sibling("h200_quant_small_m").use_swept_plans(json.loads(plans.read_text()))
 
     arch, shape, qcfg, throughput, _ = CASES[name]
     if arch == "llama":

@@ -281,6 +281,17 @@ def tables(best: dict) -> dict:
     return out
 
 
+def use_swept_plans(result: dict) -> dict:
+    """Make small_m_plan take a sweep's best plans over the shipped tables, for the families it swept -- before
+    any layer runs (plans are cached per shape). `result`: this script's JSON, or h200_quant.py's holding a
+    "small-m" case. Returns family -> M -> the label that won (what a result records as the plans it used)."""
+    from keel_quantization import small_m_plan
+
+    best = result.get("cases", {}).get("small-m", result)["best_per_bucket"]
+    small_m_plan.use_tables({**small_m_plan.SHIPPED, **tables(best)})
+    return {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
+
+
 def tables_literal(tables: dict) -> str:
     """small_m_plan.TABLES as Python source (what gets committed once measured)."""
     lines = ["TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {"]

@@ -168,12 +168,9 @@ def main() -> None:
     a = ap.parse_args()
     used_plans = "shipped"
     if a.plans:  # before any layer runs: plans are cached per shape
-        from h200_quant_small_m import tables
-        from keel_quantization import small_m_plan
+        from h200_quant_small_m import use_swept_plans  # benchmarks/ is on sys.path when this script runs
 
-        best = json.loads(Path(a.plans).read_text())["best_per_bucket"]
-        small_m_plan.use_tables({**small_m_plan.SHIPPED, **tables(best)})
-        used_plans = {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
+        used_plans = use_swept_plans(json.loads(Path(a.plans).read_text()))
     if a.no_pdl:
         from keel_attention_flash import pdl as flash_pdl
         from keel_kernels_triton import pdl as triton_pdl

@@ -90,3 +90,18 @@ def test_tables_print_as_the_source_small_m_plan_holds(sweep):
     assert text.startswith("TABLES: dict[") and text.endswith("}")
     assert "    'fp8_row': (\n        (1, SmallMPlan(kernel='gemv', block_m=1, block_n=8, block_k=512, split_k=2," in text
     assert "        (64, None),\n    )," in text
+
+
+def test_swept_plans_are_taken_from_either_result_file(sweep):
+    from keel_quantization import small_m_plan
+
+    dot = SmallMPlan("dot", 16, 64, 128, 4)
+    best = {"fp8_row": {"16": {"plan": dataclasses.asdict(dot), "best": "dot 16x64x128 s4"}}}
+    try:
+        for result in ({"best_per_bucket": best}, {"cases": {"small-m": {"best_per_bucket": best}}}):
+            small_m_plan.use_tables(small_m_plan.SHIPPED)
+            assert sweep.use_swept_plans(result) == {"fp8_row": {"16": "dot 16x64x128 s4"}}
+            assert small_m_plan.fp8_plan(9, 4096, 4096, 4096) == dot
+            assert small_m_plan.TABLES["int4"] == small_m_plan.SHIPPED["int4"]  # families not swept keep theirs
+    finally:
+        small_m_plan.use_tables(small_m_plan.SHIPPED)
