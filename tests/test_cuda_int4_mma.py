@@ -57,7 +57,8 @@ def test_matches_float64_on_the_dequantized_weight(tile, m):
 def test_int4_linear_takes_it_where_a_plan_says_and_replays(tmp_path, monkeypatch):
     from keel_quantization import int4_linear, int4_mma_plans
 
-    rows = [{"m": 200, "tile": dataclasses.asdict(int4_mma_plans.MmaTile(128, 64, 128, 8, 4))}]
+    tile = dataclasses.asdict(int4_mma_plans.MmaTile(128, 64, 128, 8, 4))
+    rows = [{"m": 100, "tile": tile}, {"m": 200, "tile": tile}]
     name = torch.cuda.get_device_name()
     (tmp_path / int4_mma_plans.device_file_name(name)).write_text(json.dumps({"bfloat16": rows}))
     monkeypatch.setenv(int4_mma_plans.CONFIG_DIR_ENV, str(tmp_path))

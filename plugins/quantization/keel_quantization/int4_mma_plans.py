@@ -10,7 +10,8 @@ tile that did:
     {"bfloat16": [{"m": 128, "tile": {"block_n": 128, "block_m": 64, ...}}, {"m": 512, "tile": null}, ...]}
 
 A step of M tokens takes the entry of the least measured M at or above it (M is fixed per CUDA-graph bucket,
-so the choice is too); past the last, or for a device without a file, the other paths. No file is committed
+so the choice is too); below the first measured M (decode sizes, the GEMV's and the tile GEMM's: the sweep
+does not measure them), past the last, or for a device without a file, the other paths. No file is committed
 until a device run has measured the kernel faster. Pure Python: the CPU never imports Triton for this.
 """
 
@@ -78,7 +79,10 @@ def load_plans(device_name: str, dtype_name: str) -> tuple[tuple[int, MmaTile | 
 
 def mma_tile(m: int, device_name: str, dtype_name: str) -> MmaTile | None:
     """The tile a step of `m` tokens runs the mid-size int4 GEMM with on this device, or None."""
-    for measured_m, tile in load_plans(device_name, dtype_name):
+    plans = load_plans(device_name, dtype_name)
+    if not plans or m < plans[0][0]:  # a size below the sweep's: it says nothing there
+        return None
+    for measured_m, tile in plans:
         if m <= measured_m:
             return tile
     return None

@@ -1,6 +1,6 @@
 """Where the mid-size int4 GEMM serves, per device, as measured (`int4_mma_plans`; no Triton): a plan file's
-entries by step size (the least measured M at or above a step's), null entries and steps past the last keep
-the other paths, a device without a file has none; `Int4LinearMethod.mma_tile` also keeps them for layers
+entries by step size (the least measured M at or above a step's), null entries, steps below the first and
+past the last keep the other paths, a device without a file has none; `Int4LinearMethod.mma_tile` also keeps them for layers
 the kernel does not take (gathered or small groups, float32); tiles are validated; the benchmark writes a
 tile only where it beat today's paths."""
 
@@ -22,7 +22,7 @@ TILE = P.MmaTile(128, 64, 128, 8, 4)
 
 @pytest.fixture
 def plan_dir(tmp_path, monkeypatch):
-    rows = [{"m": 128, "tile": dataclasses.asdict(TILE)}, {"m": 256, "tile": None},
+    rows = [{"m": 64, "tile": dataclasses.asdict(TILE)}, {"m": 128, "tile": dataclasses.asdict(TILE)}, {"m": 256, "tile": None},
             {"m": 512, "tile": dataclasses.asdict(P.MmaTile())}]
     (tmp_path / P.device_file_name("Fake GPU 80GB")).write_text(json.dumps({"bfloat16": rows}))
     monkeypatch.setenv(P.CONFIG_DIR_ENV, str(tmp_path))
@@ -33,7 +33,10 @@ def plan_dir(tmp_path, monkeypatch):
 
 def test_a_step_takes_the_least_measured_size_at_or_above_it(plan_dir):
     assert (plan_dir / "Fake_GPU_80GB.json").exists()
-    assert P.mma_tile(1, "Fake GPU 80GB", "bfloat16") == TILE and P.mma_tile(128, "Fake GPU 80GB", "bfloat16") == TILE
+    assert P.mma_tile(64, "Fake GPU 80GB", "bfloat16") == TILE and P.mma_tile(128, "Fake GPU 80GB", "bfloat16") == TILE
+    assert P.mma_tile(65, "Fake GPU 80GB", "bfloat16") == TILE
+    assert P.mma_tile(1, "Fake GPU 80GB", "bfloat16") is None  # decode sizes: below the sweep's first M
+    assert P.mma_tile(63, "Fake GPU 80GB", "bfloat16") is None
     assert P.mma_tile(129, "Fake GPU 80GB", "bfloat16") is None  # 256 measured no win: the other paths
     assert P.mma_tile(300, "Fake GPU 80GB", "bfloat16") == P.MmaTile()
     assert P.mma_tile(513, "Fake GPU 80GB", "bfloat16") is None  # past the last measured size
