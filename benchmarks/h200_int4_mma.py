@@ -5,8 +5,9 @@ cuBLAS on a ready weight; per M the four layers' total, and the largest differen
 the dequantize + cuBLAS output (the same bf16 weights: only the summation order differs).
 
     python benchmarks/h200_int4_mma.py --out benchmarks/results/h200-int4-mma.json
-        (plans where a tile beats today's paths by 3%+ over the four layers: int4-mma/<device>.json beside
-        --out, or --plans-dir: `int4_mma_plans`' file for this device, to commit with the result)
+        (plans per layer shape and M, a tile where it beats the path a null entry keeps -- the tile GEMM below
+        DEQUANT_GEMM_MIN_M, dequantize + cuBLAS from it -- by 3%+: int4-mma/<device>.json beside --out, or
+        --plans-dir: `int4_mma_plans`' file for this device, to commit with the result)
 
 Why and prediction: int4_mma_triton's docstring (four layers at M = 256 on an H100 ~320-380 us against
 dequantize + cuBLAS ~600). Timing: each call alone, CUDA events over 10 (h200_llama8b._events_ms).
@@ -31,7 +32,7 @@ TILES = [(128, 256, 8, 2), (128, 256, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), 
          (64, 64, 4, 4)]
 
 
-WIN = 0.97  # a tile is written where its four-layer total is under this fraction of today's best path's
+WIN = 0.97  # a tile is written where its time is under this fraction of the time of the path it replaces
 
 
 def _tiles(tile_cls) -> list:
@@ -39,20 +40,21 @@ def _tiles(tile_cls) -> list:
     return [(f"mma {bn}x{bm} w{warps} s{stages}", tile_cls(bn, bm, 128, warps, stages)) for bn, bm, warps, stages in TILES]
 
 
-def plan_rows(totals: dict, tiles: dict) -> list[dict]:
-    """int4_mma_configs rows from the four-layer totals per M: the best tile where it beats min(dequantize +
-    cuBLAS, the tile GEMM) by WIN, else null (those paths stay)."""
+def plan_rows(rows: list[dict], tiles: dict, dequant_min_m: int) -> list[dict]:
+    """int4_mma_configs rows, one per measured (layer shape, M): the best tile where it beats the path a null
+    entry keeps (the tile GEMM below `dequant_min_m`, dequantize + cuBLAS from it) by WIN, else null."""
     import dataclasses
 
-    rows = []
-    for m in sorted(totals, key=int):
-        t = totals[m]
-        today = min(t.get("dequant_cublas", float("inf")), t.get("shipped_tile_gemm", float("inf")))
-        mma = [(us, lb) for lb, us in t.items() if lb in tiles]
+    out = []
+    for r in sorted(rows, key=lambda r: (r["n"], r["k"], r["m"])):
+        us = r["us"]
+        today = us.get("shipped_tile_gemm" if r["m"] < dequant_min_m else "dequant_cublas", float("inf"))
+        mma = [(t, lb) for lb, t in us.items() if lb in tiles]
         best = min(mma) if mma else None
         win = best is not None and best[0] < WIN * today
-        rows.append({"m": int(m), "tile": dataclasses.asdict(tiles[best[1]]) if win else None})
-    return rows
+        out.append({"m": int(r["m"]), "n": int(r["n"]), "k": int(r["k"]),
+                    "tile": dataclasses.asdict(tiles[best[1]]) if win else None})
+    return out
 
 
 def _sibling(name: str):
@@ -121,7 +123,9 @@ def main() -> None:
                 del t[lb]
     best = {m: min((us, lb) for lb, us in t.items() if lb.startswith("mma")) if any(lb.startswith("mma") for lb in t)
             else None for m, t in totals.items()}
-    plans = plan_rows(totals, {label: tile for label, tile in _tiles(MmaTile)})
+    from keel_quantization.int4_linear import DEQUANT_GEMM_MIN_M
+
+    plans = plan_rows(rows, {label: tile for label, tile in _tiles(MmaTile)}, DEQUANT_GEMM_MIN_M)
     plans_dir = Path(ns.plans_dir) if ns.plans_dir else Path(ns.out).parent / "int4-mma"
     plans_dir.mkdir(parents=True, exist_ok=True)
     from keel_quantization.int4_mma_plans import device_file_name

@@ -142,12 +142,13 @@ class Int4LinearMethod:
         module.zeros = frozen(zeros.to(self.params_dtype))
         module.scales = frozen(module.scales.data.to(self.params_dtype))
 
-    def mma_tile(self, m: int, k: int, dtype: torch.dtype, device_name: str) -> MmaTile | None:
-        """The mid-size int4 GEMM's tile for a step of m tokens x k inputs, where measured on this device
-        (`int4_mma_plans`) and the layer's groups fit it; None: the tile GEMM or dequantize + cuBLAS."""
+    def mma_tile(self, m: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> MmaTile | None:
+        """The mid-size int4 GEMM's tile for a step of m tokens on a layer of n outputs x k inputs, where measured
+        on this device (`int4_mma_plans`) and the layer's groups fit it; None: the tile GEMM or dequantize +
+        cuBLAS."""
         if self.group_in_order <= 0 or dtype not in (torch.bfloat16, torch.float16):
             return None
-        tile = mma_tile(m, device_name, str(dtype).removeprefix("torch."))
+        tile = mma_tile(m, n, k, device_name, str(dtype).removeprefix("torch."))
         return None if tile is None or misfit(k, self.group_in_order, tile) else tile
 
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
@@ -162,7 +163,8 @@ class Int4LinearMethod:
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
-        tile = (self.mma_tile(x2.shape[0], x2.shape[1], x2.dtype, _device_name(x2.device.index))
+        tile = (self.mma_tile(x2.shape[0], module.qweight.shape[1], x2.shape[1], x2.dtype,
+                              _device_name(x2.device.index))
                 if use_triton and x2.is_cuda else None)
         if tile is not None:
             from keel_quantization.int4_mma_triton import int4_mma_gemm

@@ -1,18 +1,21 @@
 """Where the mid-size int4 GEMM (`int4_mma_triton`) serves a step, per device, as measured -- nothing else.
 
-`int4_linear` asks `mma_tile(m, device_name)` for a CUDA step of M tokens on a layer whose scale groups the
-kernel takes (in order, whole K tiles); a tile means that kernel, None the paths it had (the tile GEMM below
-`DEQUANT_GEMM_MIN_M`, dequantize + cuBLAS from it). The answer comes from `int4_mma_configs/<device>.json`
-(or the folder named by KEEL_INT4_MMA_CONFIG_DIR, read first), written by `benchmarks/h200_int4_mma.py` with
-the M it measured and, where the kernel beat both other paths over Llama-8B's four layers by 3% or more, the
-tile that did:
+`int4_linear` asks `mma_tile(m, n, k, device_name, dtype_name)` for a CUDA step of M tokens on a layer of N
+outputs and K inputs whose scale groups the kernel takes (in order, whole K tiles); a tile means that kernel,
+None the paths it had (the tile GEMM below `DEQUANT_GEMM_MIN_M`, dequantize + cuBLAS from it). The answer comes
+from `int4_mma_configs/<device>.json` (or the folder named by KEEL_INT4_MMA_CONFIG_DIR, read first), written by
+`benchmarks/h200_int4_mma.py` with the M and layer shapes it measured and, where the kernel beat the path a
+null entry keeps by 3% or more, the tile that did:
 
-    {"bfloat16": [{"m": 128, "tile": {"block_n": 128, "block_m": 64, ...}}, {"m": 512, "tile": null}, ...]}
+    {"bfloat16": [{"m": 128, "n": 6144, "k": 4096, "tile": {"block_n": 64, "block_m": 128, ...}},
+                  {"m": 256, "n": 6144, "k": 4096, "tile": null}, {"m": 512, "tile": null}, ...]}
 
-A step of M tokens takes the entry of the least measured M at or above it (M is fixed per CUDA-graph bucket,
-so the choice is too); below the first measured M (decode sizes, the GEMV's and the tile GEMM's: the sweep
-does not measure them), past the last, or for a device without a file, the other paths. No file is committed
-until a device run has measured the kernel faster. Pure Python: the CPU never imports Triton for this.
+Entries naming a layer's (n, k) serve that shape; a shape no entry names takes the entries that name none
+(shape-free rows, e.g. a four-layer total's). Among those, a step of M tokens takes the entry of the least
+measured M at or above it (M is fixed per CUDA-graph bucket, so the choice is too); below the first measured
+M (decode sizes, the GEMV's and the tile GEMM's: the sweep does not measure them), past the last, or for a
+device without a file, the other paths. No file is committed until a device run has measured the kernel
+faster. Pure Python: the CPU never imports Triton for this.
 """
 
 from __future__ import annotations
@@ -62,24 +65,33 @@ def device_file_name(device_name: str) -> str:
     return device_name.replace(" ", "_") + ".json"
 
 
+Shape = tuple[int, int] | None  # (n, k) a row was measured at; None: any shape
+
+
 @functools.cache
-def load_plans(device_name: str, dtype_name: str) -> tuple[tuple[int, MmaTile | None], ...]:
-    """((measured M, tile or None), ...) ascending for activations of `dtype_name` on this device."""
+def load_plans(device_name: str, dtype_name: str) -> dict[Shape, tuple[tuple[int, MmaTile | None], ...]]:
+    """{(n, k) or None: ((measured M, tile or None), ...) ascending} for activations of `dtype_name` on this
+    device (empty without a file)."""
     for folder in (os.environ.get(CONFIG_DIR_ENV), CONFIG_DIR):
         if not folder:
             continue
         path = Path(folder) / device_file_name(device_name)
         if path.exists():
-            rows = json.loads(path.read_text()).get(dtype_name, [])
-            plans = tuple(sorted((int(r["m"]), MmaTile(**r["tile"]) if r.get("tile") else None) for r in rows))
-            logger.info("int4 mma: %d measured step sizes for %s %s (%s)", len(plans), device_name, dtype_name, path)
-            return plans
-    return ()
+            plans: dict[Shape, list] = {}
+            for r in json.loads(path.read_text()).get(dtype_name, []):
+                shape = (int(r["n"]), int(r["k"])) if "n" in r or "k" in r else None
+                plans.setdefault(shape, []).append((int(r["m"]), MmaTile(**r["tile"]) if r.get("tile") else None))
+            logger.info("int4 mma: %d measured (shape, step size) entries for %s %s (%s)",
+                        sum(map(len, plans.values())), device_name, dtype_name, path)
+            return {shape: tuple(sorted(rows, key=lambda r: r[0])) for shape, rows in plans.items()}
+    return {}
 
 
-def mma_tile(m: int, device_name: str, dtype_name: str) -> MmaTile | None:
-    """The tile a step of `m` tokens runs the mid-size int4 GEMM with on this device, or None."""
-    plans = load_plans(device_name, dtype_name)
+def mma_tile(m: int, n: int, k: int, device_name: str, dtype_name: str) -> MmaTile | None:
+    """The tile a step of `m` tokens on a layer of `n` outputs x `k` inputs runs the mid-size int4 GEMM with on
+    this device, or None."""
+    by_shape = load_plans(device_name, dtype_name)
+    plans = by_shape.get((n, k), by_shape.get(None, ()))
     if not plans or m < plans[0][0]:  # a size below the sweep's: it says nothing there
         return None
     for measured_m, tile in plans:

@@ -33,15 +33,16 @@ def plan_dir(tmp_path, monkeypatch):
 
 def test_a_step_takes_the_least_measured_size_at_or_above_it(plan_dir):
     assert (plan_dir / "Fake_GPU_80GB.json").exists()
-    assert P.mma_tile(64, "Fake GPU 80GB", "bfloat16") == TILE and P.mma_tile(128, "Fake GPU 80GB", "bfloat16") == TILE
-    assert P.mma_tile(65, "Fake GPU 80GB", "bfloat16") == TILE
-    assert P.mma_tile(1, "Fake GPU 80GB", "bfloat16") is None  # decode sizes: below the sweep's first M
-    assert P.mma_tile(63, "Fake GPU 80GB", "bfloat16") is None
-    assert P.mma_tile(129, "Fake GPU 80GB", "bfloat16") is None  # 256 measured no win: the other paths
-    assert P.mma_tile(300, "Fake GPU 80GB", "bfloat16") == P.MmaTile()
-    assert P.mma_tile(513, "Fake GPU 80GB", "bfloat16") is None  # past the last measured size
-    assert P.mma_tile(64, "Fake GPU 80GB", "float16") is None  # measured for bf16 only
-    assert P.mma_tile(64, "Other GPU", "bfloat16") is None  # no file for that device
+    assert P.mma_tile(64, 4096, 4096, "Fake GPU 80GB", "bfloat16") == TILE
+    assert P.mma_tile(128, 4096, 4096, "Fake GPU 80GB", "bfloat16") == TILE
+    assert P.mma_tile(65, 4096, 4096, "Fake GPU 80GB", "bfloat16") == TILE
+    assert P.mma_tile(1, 4096, 4096, "Fake GPU 80GB", "bfloat16") is None  # decode: below the first M
+    assert P.mma_tile(63, 4096, 4096, "Fake GPU 80GB", "bfloat16") is None
+    assert P.mma_tile(129, 4096, 4096, "Fake GPU 80GB", "bfloat16") is None  # 256: no win, the other paths
+    assert P.mma_tile(300, 4096, 4096, "Fake GPU 80GB", "bfloat16") == P.MmaTile()
+    assert P.mma_tile(513, 4096, 4096, "Fake GPU 80GB", "bfloat16") is None  # past the last measured size
+    assert P.mma_tile(64, 4096, 4096, "Fake GPU 80GB", "float16") is None  # measured for bf16 only
+    assert P.mma_tile(64, 4096, 4096, "Other GPU", "bfloat16") is None  # no file for that device
 
 
 def test_shipped_plan_files_are_valid_and_named_in_the_readme():
@@ -56,13 +57,13 @@ def test_shipped_plan_files_are_valid_and_named_in_the_readme():
 def test_the_linear_method_keeps_its_paths_where_the_kernel_does_not_fit(plan_dir):
     method = Int4LinearMethod(Int4Format("gptq", 128))
     method.group_in_order = 128
-    assert method.mma_tile(100, 4096, torch.bfloat16, "Fake GPU 80GB") == TILE
-    assert method.mma_tile(100, 4096, torch.float32, "Fake GPU 80GB") is None
-    assert method.mma_tile(100, 4000, torch.bfloat16, "Fake GPU 80GB") is None  # K off the 128 grid
+    assert method.mma_tile(100, 4096, 4096, torch.bfloat16, "Fake GPU 80GB") == TILE
+    assert method.mma_tile(100, 4096, 4096, torch.float32, "Fake GPU 80GB") is None
+    assert method.mma_tile(100, 4096, 4000, torch.bfloat16, "Fake GPU 80GB") is None  # K off the 128 grid
     method.group_in_order = 64  # groups smaller than the K tile
-    assert method.mma_tile(100, 4096, torch.bfloat16, "Fake GPU 80GB") is None
+    assert method.mma_tile(100, 4096, 4096, torch.bfloat16, "Fake GPU 80GB") is None
     method.group_in_order = 0  # desc_act: gathered groups
-    assert method.mma_tile(100, 4096, torch.bfloat16, "Fake GPU 80GB") is None
+    assert method.mma_tile(100, 4096, 4096, torch.bfloat16, "Fake GPU 80GB") is None
 
 
 def test_tiles_are_validated():
@@ -72,11 +73,36 @@ def test_tiles_are_validated():
     assert "gathered" in P.misfit(4096, 0, TILE) and P.misfit(4096, -1, TILE) and P.misfit(4096, 4096, TILE) is None
 
 
-def test_the_benchmark_writes_a_tile_only_where_it_won():
+def test_the_benchmark_writes_a_tile_only_where_it_beat_the_path_it_replaces():
     bench = load_script(Path(__file__).resolve().parents[3] / "benchmarks" / "h200_int4_mma.py")
     tiles = dict(bench._tiles(P.MmaTile))
     label = next(iter(tiles))
-    totals = {"128": {"dequant_cublas": 600.0, "shipped_tile_gemm": 500.0, label: 480.0},  # under 0.97 x 500
-              "256": {"dequant_cublas": 700.0, "shipped_tile_gemm": 900.0, label: 690.0}}  # not 3% under 700
-    rows = bench.plan_rows(totals, tiles)
-    assert rows == [{"m": 128, "tile": dataclasses.asdict(tiles[label])}, {"m": 256, "tile": None}]
+    rows = [  # below 256 a null entry keeps the tile GEMM, from it dequantize + cuBLAS
+        {"m": 128, "n": 4096, "k": 4096, "us": {"dequant_cublas": 400.0, "shipped_tile_gemm": 500.0, label: 480.0}},
+        {"m": 256, "n": 4096, "k": 4096, "us": {"dequant_cublas": 700.0, "shipped_tile_gemm": 600.0, label: 690.0}},
+        {"m": 128, "n": 1024, "k": 4096, "us": {"dequant_cublas": 400.0, "shipped_tile_gemm": 490.0, label: 480.0}},
+    ]
+    assert bench.plan_rows(rows, tiles, 256) == [
+        {"m": 128, "n": 1024, "k": 4096, "tile": None},  # not 3% under the tile GEMM's 490
+        {"m": 128, "n": 4096, "k": 4096, "tile": dataclasses.asdict(tiles[label])},  # under 0.97 x 500
+        {"m": 256, "n": 4096, "k": 4096, "tile": None}]  # not 3% under dequantize + cuBLAS's 700
+
+
+def test_entries_naming_a_shape_serve_it_and_shape_free_ones_the_rest(tmp_path, monkeypatch):
+    other = P.MmaTile(64, 128, 128, 4, 3)
+    rows = [{"m": 64, "tile": dataclasses.asdict(TILE)}, {"m": 256, "tile": dataclasses.asdict(TILE)},
+            {"m": 128, "n": 6144, "k": 4096, "tile": dataclasses.asdict(other)},
+            {"m": 256, "n": 6144, "k": 4096, "tile": None}]
+    (tmp_path / P.device_file_name("Fake GPU 80GB")).write_text(json.dumps({"bfloat16": rows}))
+    monkeypatch.setenv(P.CONFIG_DIR_ENV, str(tmp_path))
+    P.load_plans.cache_clear()
+    try:
+        assert P.mma_tile(128, 6144, 4096, "Fake GPU 80GB", "bfloat16") == other
+        assert P.mma_tile(200, 6144, 4096, "Fake GPU 80GB", "bfloat16") is None  # its own null
+        assert P.mma_tile(64, 6144, 4096, "Fake GPU 80GB", "bfloat16") is None  # below its shape's first M
+        assert P.mma_tile(200, 4096, 4096, "Fake GPU 80GB", "bfloat16") == TILE  # no entry names it
+        method = Int4LinearMethod(Int4Format("gptq", 128))
+        method.group_in_order = 128
+        assert method.mma_tile(128, 6144, 4096, torch.bfloat16, "Fake GPU 80GB") == other
+    finally:
+        P.load_plans.cache_clear()
