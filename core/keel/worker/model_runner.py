@@ -40,6 +40,21 @@ _ROW = operator.attrgetter("row")  # a CachedRequestState's InputBatch row
 ODD_WARM_UP_PAST = 512
 
 
+def warm_up_prefill_sizes(max_num_tokens: int) -> list[int]:
+    """The prefill token counts `ModelRunner.warm_up` runs at startup, ascending. A kernel whose launch
+    variants depend on the token count must meet each of its variants at one of these sizes (its plugin's
+    tests check that it does), or it compiles under load in the first big batch."""
+    sizes = sorted({min(1 << i, max_num_tokens) for i in range(max_num_tokens.bit_length() + 1)})
+    # Triton specializes integer arguments on divisibility by 16, so from 16 up every power of two is
+    # one variant. Kernels some paths take only at large sizes (fp8 activation quantization's chunked
+    # launch, from 512 rows) met their other variant in the first big batch (H200 at 8c848ae: 2 compiles
+    # in round 1 of the fp8 Llama engine, 0.44 s): one count short of each power of two past 512 too.
+    # Five short too: the block-fp8 cuBLAS path pads M to 4 rows and passes that count as its scales'
+    # stride, so n - 1 (padded to n) and n - 5 (padded to n - 4, not a multiple of 16) are two variants
+    # (H200 at 548c96a: two _quant_fp8_kernel compiles at a 634-token step in round 1 of block-fp8 DSV2).
+    return sorted(set(sizes) | {n - d for n in sizes if n > ODD_WARM_UP_PAST for d in (1, 5)})
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
                  proposer: DraftProposer | None = None, num_speculative_tokens: int = 0,
@@ -246,15 +261,7 @@ class ModelRunner:
         five counts short of each power of two (sizes not a multiple of 16, padded to 4 or not). Then the
         sampler's compiled noise (`Sampler.warm_up`). Returns the prefill token counts run.
         """
-        sizes = sorted({min(1 << i, max_num_tokens) for i in range(max_num_tokens.bit_length() + 1)})
-        # Triton specializes integer arguments on divisibility by 16, so from 16 up every power of two is
-        # one variant. Kernels some paths take only at large sizes (fp8 activation quantization's chunked
-        # launch, from 512 rows) met their other variant in the first big batch (H200 at 8c848ae: 2 compiles
-        # in round 1 of the fp8 Llama engine, 0.44 s): one count short of each power of two past 512 too.
-        # Five short too: the block-fp8 cuBLAS path pads M to 4 rows and passes that count as its scales'
-        # stride, so n - 1 (padded to n) and n - 5 (padded to n - 4, not a multiple of 16) are two variants
-        # (H200 at 548c96a: two _quant_fp8_kernel compiles at a 634-token step in round 1 of block-fp8 DSV2).
-        sizes = sorted(set(sizes) | {n - d for n in sizes if n > ODD_WARM_UP_PAST for d in (1, 5)})
+        sizes = warm_up_prefill_sizes(max_num_tokens)
         for n in sizes:
             self.profile_run(n, max_num_seqs, max_model_len)
         contexts = sorted({min(1 << i, max_model_len) for i in range(max_model_len.bit_length() + 1)})

@@ -17,7 +17,7 @@ Two launch shapes, chosen from the token count alone (a CUDA graph bucket replay
   activations) IEEE float32 dots, which run on CUDA cores (H200: 46 us per DSV2-Lite layer at 256 tokens,
   against 13 us for the copy + cuBLAS).
   With bf16 activations K is also split across programs until the grid has ~256 of them (slices of 256 or
-  more): each program writes float32 partials and `moe_sum` adds them in slice order (a fixed order per
+  more, counted from the token count's power of two, so the warm-up compiles each variant): each program writes float32 partials and `moe_sum` adds them in slice order (a fixed order per
   token count, so repeatable), a second launch instead of a chain of K / 64 dependent steps per program.
 The gate weight is read once per token tile and K slice; nothing is read back to the host.
 
@@ -137,7 +137,11 @@ def router_gemm_launch(
         # long a chain when there are few token tiles), in slices of at least _K_SLICE
         block_t, block_k = (64 if big else 16), 64
         block_e = min(max(16, triton.next_power_of_2(num_experts)), 64)
-        tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
+        # The slice length is a constexpr, so every split count is a compile: counted from the token count
+        # rounded up to a power of two, so the startup warm-up (powers of two of tokens) meets each one (at
+        # 22b91ee, counted from the exact count, the ones between compiled in the first big batch: DSV2-Lite's
+        # round 1 at 0.91x its round 2 on an H100)
+        tiles = triton.cdiv(triton.next_power_of_2(num_tokens), block_t) * triton.cdiv(num_experts, block_e)
         splits = max(1, min(triton.cdiv(_SPLIT_PROGRAMS, tiles), triton.cdiv(k, _K_SLICE)))
         k_slice = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
         return {"USE_DOT": True, "SPLIT_W": True, "BLOCK_T": block_t, "BLOCK_E": block_e,
