@@ -24,12 +24,17 @@ import torch
 
 _here = Path(__file__).resolve().parent
 MS = (64, 128, 256, 512, 2048)
-# (BLOCK_N weight rows, BLOCK_M tokens, num_warps, num_stages); BLOCK_K 128 (the scale group)
+# (BLOCK_N weight rows, BLOCK_M tokens, num_warps, num_stages[, split_k]); BLOCK_K 128 (the scale group)
 # sm_90 SASS (benchmarks/sass_mix.py --mma): a thread issues ~490-540 instructions a K tile whatever the tile, so
 # the token tile sets the dequantize's share: 128 x 256 (8 warps) issues ~1040 clocks a tile per scheduler against
 # ~2050 of MMA, 128 x 128 ~970 against ~1020, 64 x 64 ~440 against ~260 (64 x 256 at 4 warps spills a little)
+# Split K: at 415397c (h100-int4-mma-415397c.json, M = 256) the layers with few tiles ran at 106-193 TFLOP/s (o:
+# 64 x 2 programs on 132 SMs, qkv 96 x 2, down 64 x 2) and gate_up (448 x 2) at 289, so the programs, not the
+# tile, were short: split 2-4 gives those layers 256-512. Predicted at M = 256: qkv 91 -> ~60 us, o 81 -> ~50,
+# down 156 -> ~95 (four layers 518 -> ~400); at M = 128 (one token tile: 64-96 programs) 413 -> ~290.
 TILES = [(128, 256, 8, 2), (128, 256, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (64, 256, 4, 2),
-         (64, 64, 4, 4)]
+         (64, 64, 4, 4), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 64, 4, 4, 2), (64, 64, 4, 4, 4),
+         (128, 128, 8, 3, 2)]
 
 
 WIN = 0.97  # a tile is written where its time is under this fraction of the time of the path it replaces
@@ -37,7 +42,8 @@ WIN = 0.97  # a tile is written where its time is under this fraction of the tim
 
 def _tiles(tile_cls) -> list:
     """(label, tile) per TILES entry."""
-    return [(f"mma {bn}x{bm} w{warps} s{stages}", tile_cls(bn, bm, 128, warps, stages)) for bn, bm, warps, stages in TILES]
+    return [(f"mma {bn}x{bm} w{warps} s{stages}" + (f" k{split[0]}" if split else ""),
+             tile_cls(bn, bm, 128, warps, stages, *split)) for bn, bm, warps, stages, *split in TILES]
 
 
 def plan_rows(rows: list[dict], tiles: dict, dequant_min_m: int) -> list[dict]:

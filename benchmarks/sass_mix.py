@@ -86,8 +86,9 @@ def _int4_cases():
                {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN": True, "PREFETCH": False},
                {"num_warps": w})
     mma = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16", "M": i32,
-           "N": i32, "K": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_sg", "stride_ym",
-                                                   "stride_yn")}}
+           "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk",
+                                                                     "stride_sg", "stride_ys", "stride_ym",
+                                                                     "stride_yn")}}
     for bn, bm, w, st in ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 256, 8, 2)):
         yield (f"int4 mma {bn}x{bm}x128 w{w} s{st} (weights as the register operand, bf16 dequantize)",
                int4_mma_triton._int4_mma_kernel,

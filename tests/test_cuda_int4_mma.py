@@ -36,7 +36,8 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert not out.isnan().any() and ((out.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("tile", [(128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4)],
+@pytest.mark.parametrize("tile", [(128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4),
+                                  (64, 128, 4, 3, 3)],  # split K: 8 tiles as 3 + 3 + 2
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("m", [1, 77, 256, 300])
 def test_matches_float64_on_the_dequantized_weight(tile, m):
@@ -47,7 +48,7 @@ def test_matches_float64_on_the_dequantized_weight(tile, m):
     qw, s, z, _, w = _layer(k, n, seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    t = MmaTile(tile[0], tile[1], 128, tile[2], tile[3])
+    t = MmaTile(tile[0], tile[1], 128, tile[2], tile[3], *tile[4:])
     int4_mma_gemm(x, qw, s, z, 128, out=out, tile=t)
     _check(out, x, w)
     # the 16-bit dequantize makes the float32 one's numbers: the same bits out

@@ -46,6 +46,7 @@ from keel_quantization.int4_dequant_triton import _TWO_23, dequant_plane
 from keel_quantization.int4_mma_plans import MmaTile, misfit
 from keel_quantization.int4_triton import _MAGIC
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
+from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
 
 DEFAULT_TILE = MmaTile()
@@ -66,8 +67,8 @@ def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr, MAGIC16: tl.cons
 @triton.jit
 def _int4_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_qk, stride_sg, stride_ym, stride_yn,
+    M, N, K, K_PER_SPLIT,  # split s (program_id 2) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
+    stride_xm, stride_xk, stride_qk, stride_sg, stride_ys, stride_ym, stride_yn,
     GROUP: tl.constexpr,  # inputs a scale group: a multiple of BLOCK_K (or K itself)
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,  # the CPU interpreter: its 16-bit dot multiplies the operands' bit patterns; the same
@@ -85,7 +86,8 @@ def _int4_mma_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)  # [KW] word rows of a tile
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (the launcher checks)
+    k_start, k_end = split_range(tl.program_id(2), K, K_PER_SPLIT)
+    for k0 in range(k_start, k_end, BLOCK_K):  # K and K_PER_SPLIT are multiples of BLOCK_K (the launcher checks)
         words = k0 // 8 + offs_w
         packed = tl.load(qw_ptr + words[None, :] * stride_qk + offs_n[:, None], mask=mask_n[:, None],
                          other=0)  # [BN, KW] int32, N contiguous in memory
@@ -112,6 +114,7 @@ def _int4_mma_kernel(
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
+    y_ptr += tl.program_id(2) * stride_ys  # one split: y itself; more: this split's float32 partials
     tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn, acc.to(y_ptr.dtype.element_ty),
              mask=mask_m[None, :] & mask_n[:, None])
 
@@ -141,9 +144,10 @@ def int4_mma_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
-    _int4_mma_kernel[grid](x, qweight, scales, zeros, y, m, n, k, x.stride(0), x.stride(1), qweight.stride(0),
-                           scales.stride(0), y.stride(0), y.stride(1), GROUP=min(group_size, k),
+    dst = SplitKOutput(y, k, tile.block_k, tile.split_k)  # K_PER_SPLIT a multiple of BLOCK_K: whole groups
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), dst.splits)
+    _int4_mma_kernel[grid](x, qweight, scales, zeros, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
+                           qweight.stride(0), scales.stride(0), *dst.strides, GROUP=min(group_size, k),
                            BLOCK_N=tile.block_n, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
                            DOT_F32=x.device.type == "cpu",
                            # the interpreter's 16-bit bitcasts and arithmetic are not the GPU's: float32 there
@@ -152,4 +156,4 @@ def int4_mma_gemm(
                            MAGIC16=_MAGIC[x.dtype][0] if magic16 and x.device.type != "cpu" else 0,
                            OFFSET=_MAGIC[x.dtype][1],
                            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_kwargs(x))
-    return y
+    return dst.finish()

@@ -7,6 +7,7 @@ weight as the MMA's register operand and the MMAs overlapping the next tile's de
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 
@@ -36,10 +37,13 @@ def _case(m: int, k: int, n: int, group: int, sym: bool, dtype: torch.dtype, see
 @pytest.mark.parametrize("m,k,n,group,sym,dtype", [(1, 256, 40, 128, False, torch.bfloat16),
                                                    (20, 128, 16, -1, True, torch.bfloat16),
                                                    (5, 384, 24, 128, True, torch.float16)])
-def test_matches_the_dequantized_weight(m, k, n, group, sym, dtype):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_matches_the_dequantized_weight(m, k, n, group, sym, dtype, split_k):
+    """split_k 2: K = 128 keeps one split; 256 two of a tile; 384 two of 2 and 1 tiles (float32 partials)."""
     x, qw, s, z, w = _case(m, k, n, group, sym, dtype, seed=m + k + n)
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    mma.int4_mma_gemm(x, qw, s, z, k if group == -1 else group, out=out, tile=TILE)
+    tile = dataclasses.replace(TILE, split_k=split_k)
+    mma.int4_mma_gemm(x, qw, s, z, k if group == -1 else group, out=out, tile=tile)
     ref = x.double() @ w.double()  # [M, N]
     # one output rounding, plus the interpreter's own rounding of the weight to x's dtype (its bf16 conversion
     # is not round-to-nearest: up to an ulp a weight; compiled, the kernel's weights are the reference's). A wrong
@@ -73,14 +77,15 @@ COMPILE = textwrap.dedent('''
     names = list(mma._int4_mma_kernel.arg_names)
     for dt, (bn, bm, warps) in (("*bf16", (128, 128, 8)), ("*fp16", (64, 128, 4))):
         sig = {"x_ptr": dt, "qw_ptr": "*i32", "s_ptr": dt, "z_ptr": dt, "y_ptr": dt, "M": i32, "N": i32, "K": i32,
-               **{s: i32 for s in ("stride_xm", "stride_qk", "stride_sg", "stride_ym")}}
+               "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_qk", "stride_sg", "stride_ys", "stride_ym")}}
         # as a launch on Llama's shapes specializes them: unit strides constant, the rest divisible by 16
         consts = {"stride_xk": 1, "stride_yn": 1, "GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128,
                   "DOT_F32": False, "MAGIC16": 0x4300 if dt == "*bf16" else 0x6400,
                   "OFFSET": 128.0 if dt == "*bf16" else 1024.0, "PDL": True}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr",
-                                                                         "N", "K", "stride_xm", "stride_qk",
-                                                                         "stride_sg", "stride_ym")}
+                                                                         "N", "K", "K_PER_SPLIT", "stride_xm",
+                                                                         "stride_qk", "stride_sg", "stride_ys",
+                                                                         "stride_ym")}
         src = ASTSource(fn=mma._int4_mma_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts, attrs=attrs)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
