@@ -12,12 +12,18 @@ token count this times, with CUDA events (median of 20):
 - `w2_fused`: the down GEMM computing silu(gate) * up in its A load (the shipped path), K mask or not;
 - `w2_unfused`: kernels-triton's silu_and_mul kernel, then the down GEMM on its output, for the shipped
   tile and a few others;
+- `w13_epilogue`: the gate_up GEMM storing silu(gate) * up itself (ACT_EPILOGUE, a few tiles, TMA weights or
+  not), and `pair_ms`: the two GEMMs (+ silu_and_mul) each way, shipped against epilogue + plain down GEMM;
 - `dense_*`: torch.mm of [pairs, K] x [K, N] (cuBLAS) -- the rate a GEMM of these FLOPs reaches without
   gathers, and the floor this compares against.
 
 Prediction (recorded before the run): the K mask costs little (<5%); the unfused activation saves ~25% of
 the down GEMM at 8192 tokens (the fused A load recomputes silu for each of 16 N-blocks and reads gate and
 up), minus ~0.12 ms for the separate kernel's 415 MB.
+Prediction for the epilogue (before any run, 2026-12-06): an H200 8192-token DSV2-Lite prefill step spent
+5.0 of 88 GPU ms in silu_and_mul (h200-step-profile-dsv2lite-8f461cc.json, 53 launches): the epilogue pair
+saves ~0.15-0.2 ms a layer at 8192 tokens (the activation's 415 MB round trip and half of w13's stores) if its
+two accumulators keep w13's rate; with 128-wide tiles the 2 x 128 x 128 float32 accumulators spill at 4 warps.
 """
 
 from __future__ import annotations
@@ -103,6 +109,28 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
     best = min((u["ms"] for u in unfused if "ms" in u), default=None)
     if best is not None:
         out["w2_unfused_best_plus_act_ms"] = round(best + out["silu_and_mul_ms"], 4)
+    # w13 storing silu(gate) * up itself (ACT_EPILOGUE: a program computes a gate tile and its up tile), then
+    # the plain down GEMM: no silu_and_mul launch, half the w13 stores. The decode files take it up to 256
+    # tokens; prefill sizes run w13, silu_and_mul, then the down GEMM
+    epilogue = []
+    plain_w2 = min((u for u in unfused if "ms" in u), key=lambda u: u["ms"], default=None)
+    for n, k, w, st, g, tma in ((64, 64, 4, 3, 8, False), (64, 64, 8, 3, 8, False), (128, 64, 8, 3, 8, False),
+                                (64, 128, 8, 3, 8, False), (64, 64, 4, 4, 8, True), (128, 64, 8, 3, 8, True)):
+        cfg = MoETileConfig(c13.block_m, n, k, w, st, 1, g, weight_tma=tma and device == "cuda",
+                            act_epilogue=True)
+        try:
+            ms = _events_ms(lambda: invoke_fused_moe_kernel(x, w13, act, None, *s13, top_k, cfg, gated=True))
+        except Exception as exc:  # a tile the device cannot hold: recorded, not fatal
+            epilogue.append({"tile": cfg.to_json(), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        epilogue.append({"tile": cfg.to_json(), "ms": round(ms, 4), "tflops": tflops(flops13, ms)})
+    out["w13_epilogue"] = epilogue
+    best_epi = min((u["ms"] for u in epilogue if "ms" in u), default=None)
+    if best_epi is not None and plain_w2 is not None:
+        # the whole MoE GEMM pair each way: shipped (w13, silu in w2's A load or its own kernel) vs epilogue
+        shipped = out[f"w13_ms_even_k_{False}"] + min(out[f"w2_fused_ms_even_k_{False}"],
+                                                     out.get("w2_unfused_best_plus_act_ms", float("inf")))
+        out["pair_ms"] = {"shipped": round(shipped, 4), "epilogue": round(best_epi + plain_w2["ms"], 4)}
     a13 = torch.randn(rows, h, device=device, dtype=dtype, generator=gen)
     b13 = torch.randn(h, 2 * inter, device=device, dtype=dtype, generator=gen)
     b2 = torch.randn(inter, h, device=device, dtype=dtype, generator=gen)

@@ -48,6 +48,8 @@
 #             working tree ("after"), then with the files under AB_DIR (default ab/: the same relative paths, e.g.
 #             `git show <base>:<path> > ab/<path>` for each file a change touched; untracked files travel) copied
 #             over ("before"), then the tree restored: a change's effect on the step in one call
+#   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (1024-8192 tokens) against dense cuBLAS,
+#             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size)
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -177,6 +179,8 @@ for part in "$@"; do
       done
       (cd "$ab" && find . -type f) | while read -r f; do  # restore the tree (a file new in "after" stays)
         if [ -f "$bak/$f" ]; then cp "$bak/$f" "$f"; fi; done;;
+    moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" >"$W/moe-prefill.log" 2>&1
+                 grep -o '"tokens": [0-9]*\|"pair_ms": {[^}]*}' "$W/moe-prefill.log" | paste -sd' ';;
     router) timeout 90 python3 benchmarks/h200_router_gemm.py --out "$W/h200-router-gemm.json" >"$W/router.log" 2>&1
             tail -n 12 "$W/router.log" | cut -c1-300;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
