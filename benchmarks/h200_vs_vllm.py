@@ -9,7 +9,10 @@ its own process (the vllm-peer harness's protocol, plus what the comparison need
 Per engine: start time; a 16 x 16-token warm call (the same for both engines); then two rounds of
 `num_prompts` distinct random prompts (128 in / 128 out, greedy, ignore_eos), other prompts each round, so
 neither round can hit the prefix cache: round 1 is the first big batch after start, round 2 a warm engine;
-batch-1 decode ms per output token ((t(257 tokens) - t(1 token)) / 256, best of 3).
+batch-1 decode ms per output token ((t(257 tokens) - t(1 token)) / 256, best of 3). Then the first 8 greedy
+tokens of 4 round-2 prompts (`first_tokens`, from the big batch) and the same prompts alone with their top-2
+logprobs (`top2`); with both engines in one run, `greedy_divergence` names the first position each prompt's
+tokens part and both engines' top-1 minus top-2 gap there (`divergence()`: for runs in separate calls too).
 
 Same weights: with `load_format="dummy"` each engine draws its own random weights, and for an MoE model the
 router then decides how many experts a step reads. `--write-checkpoint DIR` writes one seeded random
@@ -290,6 +293,29 @@ class LazyWork:
 
 # ------------------------------------------------------------------ one engine
 
+def top2(completion) -> list[list]:
+    """[token, its logprob, the runner-up token, its logprob] per generated position of a greedy completion
+    asked for 2 logprobs (keel's and vLLM's outputs alike: a dict token -> Logprob per position)."""
+    rows = []
+    for tok, d in zip(completion.token_ids, completion.logprobs or []):
+        best = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:2] + [(None, None)]
+        rows.append([tok, round(best[0][1].logprob, 5), best[1][0],
+                     None if best[1][1] is None else round(best[1][1].logprob, 5)])
+    return rows
+
+
+def divergence(a: dict, b: dict) -> list[dict]:
+    """Per prompt of two engines' `top2` rows: the first position their greedy tokens part (None: equal
+    throughout) and each engine's top-1 minus top-2 logprob there -- a gap of ~1e-3 or less on either side is a
+    near-tie that summation order decides, not a wrong kernel."""
+    out = []
+    for ra, rb in zip(a.get("top2", []), b.get("top2", [])):
+        i = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x[0] != y[0]), None)
+        gap = lambda r: None if i is None or r[i][3] is None else round(r[i][1] - r[i][3], 5)  # noqa: E731
+        out.append({"first_difference": i, "gap_a": gap(ra), "gap_b": gap(rb)})
+    return out
+
+
 def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose: bool) -> None:
     load_format = "dummy" if dummy else "auto"
     t0 = time.perf_counter()
@@ -300,7 +326,8 @@ def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose
         llm = LLM(model=model_dir, dtype="bfloat16", load_format=load_format, skip_tokenizer_init=True, seed=0,
                   **LIMITS)
         wrap = lambda ids: TokensPrompt(prompt_token_ids=ids)
-        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        sp = lambda n, lp=None: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
+                                               logprobs=lp)
     else:
         from keel import LLM, SamplingParams
 
@@ -311,7 +338,7 @@ def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose
         llm = LLM(model=model_dir, profile=os.environ.get("KEEL_PROFILE", "cuda"), dtype="bfloat16",
                   load_format=load_format, skip_tokenizer_init=True, seed=0, **LIMITS)
         wrap = lambda ids: {"prompt_token_ids": ids}
-        sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        sp = lambda n, lp=None: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=lp)
     init_s = time.perf_counter() - t0
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
     lazy = LazyWork(llm) if diagnose and engine == "keel" else None
@@ -342,11 +369,15 @@ def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose
     short = min(timed(1) for _ in range(3))
     long_ = min(timed(257) for _ in range(3))
     first = [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]
+    # the same 4 prompts alone with their top-2 logprobs: where two engines' greedy tokens part, the gap between
+    # the two best there says whether it is a near-tie (summation order) or a real difference (divergence())
+    lp_outs = llm.generate([wrap(p) for p in prompts(num_prompts, vocab, seed=1)[:4]], sp(8, 2), use_tqdm=False)
     row = {"engine": engine, "init_s": round(init_s, 1), "num_prompts": num_prompts,
            "load_format": load_format, "quantization_applied": applied_quantization(llm, engine),
            "throughput_out_tok_s": rounds,
            "round1_vs_round2": round(rounds[0] / rounds[1], 3),
-           "b1_ms_per_token": round((long_ - short) / 256 * 1000, 3), "first_tokens": first}
+           "b1_ms_per_token": round((long_ - short) / 256 * 1000, 3), "first_tokens": first,
+           "top2": [top2(o.outputs[0]) for o in lp_outs]}
     if diag:
         row["lazy_work_per_round"] = diag
     print(json.dumps(row), flush=True)
@@ -456,6 +487,9 @@ def main() -> None:
             row["versions"] = json.loads(v.stdout.strip().splitlines()[-1]) if v.returncode == 0 else v.stderr[-500:]
         print(json.dumps(row), flush=True)
         result["engines"][engine] = row
+    eng = result["engines"]
+    if "top2" in eng.get("keel", {}) and "top2" in eng.get("vllm", {}):  # a = keel, b = vLLM
+        result["greedy_divergence"] = divergence(eng["keel"], eng["vllm"])
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

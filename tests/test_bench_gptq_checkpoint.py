@@ -61,3 +61,23 @@ def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch):
                                   tensors[f"{q}.g_idx"], torch.float32)
     assert abs(w.std().item() * 128**0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.01
     llm.shutdown()
+
+
+def test_top2_rows_and_the_divergence_report(tmp_path, monkeypatch):
+    """The side-by-side's near-tie evidence: top-2 logprobs per greedy position from keel's (vLLM-shaped)
+    output, and the first position two engines part with each one's top-1 minus top-2 gap there."""
+    monkeypatch.setattr(vs, "LLAMA3_8B", TINY)
+    vs.write_config(tmp_path, "llama8b", None)
+    from keel import LLM, SamplingParams
+
+    llm = LLM(model=str(tmp_path), profile="cpu", dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=64, max_num_seqs=2, seed=0)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=3, temperature=0,
+                                                                             ignore_eos=True, logprobs=2))
+    rows = vs.top2(out[0].outputs[0])
+    assert len(rows) == 3 and all(r[0] == t for r, t in zip(rows, out[0].outputs[0].token_ids))
+    assert all(r[1] >= r[3] and r[2] != r[0] for r in rows)  # greedy: the token is the best, the runner-up another
+    a = {"top2": [[[1, -0.5, 2, -0.9], [3, -0.1, 4, -0.1002]], [[1, -0.5, 2, -0.9]]]}
+    b = {"top2": [[[1, -0.5, 2, -0.9], [4, -0.1001, 3, -0.1003]], [[1, -0.5, 2, -0.9]]]}
+    assert vs.divergence(a, b) == [{"first_difference": 1, "gap_a": 0.0002, "gap_b": 0.0002},
+                                   {"first_difference": None, "gap_a": None, "gap_b": None}]
