@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 _here = Path(__file__).resolve().parent
-MS = (64, 128, 256, 512, 2048)
+MS = (8, 16, 32, 64, 128, 256, 512)
 # (BLOCK_N weight rows, BLOCK_M tokens, num_warps, num_stages[, split_k]); BLOCK_K 128 (the scale group)
 # sm_90 SASS (benchmarks/sass_mix.py --mma): a thread issues ~490-540 instructions a K tile whatever the tile, so
 # the token tile sets the dequantize's share: 128 x 256 (8 warps) issues ~1040 clocks a tile per scheduler against
@@ -32,9 +32,15 @@ MS = (64, 128, 256, 512, 2048)
 # 64 x 2 programs on 132 SMs, qkv 96 x 2, down 64 x 2) and gate_up (448 x 2) at 289, so the programs, not the
 # tile, were short: split 2-4 gives those layers 256-512. Predicted at M = 256: qkv 91 -> ~60 us, o 81 -> ~50,
 # down 156 -> ~95 (four layers 518 -> ~400); at M = 128 (one token tile: 64-96 programs) 413 -> ~290.
+# Token tiles of 16 / 32 for steps of 8-48 tokens (moderate concurrency; today the tile GEMM serves them, with
+# the tokens as its MMA's M, padded to 16 rows): an MMA's N may be 8-256, and at such M the weight's bytes and
+# the dequantize's issue, not the MMA, set the pace -- split K for programs. Prediction (before any run,
+# sass_mix: 401 / 440 instructions a K tile for 64 x 16 / 64 x 32): four layers at M = 16 on the H100 ~60-80 us
+# (gate_up ~25-30: ~24 us of issue, ~20 of bytes) against ~140 for the tile GEMM's dot plans.
 TILES = [(128, 256, 8, 2), (128, 256, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (64, 256, 4, 2),
          (64, 64, 4, 4), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 64, 4, 4, 2), (64, 64, 4, 4, 4),
-         (128, 128, 8, 3, 2)]
+         (128, 128, 8, 3, 2), (64, 32, 4, 4), (64, 32, 4, 4, 2), (64, 16, 4, 4), (64, 16, 4, 4, 4),
+         (128, 32, 8, 4, 2)]
 
 
 WIN = 0.97  # a tile is written where its time is under this fraction of the time of the path it replaces

@@ -23,7 +23,7 @@
 #   profile-pdl profile-nopdl  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) at batch 1 / 256, PDL on / off
 #   int4-wdeq h200_int4_wdeq.py: an int4 GEMM that scales the weight tile, not the partial product (WDEQ_MS)
 #   int4-mma  h200_int4_mma.py: the swapped-operand int4 tensor-core GEMM's tiles against the tile GEMM, dequantize +
-#             cuBLAS and bf16 cuBLAS at M 64-2048 (MMA_MS, MMA_BUDGET_S); the device's plan file in $W/int4-mma/
+#             cuBLAS and bf16 cuBLAS at M 8-512 (MMA_MS, MMA_BUDGET_S); the device's plan file in $W/int4-mma/
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
@@ -124,7 +124,7 @@ for part in "$@"; do
     int4-prefill) timeout 240 python3 benchmarks/h200_int4_prefill.py --budget-s "${INT4_BUDGET_S:-150}" \
                     --ms "${INT4_MS:-16,32,64,128,256,512,1024,8192}" --out "$W/h200-int4-prefill.json" \
                     >"$W/int4-prefill.log" 2>&1; tail -n 40 "$W/int4-prefill.log" | cut -c1-400;;
-    int4-mma) timeout $(( ${MMA_BUDGET_S:-120} + 60 )) python3 benchmarks/h200_int4_mma.py --ms "${MMA_MS:-64,128,256,512,2048}" \
+    int4-mma) timeout $(( ${MMA_BUDGET_S:-120} + 60 )) python3 benchmarks/h200_int4_mma.py --ms "${MMA_MS:-8,16,32,64,128,256,512}" \
                 --budget-s "${MMA_BUDGET_S:-120}" --out "$W/h200-int4-mma.json" >"$W/int4-mma.log" 2>&1
               tail -n 45 "$W/int4-mma.log" | cut -c1-300;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \

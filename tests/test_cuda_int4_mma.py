@@ -37,7 +37,8 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("tile", [(128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4),
-                                  (64, 128, 4, 3, 3)],  # split K: 8 tiles as 3 + 3 + 2
+                                  (64, 128, 4, 3, 3),  # split K: 8 tiles as 3 + 3 + 2
+                                  (64, 16, 4, 4), (64, 32, 4, 4, 2)],  # token tiles for 16-48-token steps
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("m", [1, 77, 256, 300])
 def test_matches_float64_on_the_dequantized_weight(tile, m):
