@@ -89,13 +89,15 @@ def _int4_cases():
            "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk",
                                                                      "stride_sg", "stride_ys", "stride_ym",
                                                                      "stride_yn")}}
-    for bn, bm, w, st in ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 256, 8, 2), (64, 32, 4, 4),
-                          (64, 16, 4, 4)):
-        yield (f"int4 mma {bn}x{bm}x128 w{w} s{st} (weights as the register operand, bf16 dequantize)",
-               int4_mma_triton._int4_mma_kernel,
-               mma, {"GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128, "DOT_F32": False, "MAGIC16": 0x4300,
-                     "OFFSET": 128.0},
-               {"num_warps": w, "num_stages": st})
+    for pairs in (False, True):
+        for bn, bm, w, st in ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 256, 8, 2), (64, 32, 4, 4),
+                              (64, 16, 4, 4)):
+            yield (f"int4 mma {bn}x{bm}x128 w{w} s{st} (weights as the register operand, bf16 dequantize"
+                   + (", pairs)" if pairs else ")"),
+                   int4_mma_triton._int4_mma_kernel,
+                   mma, {"GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128, "DOT_F32": False,
+                         "MAGIC16": 0x4300, "OFFSET": 128.0, "PAIRS": pairs},
+                   {"num_warps": w, "num_stages": st})
     yield ("int4 dequantize 128x128 w4", int4_dequant_triton._int4_dequant_kernel,
            {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "w_ptr": "*bf16",
             **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},

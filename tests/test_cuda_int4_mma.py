@@ -52,8 +52,12 @@ def test_matches_float64_on_the_dequantized_weight(tile, m):
     t = MmaTile(tile[0], tile[1], 128, tile[2], tile[3], *tile[4:])
     int4_mma_gemm(x, qw, s, z, 128, out=out, tile=t)
     _check(out, x, w)
-    # the 16-bit dequantize makes the float32 one's numbers: the same bits out
+    # the 16-bit dequantize makes the float32 one's numbers: the same bits out; so does its pairs form
     assert torch.equal(out, int4_mma_gemm(x, qw, s, z, 128, tile=t, magic16=False))
+    assert torch.equal(out, int4_mma_gemm(x, qw, s, z, 128, tile=dataclasses.replace(t, pairs=True)))
+    xh, sh, zh = x.half(), s.half(), z.half()  # fp16's offset (1024.0) in the pairs form too
+    assert torch.equal(int4_mma_gemm(xh, qw, sh, zh, 128, tile=t),
+                       int4_mma_gemm(xh, qw, sh, zh, 128, tile=dataclasses.replace(t, pairs=True)))
 
 
 def test_int4_linear_takes_it_where_a_plan_says_and_replays(tmp_path, monkeypatch):

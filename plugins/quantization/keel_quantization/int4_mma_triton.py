@@ -32,6 +32,14 @@ part `int4-mma` measures it and writes that file. Prediction, from the sm_90 SAS
 balanced (~970 / ~1020). Four layers at M = 256 on an H100 ~450-550 us (the small layers fill 32-48 of 132 SMs
 at N / 128 programs) against dequantize + cuBLAS's 745; gate_up alone ~120 against 288.
 
+Pairs (`MmaTile.pairs`, unmeasured): the 16-bit dequantize above works a nibble plane at a time, and its packed
+math pairs neighbouring outputs (the load's vector), so every pair of neighbouring inputs -- what one register of
+the MMA operand holds -- is assembled by byte permutes (72 PRMT and ~50 moves a K tile in the sm_90 SASS). The
+pairs form puts nibbles 2p and 2p + 1 of a word into the two halves of one int32 (two shifts, masks, the offset
+or-ed into both halves) and reads that register as two 16-bit values (inline PTX, no instruction): no PRMT, 12-15%
+fewer instructions a K tile from 32 tokens (64 x 128: 487 -> 414), more at 16 (401 -> 434), the same numbers.
+Predicted -5 to -10% a layer where the tile wins today; part `int4-mma` times both forms.
+
 Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order); desc_act's gathered
 groups and groups under 128 inputs are not served (`misfit` says why; a caller keeps its other paths).
 """
@@ -65,6 +73,27 @@ def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr, MAGIC16: tl.cons
 
 
 @triton.jit
+def _pair_halves(packed, p: tl.constexpr, MAGIC16: tl.constexpr):
+    """(OFFSET + q) of inputs 8w + 2p and 8w + 2p + 1 of each [BN, KW] word, in x's dtype: nibble 2p moved to bits
+    0..3 and nibble 2p + 1 to bits 16..19 of one int32, or-ed into two copies of OFFSET's bits, and that register
+    read as its two 16-bit halves (inline PTX: a register split, no instruction) -- so a pair of neighbouring
+    inputs is one 32-bit register from the start, as the MMA operand and the packed 16-bit math take it."""
+    lo = (packed >> (8 * p)) & 0xF
+    if 8 * p + 4 >= 16:
+        hi = (packed >> (8 * p - 12)) & 0xF0000
+    else:
+        hi = (packed << (12 - 8 * p)) & 0xF0000
+    t = lo | hi | (MAGIC16 * 0x10001)
+    if MAGIC16 == 0x4300:  # bf16's 128.0
+        even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:  # fp16's 1024.0
+        even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return even, odd
+
+
+@triton.jit
 def _int4_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
     M, N, K, K_PER_SPLIT,  # split s (program_id 2) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
@@ -77,6 +106,7 @@ def _int4_mma_kernel(
     # dequantize in 16-bit math; 0: in float32
     OFFSET: tl.constexpr = 0.0,
     PDL: tl.constexpr = False,
+    PAIRS: tl.constexpr = False,  # with MAGIC16: neighbouring inputs dequantized as one register (_pair_halves)
 ):
     pdl_enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows (outputs)
@@ -103,10 +133,20 @@ def _int4_mma_kernel(
         # each wait for completion (wgmma.wait_group 0) in this compiler, so one dot a tile, not one a plane
         # join appends its axis last: the innermost pairs planes j, j + 4, the outermost j, j + 1, so the reshape
         # puts plane j of word w at column 8w + j -- the inputs' own order
-        w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt, MAGIC16), _plane(packed, 4, zb, s, dt, MAGIC16)),
-                            tl.join(_plane(packed, 2, zb, s, dt, MAGIC16), _plane(packed, 6, zb, s, dt, MAGIC16))),
-                    tl.join(tl.join(_plane(packed, 1, zb, s, dt, MAGIC16), _plane(packed, 5, zb, s, dt, MAGIC16)),
-                            tl.join(_plane(packed, 3, zb, s, dt, MAGIC16), _plane(packed, 7, zb, s, dt, MAGIC16))))  # [BN, KW, 2, 2, 2]
+        if PAIRS and MAGIC16:
+            # evens e_p / odds o_p: inputs 8w + 2p / 8w + 2p + 1; joined so that the flat index is 4i + 2j + h for
+            # pair p = 2i + j, h the parity (innermost, the two halves of one register): 8w + 2p + h again
+            e0, o0 = _pair_halves(packed, 0, MAGIC16)
+            e1, o1 = _pair_halves(packed, 1, MAGIC16)
+            e2, o2 = _pair_halves(packed, 2, MAGIC16)
+            e3, o3 = _pair_halves(packed, 3, MAGIC16)
+            q = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
+            w = (q - zb[:, :, None, None, None]) * s[:, :, None, None, None]  # [BN, KW, 2, 2, 2]: the same numbers
+        else:
+            w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt, MAGIC16), _plane(packed, 4, zb, s, dt, MAGIC16)),
+                                tl.join(_plane(packed, 2, zb, s, dt, MAGIC16), _plane(packed, 6, zb, s, dt, MAGIC16))),
+                        tl.join(tl.join(_plane(packed, 1, zb, s, dt, MAGIC16), _plane(packed, 5, zb, s, dt, MAGIC16)),
+                                tl.join(_plane(packed, 3, zb, s, dt, MAGIC16), _plane(packed, 7, zb, s, dt, MAGIC16))))  # [BN, KW, 2, 2, 2]
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BN, BK]
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None] * stride_xk, mask=mask_m[None, :],
                      other=0.0)  # [BK, BM]
@@ -154,6 +194,7 @@ def int4_mma_gemm(
                            # int4_triton's table: x's dtype -> (bits, value) of OFFSET, whose mantissa's
                            # last 4 bits take a nibble exactly
                            MAGIC16=_MAGIC[x.dtype][0] if magic16 and x.device.type != "cpu" else 0,
+                           PAIRS=tile.pairs,
                            OFFSET=_MAGIC[x.dtype][1],
                            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_kwargs(x))
     return dst.finish()

@@ -75,13 +75,14 @@ COMPILE = textwrap.dedent('''
 
     i32 = "i32"
     names = list(mma._int4_mma_kernel.arg_names)
-    for dt, (bn, bm, warps) in (("*bf16", (128, 128, 8)), ("*fp16", (64, 128, 4))):
+    for dt, (bn, bm, warps), pairs in (("*bf16", (128, 128, 8), False), ("*fp16", (64, 128, 4), False),
+                                       ("*bf16", (64, 128, 4), True), ("*fp16", (64, 64, 4), True)):
         sig = {"x_ptr": dt, "qw_ptr": "*i32", "s_ptr": dt, "z_ptr": dt, "y_ptr": dt, "M": i32, "N": i32, "K": i32,
                "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_qk", "stride_sg", "stride_ys", "stride_ym")}}
         # as a launch on Llama's shapes specializes them: unit strides constant, the rest divisible by 16
         consts = {"stride_xk": 1, "stride_yn": 1, "GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128,
                   "DOT_F32": False, "MAGIC16": 0x4300 if dt == "*bf16" else 0x6400,
-                  "OFFSET": 128.0 if dt == "*bf16" else 1024.0, "PDL": True}
+                  "OFFSET": 128.0 if dt == "*bf16" else 1024.0, "PDL": True, "PAIRS": pairs}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr",
                                                                          "N", "K", "K_PER_SPLIT", "stride_xm",
                                                                          "stride_qk", "stride_sg", "stride_ys",
@@ -89,7 +90,7 @@ COMPILE = textwrap.dedent('''
         src = ASTSource(fn=mma._int4_mma_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts, attrs=attrs)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
-        with open(f"{dt[1:]}.ptx", "w") as f:
+        with open(f"{dt[1:]}{'-pairs' if pairs else ''}.ptx", "w") as f:
             f.write(out.asm["ptx"])
     print("compiled")
 ''')
@@ -119,3 +120,8 @@ def test_compiles_for_sm90_with_the_weight_as_a_register_operand(tmp_path, monke
     # operands arrive by cp.async; the joined weight tile goes to its MMA layout by stmatrix / ldmatrix, never
     # element by element through shared memory
     assert "cp.async" in ptx and "ldmatrix" in ptx and "st.shared.b16" not in ptx
+    # pairs: a register of two neighbouring inputs is read as its halves (the sm_90 SASS then has no PRMT in the
+    # loop, against 72 a K tile for the planes: benchmarks/sass_mix.py --mma)
+    for dt in ("bf16", "fp16"):
+        pairs = (tmp_path / f"{dt}-pairs.ptx").read_text()
+        assert re.search(r"mov\.b32 \{", pairs) and "prmt" not in pairs and "wgmma.wait_group.sync.aligned 1" in pairs
