@@ -93,7 +93,8 @@ def _pair_halves(packed, p: tl.constexpr, MAGIC16: tl.constexpr):
     return even, odd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: no variant per divisibility, so eager steps of
+# any count run what the warm-up's and the graphs' sizes compiled
 def _int4_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
     M, N, K, K_PER_SPLIT,  # split s (program_id 2) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
