@@ -9,6 +9,12 @@ weight and multiplies (CPU, or `backend="torch"`); steps of `DEQUANT_GEMM_MIN_M`
 this device has measured the mid-size int4 GEMM (`int4_mma_triton`) faster for the step's size
 (`int4_mma_plans`). Where inputs are in group order the kernel reads one scale row per K tile
 (`group_in_order`, decided once after loading).
+
+GPTQ's act-order checkpoints (desc_act: `g_idx` assigns inputs to groups out of order) are put in group order
+once after loading, as Marlin does: the inputs are permuted so their groups run in order (`input_perm`, the
+stable sort of g_idx; qweight's rows follow it), and each forward gathers the activations' columns by it first
+-- one small gather a layer instead of the gathered-group kernels (a scale and zero per input, "correct, not
+fast") at every size. The products are the same, summed in another order.
 """
 
 from __future__ import annotations
@@ -137,6 +143,14 @@ class Int4LinearMethod:
             del module.g_idx
         self.group_in_order = tileable_group(g_idx, self._group(k))
         frozen = lambda t: torch.nn.Parameter(t.contiguous(), requires_grad=False)
+        module.input_perm = None
+        if not self.group_in_order:  # act order: permute the inputs into group order where that gives whole groups
+            perm = torch.argsort(g_idx, stable=True)
+            if tileable_group(g_idx[perm], self._group(k)):
+                qweight = int4_math.pack_rows(int4_math.unpack_rows(qweight)[perm])
+                g_idx = g_idx[perm]
+                self.group_in_order = self._group(k)
+                module.input_perm = frozen(perm)  # [in] int64: activation column j of the kernels is input perm[j]
         module.qweight = frozen(qweight)
         module.g_idx = frozen(g_idx.to(torch.int32))
         module.zeros = frozen(zeros.to(self.params_dtype))
@@ -151,9 +165,18 @@ class Int4LinearMethod:
         tile = mma_tile(m, n, k, device_name, str(dtype).removeprefix("torch."))
         return None if tile is None or misfit(k, self.group_in_order, tile) else tile
 
-    def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
+    def _dequantized(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the kernels' input order
         q = int4_math.unpack_rows(module.qweight)
         return int4_math.dequantize_int4(q, module.zeros, module.scales, module.g_idx, self.params_dtype).T
+
+    def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
+        """The layer's weight in the checkpoint's input order (layers that read it, tests)."""
+        w = self._dequantized(module)
+        if getattr(module, "input_perm", None) is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, module.input_perm] = w  # kernel column j is input perm[j]
+        return out
 
     def apply(
         self,
@@ -162,6 +185,8 @@ class Int4LinearMethod:
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
+        if getattr(module, "input_perm", None) is not None:  # act order, put in group order after loading
+            x2 = x2.index_select(1, module.input_perm)
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
         tile = (self.mma_tile(x2.shape[0], module.qweight.shape[1], x2.shape[1], x2.dtype,
                               _device_name(x2.device.index))
@@ -190,5 +215,5 @@ class Int4LinearMethod:
                 out = out + bias
         else:
             self.last_backend = "torch"
-            out = torch.nn.functional.linear(x2, self.dequantize_weight(module).to(x.dtype), bias)
+            out = torch.nn.functional.linear(x2, self._dequantized(module).to(x.dtype), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -162,3 +162,43 @@ def test_int4_method_runs_the_kernel_when_asked():
     got = layer(x.to(DEVICE))
     assert layer.quant_method.last_backend == "triton" and layer.quant_method.group_in_order == AWQ.group_size
     torch.testing.assert_close(got.double().cpu(), reference_linear(x, deq, layer.bias.cpu()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_act_order_is_put_in_group_order_once(backend):
+    """desc_act: the inputs are permuted into group order after loading (qweight's rows with them, the activations
+    gathered by the same permutation each forward), so the in-order kernels serve it; the outputs and the
+    weight a layer reads back (`dequantize_weight`, checkpoint order) are the act-order layer's."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    layer = ReplicatedLinear(96, 40, True, quant_config=Int4LinearMethod(GPTQ_ACT, backend=backend))
+    g = torch.Generator().manual_seed(11)
+    tensors, deq = quantized(GPTQ_ACT, torch.randn(40, 96, generator=g))
+    assert not tileable_group(tensors["x.g_idx"], 32)  # shuffled groups
+    load_all(layer, tensors)
+    layer.bias.data.copy_(torch.randn(40, generator=g))
+    layer.quant_method.process_weights_after_loading(layer)
+    perm = layer.input_perm
+    assert layer.quant_method.group_in_order == 32 and sorted(perm.tolist()) == list(range(96))
+    assert torch.equal(layer.g_idx, torch.arange(96, dtype=torch.int32) // 32)
+    torch.testing.assert_close(layer.quant_method.dequantize_weight(layer).double(), deq.double(), rtol=0, atol=0)
+    layer.to(DEVICE)
+    for m in (1, 5):
+        x = torch.randn(m, 96, generator=g)
+        got = layer(x.to(DEVICE))
+        assert layer.quant_method.last_backend == backend
+        torch.testing.assert_close(got.double().cpu(), reference_linear(x, deq, layer.bias.cpu()), rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_act_order_with_uneven_groups_keeps_the_gathered_path():
+    """A g_idx whose groups are not all `group` inputs (nothing a permutation puts on the 32-input grid) is
+    served gathered, unpermuted."""
+    layer = ReplicatedLinear(64, 16, False, quant_config=Int4LinearMethod(GPTQ_ACT, backend="torch"))
+    g = torch.Generator().manual_seed(12)
+    tensors, deq = quantized(GPTQ_ACT, torch.randn(16, 64, generator=g))
+    g_idx = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)[torch.randperm(64, generator=g)]
+    tensors["x.g_idx"] = g_idx
+    load_all(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quant_method.group_in_order == 0 and layer.input_perm is None
