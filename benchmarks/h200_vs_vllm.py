@@ -109,11 +109,12 @@ def hub_tensors_llama(c: dict):
 GPTQ_ZEROS = 0x77777777  # eight nibbles of 7: zero point 8 stored minus one (checkpoint_format gptq)
 
 
-def gptq_tensors(name: str, shape: tuple[int, int], gen) -> dict:
-    """A linear weight [N, K] in GPTQ's 4-bit g128 layout (sym, no act order) with random codes: qweight
-    [K/8, N] int32 (8 inputs a word), qzeros [K/128, N/8], scales [K/128, N] fp16 sized so the weight's
-    std is ~1/sqrt(K) (codes 0..15 about 8: std 4.6 scales), g_idx [K]. Values, not a quantized model:
-    enough for both engines to run the same GPTQ kernels on the same bytes."""
+def gptq_tensors(name: str, shape: tuple[int, int], gen, act_order: bool = False) -> dict:
+    """A linear weight [N, K] in GPTQ's 4-bit g128 layout (sym; `act_order`: desc_act's g_idx, each group 128
+    inputs drawn at random, as GPTQ's activation order leaves them) with random codes: qweight [K/8, N] int32
+    (8 inputs a word), qzeros [K/128, N/8], scales [K/128, N] fp16 sized so the weight's std is ~1/sqrt(K)
+    (codes 0..15 about 8: std 4.6 scales), g_idx [K]. Values, not a quantized model: enough for both engines
+    to run the same GPTQ kernels on the same bytes."""
     import torch
 
     n, k = shape
@@ -124,19 +125,21 @@ def gptq_tensors(name: str, shape: tuple[int, int], gen) -> dict:
     return {base + ".qweight": qweight.cpu(),
             base + ".qzeros": torch.full((k // g, n // 8), GPTQ_ZEROS, dtype=torch.int32),
             base + ".scales": scales.half().cpu(),
-            base + ".g_idx": torch.arange(k, dtype=torch.int32) // g}
+            base + ".g_idx": (torch.randperm(k, generator=gen, device=gen.device).cpu().to(torch.int32) // g
+                              if act_order else torch.arange(k, dtype=torch.int32) // g)}
 
 
 def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 << 30,
                      quantization: str | None = None) -> None:
     """Seeded random weights (norms 1, matrices N(0, 1/fan_in), like keel's dummy init), bf16 shards; with
-    quantization "gptq" (Llama-8B only) the projections in GPTQ's layout (`gptq_tensors`)."""
+    quantization "gptq" / "gptq-act" (Llama-8B only) the projections in GPTQ's layout (`gptq_tensors`; -act:
+    desc_act's shuffled groups)."""
     import torch
     from safetensors.torch import save_file
 
-    if (arch, quantization) not in (("dsv2lite", None), ("llama8b", "gptq")):
-        raise SystemExit("--write-checkpoint: dsv2lite in bf16 or llama8b in gptq (dense bf16 models compare "
-                         "fine on dummy weights)")
+    if (arch, quantization) not in (("dsv2lite", None), ("llama8b", "gptq"), ("llama8b", "gptq-act")):
+        raise SystemExit("--write-checkpoint: dsv2lite in bf16 or llama8b in gptq / gptq-act (dense bf16 models "
+                         "compare fine on dummy weights)")
     write_config(out, arch, quantization)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shard, size, index, n = {}, 0, {}, 0
@@ -153,8 +156,8 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
     for name, shape in tensors:
         if len(shape) == 1:
             ts = {name: torch.ones(shape, dtype=torch.bfloat16)}
-        elif quantization == "gptq" and name.endswith("_proj.weight"):
-            ts = gptq_tensors(name, shape, gen)
+        elif quantization in ("gptq", "gptq-act") and name.endswith("_proj.weight"):
+            ts = gptq_tensors(name, shape, gen, act_order=quantization == "gptq-act")
         else:
             t = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) / shape[1] ** 0.5)
             ts = {name: t.to(torch.bfloat16).cpu()}
@@ -175,7 +178,9 @@ QUANTIZATION = {"fp8-tensor": {"quant_method": "fp8", "fmt": "e4m3", "activation
                 "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                               "weight_block_size": [128, 128]},
                 "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
-                         "checkpoint_format": "gptq", "lm_head": False}}
+                         "checkpoint_format": "gptq", "lm_head": False},
+                "gptq-act": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True,
+                             "checkpoint_format": "gptq", "lm_head": False}}
 
 
 LOG_CHOICES = re.compile(r"marlin|quantiz|kernel|backend|fp8|gptq", re.IGNORECASE)

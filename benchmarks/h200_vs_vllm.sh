@@ -14,6 +14,8 @@
 #                  codes, write_checkpoint): both engines load the same bytes and run their GPTQ kernels
 #                  (vLLM: Marlin) -- on dummy weights vLLM ran its bf16 model
 #   keel-gptq-ckpt vllm-gptq-ckpt               one engine on that checkpoint
+#   ckpt-gptq-act keel-gptq-act-ckpt vllm-gptq-act-ckpt   the same with desc_act (act order: shuffled groups;
+#                  /tmp/llamagptqact)
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
 #   keel-dsv2-Q vllm-dsv2-Q                     DSV2-Lite the same way (each engine draws its own weights: routing differs)
@@ -27,6 +29,7 @@ B="python3 benchmarks/h200_vs_vllm.py"
 VSITE=/tmp/vsite
 CKPT=/tmp/dsv2ckpt
 GPTQ_CKPT=/tmp/llamagptq
+GPTQ_ACT_CKPT=/tmp/llamagptqact
 for part in "$@"; do
   start=$(date +%s)
   case $part in
@@ -53,10 +56,14 @@ assert len({e.name for e in md.entry_points(group='keel.plugins')}) >= $n + 1" |
     ckpt) [ -f $CKPT/model.safetensors.index.json ] || timeout 240 python3 -c "
 import sys, json, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('checkpoint written', round(time.perf_counter() - t, 1), 's')";;
-    ckpt-gptq) [ -f $GPTQ_CKPT/model.safetensors.index.json ] || timeout 300 python3 -c "
+    ckpt-gptq|ckpt-gptq-act) q=${part#ckpt-}; d=$([ $q = gptq ] && echo $GPTQ_CKPT || echo $GPTQ_ACT_CKPT)
+      [ -f $d/model.safetensors.index.json ] || timeout 300 python3 -c "
 import sys, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
-t = time.perf_counter(); m.write_checkpoint(Path('$GPTQ_CKPT'), 'llama8b', quantization='gptq')
-print('gptq checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+t = time.perf_counter(); m.write_checkpoint(Path('$d'), 'llama8b', quantization='$q')
+print('$q checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+    keel-gptq-act-ckpt|vllm-gptq-act-ckpt)
+      timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $GPTQ_ACT_CKPT --vllm-site $VSITE \
+        --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-gptq-ckpt|vllm-gptq-ckpt)
       timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $GPTQ_CKPT --vllm-site $VSITE \
         --out "$OUT/$part.json" 2>&1 | tail -c 1500;;

@@ -25,29 +25,37 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["gptq", "gptq-act"])
+def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch, layout):
     monkeypatch.setattr(vs, "LLAMA3_8B", TINY)
-    vs.write_config(tmp_path, "llama8b", "gptq")
+    vs.write_config(tmp_path, "llama8b", layout)
     gen = torch.Generator().manual_seed(0)
     tensors = {}
     for name, shape in vs.hub_tensors_llama(TINY):
         if len(shape) == 1:
             tensors[name] = torch.ones(shape)
         elif name.endswith("_proj.weight"):
-            tensors.update(vs.gptq_tensors(name, shape, gen))
+            tensors.update(vs.gptq_tensors(name, shape, gen, act_order=layout == "gptq-act"))
         else:
             tensors[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
     q = "model.layers.0.self_attn.q_proj"
     assert tensors[f"{q}.qweight"].shape == (128 // 8, 128) and tensors[f"{q}.scales"].shape == (1, 128)
     assert tensors["model.layers.0.mlp.down_proj.qzeros"].shape == (2, 128 // 8)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+    qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "gptq" and qcfg["desc_act"] == (layout == "gptq-act")
+    g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]  # K 256: two groups of 128
+    assert sorted(g_idx.tolist()) == [0] * 128 + [1] * 128
+    assert (layout == "gptq-act") == (not torch.equal(g_idx, torch.arange(256, dtype=torch.int32) // 128))
 
     from keel import LLM, SamplingParams
 
     llm = LLM(model=str(tmp_path), profile="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
               max_num_seqs=2, seed=0)
     assert vs.applied_quantization(llm, "keel") == "gptq"
+    down = llm.llm_engine.core.worker.runner.model.model.layers[0].mlp.down_proj
+    # act order is put in group order once after loading, so the in-order kernels serve it
+    assert (down.input_perm is not None) == (layout == "gptq-act") and down.quant_method.group_in_order == 128
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0,
                                                                              ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
