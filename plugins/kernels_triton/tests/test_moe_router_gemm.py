@@ -150,12 +150,10 @@ def test_the_startup_warm_up_meets_every_launch_variant(experts, k, split_w):
     """Each launch variant (its constexprs: a compile each) a step of 1 .. max_num_batched_tokens tokens can
     take is taken at one of the warm-up's prefill sizes; at 22b91ee split counts of 3, 5, 6 and 7 were not,
     and compiled in the first big batch (DSV2-Lite's round 1 at 0.91x its round 2 on an H100)."""
-    from keel.worker.model_runner import warm_up_prefill_sizes
+    from keel.testing.warm_up import assert_warm_up_meets
 
     def variant(t):
         return tuple(sorted(router_gemm_launch(t, experts, k, split_w=split_w).items()))
 
     for max_tokens in (8192, 2048, 16384):
-        warm = {variant(t) for t in warm_up_prefill_sizes(max_tokens)}
-        missing = {t: v for t in range(1, max_tokens + 1) if (v := variant(t)) not in warm}
-        assert not missing, f"max {max_tokens}: first unwarmed step {min(missing)} tokens: {missing[min(missing)]}"
+        assert_warm_up_meets(variant, max_tokens, f"router_gemm E={experts} K={k}")

@@ -160,10 +160,8 @@ def test_the_startup_warm_up_meets_every_shipped_entry(path):
     """A step takes the entry of the least key at or above its token count, each entry a compile: every entry
     a step of up to max_num_batched_tokens can take must be taken at one of the warm-up's prefill sizes, or it
     compiles under load in the first big batch (a key between the warm-up's powers of two would)."""
-    from keel.worker.model_runner import warm_up_prefill_sizes
+    from keel.testing.warm_up import assert_warm_up_meets
 
     configs = read_tile_config_file(path)
     for max_tokens in (2048, 8192, 16384):
-        met = {id(pick_for_tokens(configs, t)) for t in warm_up_prefill_sizes(max_tokens)}
-        for t in range(1, max_tokens + 1):
-            assert id(pick_for_tokens(configs, t)) in met, f"{path.name}: a {t}-token step's entry is never warmed"
+        assert_warm_up_meets(lambda t: id(pick_for_tokens(configs, t)), max_tokens, path.name)
