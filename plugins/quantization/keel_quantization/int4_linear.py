@@ -146,10 +146,10 @@ class Int4LinearMethod:
         module.input_perm = None
         if not self.group_in_order:  # act order: permute the inputs into group order where that gives whole groups
             perm = torch.argsort(g_idx, stable=True)
-            if tileable_group(g_idx[perm], self._group(k)):
+            self.group_in_order = tileable_group(g_idx[perm], self._group(k))
+            if self.group_in_order:
                 qweight = int4_math.pack_rows(int4_math.unpack_rows(qweight)[perm])
                 g_idx = g_idx[perm]
-                self.group_in_order = self._group(k)
                 module.input_perm = frozen(perm)  # [in] int64: activation column j of the kernels is input perm[j]
         module.qweight = frozen(qweight)
         module.g_idx = frozen(g_idx.to(torch.int32))
