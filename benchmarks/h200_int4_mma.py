@@ -9,8 +9,8 @@ the dequantize + cuBLAS output (the same bf16 weights: only the summation order 
         DEQUANT_GEMM_MIN_M, dequantize + cuBLAS from it -- by 3%+: int4-mma/<device>.json beside --out, or
         --plans-dir: `int4_mma_plans`' file for this device, to commit with the result)
 
-Why and prediction: int4_mma_triton's docstring (four layers at M = 256 on an H100 ~320-380 us against
-dequantize + cuBLAS ~600). Timing: each call alone, CUDA events over 10 (h200_llama8b._events_ms).
+Why, predictions and outcomes: int4_mma_triton's docstring and the comments on TILES below. Timing: each call
+alone, CUDA events over 10 (h200_llama8b._events_ms).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ TILES = [(128, 256, 8, 2), (128, 256, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), 
 # The same tiles with the pairs dequantize (MmaTile.pairs: neighbouring inputs one register; the same numbers).
 # Prediction (before any run; sm_90 SASS 12-15% fewer instructions a K tile from 32 tokens, +8% at 16): -5 to -10%
 # a layer where the tile wins today, nothing at 16 tokens.
-TILES += [t[:4] + (t[4] if len(t) > 4 else 1, True) for t in TILES if t[1] >= 32
-          and t[:4] in {(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 256, 8, 3), (64, 32, 4, 4)}]
+TILES += [t[:4] + (t[4] if len(t) > 4 else 1, True) for t in TILES
+          if t[:4] in {(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 256, 8, 3), (64, 32, 4, 4)}]
 
 
 WIN = 0.97  # a tile is written where its time is under this fraction of the time of the path it replaces
@@ -102,6 +102,7 @@ def main() -> None:
     llama = _sibling("h200_llama8b")
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = {name: prefill._layer(n, k, gen) for name, (n, k) in prefill.SHAPES.items()}
+    tiles = _tiles(MmaTile)  # (label, tile)
     t0 = time.perf_counter()
     rows = []
     for m in (int(v) for v in ns.ms.split(",")):
@@ -113,11 +114,11 @@ def main() -> None:
             fns = {"dequant_cublas": lambda: x @ int4_dequantize(qw, s, z, g, torch.bfloat16, 128),
                    "shipped_tile_gemm": lambda: int4_gemm(x, qw, s, z, g, group_size=128),
                    "bf16_cublas": lambda: x @ dense}
-            for label, tile in _tiles(MmaTile):
+            for label, tile in tiles:
                 fns[label] = lambda tile=tile: int4_mma_gemm(x, qw, s, z, 128, tile=tile)
-            first = _tiles(MmaTile)[0][1]  # the float32 dequantize, for its cost against the 16-bit one
-            fns["float32 dequantize " + _tiles(MmaTile)[0][0]] = lambda: int4_mma_gemm(x, qw, s, z, 128, tile=first,
-                                                                                       magic16=False)
+            first_label, first = tiles[0]  # the float32 dequantize, for its cost against the 16-bit one
+            fns["float32 dequantize " + first_label] = lambda: int4_mma_gemm(x, qw, s, z, 128, tile=first,
+                                                                             magic16=False)
             row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
             for label, fn in fns.items():
                 if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):
@@ -144,7 +145,7 @@ def main() -> None:
             else None for m, t in totals.items()}
     from keel_quantization.int4_linear import DEQUANT_GEMM_MIN_M
 
-    plans = plan_rows(rows, {label: tile for label, tile in _tiles(MmaTile)}, DEQUANT_GEMM_MIN_M)
+    plans = plan_rows(rows, dict(tiles), DEQUANT_GEMM_MIN_M)
     plans_dir = Path(ns.plans_dir) if ns.plans_dir else Path(ns.out).parent / "int4-mma"
     plans_dir.mkdir(parents=True, exist_ok=True)
     from keel_quantization.int4_mma_plans import device_file_name

@@ -61,11 +61,9 @@ t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('c
 import sys, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$d'), 'llama8b', quantization='$q')
 print('$q checkpoint written', round(time.perf_counter() - t, 1), 's')";;
-    keel-gptq-act-ckpt|vllm-gptq-act-ckpt)
-      timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $GPTQ_ACT_CKPT --vllm-site $VSITE \
-        --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
-    keel-gptq-ckpt|vllm-gptq-ckpt)
-      timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $GPTQ_CKPT --vllm-site $VSITE \
+    keel-gptq-ckpt|vllm-gptq-ckpt|keel-gptq-act-ckpt|vllm-gptq-act-ckpt)
+      d=$(case $part in *-act-*) echo $GPTQ_ACT_CKPT;; *) echo $GPTQ_CKPT;; esac)
+      timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $d --vllm-site $VSITE \
         --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-llama|vllm-llama|diag-llama|keel-llama-*|vllm-llama-*)
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"

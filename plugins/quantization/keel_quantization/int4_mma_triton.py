@@ -25,12 +25,15 @@ eight planes' dequantize and MMAs ran in series: 1063 us at M = 256 against 745 
 cuBLAS 301), 698 / 578 at M = 128, 1068 / 884 at 512; it won only gate_up at M = 128 (167 vs 240). Joined, the
 sm_90 compile issues a tile's MMAs as one group and keeps one group in flight (wait_group 1) while the next
 tile is loaded and dequantized; the joined tile reaches the MMA's register layout through stmatrix /
-ldmatrix. Unmeasured: `int4_linear` routes to it only where a measured plan file says so (`int4_mma_plans`);
-part `int4-mma` measures it and writes that file. Prediction, from the sm_90 SASS (`benchmarks/sass_mix.py
+ldmatrix. `int4_linear` routes to it only where a measured plan file says so (`int4_mma_plans`); part
+`int4-mma` measures it and writes that file. Prediction, from the sm_90 SASS (`benchmarks/sass_mix.py
 --mma`): a thread issues ~490-540 instructions a K tile whatever the tile, so a 128 x 256 tile (8 warps) spends
 ~1040 issue clocks per scheduler against ~2050 of MMA and, overlapped, runs at the MMA's pace; 128 x 128 is
 balanced (~970 / ~1020). Four layers at M = 256 on an H100 ~450-550 us (the small layers fill 32-48 of 132 SMs
-at N / 128 programs) against dequantize + cuBLAS's 745; gate_up alone ~120 against 288.
+at N / 128 programs) against dequantize + cuBLAS's 745; gate_up alone ~120 against 288. Measured at 415397c
+(`h100-int4-mma-415397c.json`): 537 us with the best single tile (dequantize + cuBLAS 576 in that run), gate_up
+208; with a tile per layer shape and K split across programs (e10cd51, `h100-int4-mma-e10cd51.json`) 499 --
+still ~2x bf16 cuBLAS on a ready weight (247).
 
 Pairs (`MmaTile.pairs`, unmeasured): the 16-bit dequantize above works a nibble plane at a time, and its packed
 math pairs neighbouring outputs (the load's vector), so every pair of neighbouring inputs -- what one register of
@@ -40,8 +43,9 @@ or-ed into both halves) and reads that register as two 16-bit values (inline PTX
 fewer instructions a K tile from 32 tokens (64 x 128: 487 -> 414), more at 16 (401 -> 434), the same numbers.
 Predicted -5 to -10% a layer where the tile wins today; part `int4-mma` times both forms.
 
-Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order); desc_act's gathered
-groups and groups under 128 inputs are not served (`misfit` says why; a caller keeps its other paths).
+Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order: act order is, once
+`int4_linear` has permuted it); gathered groups and groups under 128 inputs are not served (`misfit` says
+why; a caller keeps its other paths).
 """
 
 from __future__ import annotations
