@@ -50,6 +50,9 @@
 #             over ("before"), then the tree restored: a change's effect on the step in one call
 #   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (1024-8192 tokens) against dense cuBLAS,
 #             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size)
+#   host-dsv2 host-llama  h200_step_profile.py --host-prefill (dummy weights, batch 1): the prefill step's CPU vs wall
+#             time, each engine.step's wall in it and a cProfile top list (DSV2-Lite's prefill wall ran ~35 ms past
+#             its GPU time on the H200 at d646db6, Llama-8B's ~0)
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
@@ -181,6 +184,9 @@ for part in "$@"; do
         if [ -f "$bak/$f" ]; then cp "$bak/$f" "$f"; fi; done;;
     moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" >"$W/moe-prefill.log" 2>&1
                  grep -o '"tokens": [0-9]*\|"pair_ms": {[^}]*}' "$W/moe-prefill.log" | paste -sd' ';;
+    host-dsv2|host-llama) arch=$([ $part = host-dsv2 ] && echo dsv2lite || echo llama8b)
+                  timeout 150 python3 benchmarks/h200_step_profile.py --arch $arch --batch 1 --mixed "" --host-prefill \
+                    --out "$W/h200-step-profile-host-$arch.json" >"$W/$part.log" 2>&1; tail -c 600 "$W/$part.log";;
     router) timeout 90 python3 benchmarks/h200_router_gemm.py --out "$W/h200-router-gemm.json" >"$W/router.log" 2>&1
             tail -n 12 "$W/router.log" | cut -c1-300;;
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \

@@ -109,8 +109,8 @@ def mixed_profile(engine, vocab: int, seed: int, window: int = 3) -> dict:
             "num_kernels": prof.get("num_kernels"), "categories": prof.get("categories")}
 
 
-def prefill_profile(engine, vocab: int) -> dict:
-    """One step scheduling max_num_batched_tokens prompt tokens (64 prompts of 128)."""
+def prefill_profile(engine, vocab: int, host: bool = False) -> dict:
+    """One step scheduling max_num_batched_tokens prompt tokens (64 prompts of 128); `host`: with `host_profile`."""
     from keel.engine.sampling_params import SamplingParams
 
     n = vs.LIMITS["max_num_batched_tokens"] // vs.PROMPT_LEN
@@ -126,7 +126,55 @@ def prefill_profile(engine, vocab: int) -> dict:
             engine.step()
 
     wall_ms, prof = _timed_and_profiled(one_prefill_step)
-    return {"tokens": n * vs.PROMPT_LEN, "wall_ms_median": round(wall_ms, 2), **prof}
+    out = {"tokens": n * vs.PROMPT_LEN, "wall_ms_median": round(wall_ms, 2), **prof}
+    if host:
+        out["host"] = _guarded(lambda: host_profile(engine, one_prefill_step))
+    return out
+
+
+def host_profile(engine, fn, top: int = 25) -> dict:
+    """Where a call's host time goes: its wall and this process's CPU time (CPU well under wall: the host
+    waits on the device; about equal: the host is the bound), the wall of each `engine.step()` in it, and a
+    cProfile top list (by own and by cumulative time) of one more call."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    steps = []
+    step = engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            steps.append(round((time.perf_counter() - t) * 1e3, 2))
+
+    engine.step = timed_step
+    try:
+        sync()
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        sync()
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        step_walls = list(steps)
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        sync()
+        prof.disable()
+    finally:
+        engine.step = step
+    lists = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        lists[key] = buf.getvalue().splitlines()[-top - 2:]
+    return {"wall_ms": round(wall * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2), "step_walls_ms": step_walls,
+            "cprofile_by_tottime": lists["tottime"], "cprofile_by_cumulative": lists["cumulative"]}
 
 
 def _timed_and_profiled(fn, repeats: int = 3, profiled: int = 2) -> tuple[float, dict]:
@@ -162,6 +210,9 @@ def main() -> None:
     ap.add_argument("--no-pdl-quant", action="store_true",
                     help="the quantization plugin's kernels without programmatic dependent launch "
                          "(keel_quantization.pdl; --no-pdl implies it)")
+    ap.add_argument("--host-prefill", action="store_true",
+                    help="also time the prefill step's host side: CPU vs wall time, each engine.step's wall, and "
+                         "a cProfile top list (why a step's wall exceeds its GPU time)")
     ap.add_argument("--plans", default=None, metavar="SMALL_M_JSON",
                     help="the quantized decode GEMMs take a small-m sweep's plans (h200_quant_small_m.py's result) "
                          "over the shipped tables, for the families it swept")
@@ -219,7 +270,7 @@ def main() -> None:
         for i, b in enumerate(int(x) for x in a.batch.split(",")):
             result["decode"].append(decode_profile(engine, b, vocab, seed=500 + i, mixed_window=b in mixed))
             print(json.dumps({k: v for k, v in result["decode"][-1].items() if k != "top_kernels"}), flush=True)
-        result["prefill"] = prefill_profile(engine, vocab)
+        result["prefill"] = prefill_profile(engine, vocab, host=a.host_prefill)
     finally:
         if a.out:
             Path(a.out).write_text(json.dumps(result, indent=1))
