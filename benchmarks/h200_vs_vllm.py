@@ -109,12 +109,12 @@ def hub_tensors_llama(c: dict):
 GPTQ_ZEROS = 0x77777777  # eight nibbles of 7: zero point 8 stored minus one (checkpoint_format gptq)
 
 
-def gptq_tensors(name: str, shape: tuple[int, int], gen, act_order: bool = False) -> dict:
+def gptq_tensors(name: str, shape: tuple[int, int], gen, act_order: bool = False, g_idx=None) -> dict:
     """A linear weight [N, K] in GPTQ's 4-bit g128 layout (sym; `act_order`: desc_act's g_idx, each group 128
-    inputs drawn at random, as GPTQ's activation order leaves them) with random codes: qweight [K/8, N] int32
-    (8 inputs a word), qzeros [K/128, N/8], scales [K/128, N] fp16 sized so the weight's std is ~1/sqrt(K)
-    (codes 0..15 about 8: std 4.6 scales), g_idx [K]. Values, not a quantized model: enough for both engines
-    to run the same GPTQ kernels on the same bytes."""
+    inputs drawn at random, as GPTQ's activation order leaves them, or `g_idx` if given) with random codes:
+    qweight [K/8, N] int32 (8 inputs a word), qzeros [K/128, N/8], scales [K/128, N] fp16 sized so the weight's
+    std is ~1/sqrt(K) (codes 0..15 about 8: std 4.6 scales), g_idx [K]. Values, not a quantized model: enough
+    for both engines to run the same GPTQ kernels on the same bytes."""
     import torch
 
     n, k = shape
@@ -125,8 +125,32 @@ def gptq_tensors(name: str, shape: tuple[int, int], gen, act_order: bool = False
     return {base + ".qweight": qweight.cpu(),
             base + ".qzeros": torch.full((k // g, n // 8), GPTQ_ZEROS, dtype=torch.int32),
             base + ".scales": scales.half().cpu(),
-            base + ".g_idx": (torch.randperm(k, generator=gen, device=gen.device).cpu().to(torch.int32) // g
+            base + ".g_idx": (g_idx.clone() if g_idx is not None else  # safetensors stores no shared tensors
+                              torch.randperm(k, generator=gen, device=gen.device).cpu().to(torch.int32) // g
                               if act_order else torch.arange(k, dtype=torch.int32) // g)}
+
+
+def shared_input(name: str) -> str:
+    """Projections reading the same activations: q / k / v, gate / up. GPTQ's activation order sorts a layer's
+    inputs by its Hessian, which only the input decides, so a real desc_act checkpoint gives them one g_idx."""
+    return re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
+
+
+def checkpoint_tensors(name: str, shape: tuple[int, ...], gen, quantization: str | None, g_idx_of: dict) -> dict:
+    """One hub tensor of `write_checkpoint` (drawn on `gen`'s device, returned on the CPU): norms 1, matrices
+    N(0, 1/fan_in) in bf16, or with quantization "gptq" / "gptq-act" the projections in GPTQ's layout; `g_idx_of`
+    carries the g_idx drawn for each `shared_input` so projections reading the same activations share it."""
+    import torch
+
+    if len(shape) == 1:
+        return {name: torch.ones(shape, dtype=torch.bfloat16)}
+    if quantization in ("gptq", "gptq-act") and name.endswith("_proj.weight"):
+        ts = gptq_tensors(name, shape, gen, act_order=quantization == "gptq-act",
+                          g_idx=g_idx_of.get(shared_input(name)))
+        g_idx_of[shared_input(name)] = next(t for key, t in ts.items() if key.endswith(".g_idx"))
+        return ts
+    t = torch.randn(shape, generator=gen, device=gen.device, dtype=torch.float32) / shape[1] ** 0.5
+    return {name: t.to(torch.bfloat16).cpu()}
 
 
 def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 << 30,
@@ -143,6 +167,7 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
     write_config(out, arch, quantization)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shard, size, index, n = {}, 0, {}, 0
+    g_idx_of: dict = {}  # shared_input(name) -> the g_idx its first projection drew
 
     def flush():
         nonlocal shard, size, n
@@ -154,13 +179,7 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
 
     tensors = hub_tensors_dsv2(DSV2_LITE) if arch == "dsv2lite" else hub_tensors_llama(LLAMA3_8B)
     for name, shape in tensors:
-        if len(shape) == 1:
-            ts = {name: torch.ones(shape, dtype=torch.bfloat16)}
-        elif quantization in ("gptq", "gptq-act") and name.endswith("_proj.weight"):
-            ts = gptq_tensors(name, shape, gen, act_order=quantization == "gptq-act")
-        else:
-            t = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) / shape[1] ** 0.5)
-            ts = {name: t.to(torch.bfloat16).cpu()}
+        ts = checkpoint_tensors(name, shape, gen, quantization, g_idx_of)
         shard.update(ts)
         size += sum(t.numel() * t.element_size() for t in ts.values())
         if size >= shard_bytes:

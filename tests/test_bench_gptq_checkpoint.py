@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("keel_quantization") is
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import h200_vs_vllm as vs  # noqa: E402
 
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rope_theta=10000.0,
             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -30,23 +30,25 @@ def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch, layout)
     monkeypatch.setattr(vs, "LLAMA3_8B", TINY)
     vs.write_config(tmp_path, "llama8b", layout)
     gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, shape in vs.hub_tensors_llama(TINY):
-        if len(shape) == 1:
-            tensors[name] = torch.ones(shape)
-        elif name.endswith("_proj.weight"):
-            tensors.update(vs.gptq_tensors(name, shape, gen, act_order=layout == "gptq-act"))
-        else:
-            tensors[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+    tensors, g_idx_of = {}, {}
+    for name, shape in vs.hub_tensors_llama(TINY):  # write_checkpoint's tensors, drawn on the CPU
+        tensors.update(vs.checkpoint_tensors(name, shape, gen, layout, g_idx_of))
     q = "model.layers.0.self_attn.q_proj"
-    assert tensors[f"{q}.qweight"].shape == (128 // 8, 128) and tensors[f"{q}.scales"].shape == (1, 128)
-    assert tensors["model.layers.0.mlp.down_proj.qzeros"].shape == (2, 128 // 8)
+    assert tensors[f"{q}.qweight"].shape == (256 // 8, 256) and tensors[f"{q}.scales"].shape == (2, 256)
+    assert tensors["model.layers.0.mlp.down_proj.qzeros"].shape == (4, 256 // 8)
+    # projections reading the same activations share one g_idx, as GPTQ's activation order gives them (keel
+    # refuses a fused layer whose shards differ); act order shuffles each input's group
+    for shards in (("q", "k", "v"), ("gate", "up")):
+        part = "self_attn" if shards[0] == "q" else "mlp"
+        g = [tensors[f"model.layers.1.{part}.{s}_proj.g_idx"] for s in shards]
+        assert all(torch.equal(g[0], x) for x in g[1:])
+        assert (layout == "gptq-act") == (not torch.equal(g[0], torch.arange(256, dtype=torch.int32) // 128))
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "gptq" and qcfg["desc_act"] == (layout == "gptq-act")
-    g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]  # K 256: two groups of 128
-    assert sorted(g_idx.tolist()) == [0] * 128 + [1] * 128
-    assert (layout == "gptq-act") == (not torch.equal(g_idx, torch.arange(256, dtype=torch.int32) // 128))
+    g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]  # K 512: four groups of 128
+    assert sorted(g_idx.tolist()) == [0] * 128 + [1] * 128 + [2] * 128 + [3] * 128
+    assert (layout == "gptq-act") == (not torch.equal(g_idx, torch.arange(512, dtype=torch.int32) // 128))
 
     from keel import LLM, SamplingParams
 
@@ -67,7 +69,7 @@ def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch, layout)
     assert bool((zeros == 8).all())
     w = int4_math.dequantize_int4(int4_math.unpack_rows(tensors[f"{q}.qweight"]), zeros, tensors[f"{q}.scales"],
                                   tensors[f"{q}.g_idx"], torch.float32)
-    assert abs(w.std().item() * 128**0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.01
+    assert abs(w.std().item() * 256**0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.01
     llm.shutdown()
 
 
