@@ -30,8 +30,6 @@ def compile_sm90(fn, sig: dict, consts: dict, ones=ONES, **options):
     consts, sig = dict(consts), dict(sig)
     if "PDL" in fn.arg_names and "PDL" not in consts:  # the kernel plugins' programmatic dependent launch
         consts["PDL"] = False
-    if "PERM" in fn.arg_names and "PERM" not in consts:  # int4 act order's activation columns: in order
-        consts["PERM"] = False
     for name in ones:
         if name in sig:
             sig.pop(name)
@@ -73,7 +71,7 @@ def _int4_cases():
 
     i32 = "i32"
     gemm = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "y_ptr": "*bf16",
-            "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, "perm_ptr": "*i64",
+            "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
             **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn",
                                 "stride_ys", "stride_ym", "stride_yn")}}
     yield ("int4 GEMM 128x128x64 w8 s3 (bf16 nibbles)", int4_triton._int4_gemm_kernel, gemm,
@@ -88,7 +86,7 @@ def _int4_cases():
                {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN": True, "PREFETCH": False},
                {"num_warps": w})
     mma = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16", "M": i32,
-           "N": i32, "K": i32, "K_PER_SPLIT": i32, "perm_ptr": "*i64", **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk",
+           "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk",
                                                                      "stride_sg", "stride_ys", "stride_ym",
                                                                      "stride_yn")}}
     for pairs in (False, True):

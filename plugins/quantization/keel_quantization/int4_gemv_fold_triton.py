@@ -74,11 +74,9 @@ def _words(qw_ptr, k0, k_end, offs_w, offs_n, mask_n, stride_qk, stride_qn, EVEN
 
 
 @triton.jit
-def _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN: tl.constexpr, PERM: tl.constexpr, perm_ptr):
+def _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN: tl.constexpr):
     """Float32 activations [BM, BK / 8, 1] of inputs k [BK / 8] (0 past the split; rows are clamped to
-    real ones, their outputs never stored); PERM: input k is activation column perm[k]."""
-    if PERM:
-        k = tl.load(perm_ptr + k) if EVEN else tl.load(perm_ptr + k, mask=mask_w, other=0)
+    real ones, their outputs never stored)."""
     ptrs = x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk
     if EVEN:
         x = tl.load(ptrs)
@@ -88,11 +86,10 @@ def _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN: tl.constexpr, PERM
 
 
 @triton.jit
-def _x_pair(x_ptr, rows, words, j: tl.constexpr, mask_w, stride_xm, stride_xk, EVEN: tl.constexpr,
-            PERM: tl.constexpr, perm_ptr):
+def _x_pair(x_ptr, rows, words, j: tl.constexpr, mask_w, stride_xm, stride_xk, EVEN: tl.constexpr):
     """Activations of inputs 8 * word + j and + j + 1, [BM, BK / 8, 1] each."""
-    return (_x_at(x_ptr, rows, 8 * words + j, mask_w, stride_xm, stride_xk, EVEN, PERM, perm_ptr),
-            _x_at(x_ptr, rows, 8 * words + j + 1, mask_w, stride_xm, stride_xk, EVEN, PERM, perm_ptr))
+    return (_x_at(x_ptr, rows, 8 * words + j, mask_w, stride_xm, stride_xk, EVEN),
+            _x_at(x_ptr, rows, 8 * words + j + 1, mask_w, stride_xm, stride_xk, EVEN))
 
 
 @triton.jit
@@ -114,8 +111,6 @@ def _int4_gemv_fold_kernel(
     EVEN: tl.constexpr,  # BLOCK_K divides K and BLOCK_N divides N: no masks in the loop
     PREFETCH: tl.constexpr,  # load each tile's words one iteration ahead (registers; the plan's num_stages 2)
     PDL: tl.constexpr = False,
-    PERM: tl.constexpr = False,  # input k of the weight is activation column perm[k] (act order, permuted)
-    perm_ptr=None,
 ):
     pdl_enter(PDL)
     pid_s = tl.program_id(1)
@@ -154,14 +149,10 @@ def _int4_gemv_fold_kernel(
             s = tl.load(s_ptr + sz, mask=mask_sz, other=0.0).to(tl.float32)  # [1, BK / 8, BN]
             z = tl.load(z_ptr + sz, mask=mask_sz, other=0.0).to(tl.float32)
         if GROUP > 0:
-            x0, x1 = _x_pair(x_ptr, rows, words, 0, mask_w, stride_xm, stride_xk, EVEN, PERM,
-                             perm_ptr)  # [BM, BK / 8, 1]
-            x2, x3 = _x_pair(x_ptr, rows, words, 2, mask_w, stride_xm, stride_xk, EVEN, PERM,
-                             perm_ptr)
-            x4, x5 = _x_pair(x_ptr, rows, words, 4, mask_w, stride_xm, stride_xk, EVEN, PERM,
-                             perm_ptr)
-            x6, x7 = _x_pair(x_ptr, rows, words, 6, mask_w, stride_xm, stride_xk, EVEN, PERM,
-                             perm_ptr)
+            x0, x1 = _x_pair(x_ptr, rows, words, 0, mask_w, stride_xm, stride_xk, EVEN)  # [BM, BK / 8, 1]
+            x2, x3 = _x_pair(x_ptr, rows, words, 2, mask_w, stride_xm, stride_xk, EVEN)
+            x4, x5 = _x_pair(x_ptr, rows, words, 4, mask_w, stride_xm, stride_xk, EVEN)
+            x6, x7 = _x_pair(x_ptr, rows, words, 6, mask_w, stride_xm, stride_xk, EVEN)
             even = (x0 + x2) + (x4 + x6)  # E, O: shared by every column of the word row
             odd = (x1 + x3) + (x5 + x7)
             # a = sum_j x_j v_j - (E + O / 16) - z X / 256 = (Q - z X) / 256, started at the subtrahend
@@ -185,7 +176,7 @@ def _int4_gemv_fold_kernel(
                         q = (lo - 1.0) * 256.0  # exact small integers
                     else:
                         q = (hi - 0.0625) * 256.0
-                    x = _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN, PERM, perm_ptr)
+                    x = _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN)
                     total += x * ((q - z) * s)
     out = tl.sum(total, axis=1)  # [BM, BN]
     y_ptr += pid_s * stride_ys

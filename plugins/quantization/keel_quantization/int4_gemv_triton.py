@@ -28,8 +28,6 @@ def _int4_gemv_kernel(
     GROUP: tl.constexpr,  # > 0: input k is in group k // GROUP and BLOCK_K divides GROUP; 0: read g_idx
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
-    PERM: tl.constexpr = False,  # input k of the weight is activation column perm[k] (act order, permuted)
-    perm_ptr=None,
 ):
     pdl_enter(PDL)
     pid_s = tl.program_id(1)
@@ -64,8 +62,7 @@ def _int4_gemv_kernel(
                 s = tl.load(s_ptr + sz, mask=mkn, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + sz, mask=mkn, other=0.0).to(tl.float32)
             w = (q - z) * s  # [BK / 8, BN]
-            cols = tl.load(perm_ptr + k, mask=mask_w, other=0) if PERM else k  # [BK / 8]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                         mask=mask_m[:, None] & mask_w[None, :], other=0.0).to(tl.float32)  # [BM, BK / 8]
             acc += x[:, :, None] * w[None, :, :]
     out = tl.sum(acc, axis=1)  # [BM, BN]

@@ -185,10 +185,8 @@ class Int4LinearMethod:
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
-        # act order, put in group order after loading: the Triton GEMMs read activation column perm[j] for their
-        # input j in their loads (a gather launch per layer cost ~0.9 ms of a Llama-8B batch-1 step on the H100,
-        # h100-vs-vllm-3adf255.json); dequantize + cuBLAS and the torch path gather first
-        perm = getattr(module, "input_perm", None)
+        if getattr(module, "input_perm", None) is not None:  # act order, put in group order after loading
+            x2 = x2.index_select(1, module.input_perm)
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
         tile = (self.mma_tile(x2.shape[0], module.qweight.shape[1], x2.shape[1], x2.dtype,
                               _device_name(x2.device.index))
@@ -197,8 +195,7 @@ class Int4LinearMethod:
             from keel_quantization.int4_mma_triton import int4_mma_gemm
 
             self.last_backend = "triton_mma"
-            out = int4_mma_gemm(x2, module.qweight, module.scales, module.zeros, self.group_in_order, tile=tile,
-                                perm=perm)
+            out = int4_mma_gemm(x2, module.qweight, module.scales, module.zeros, self.group_in_order, tile=tile)
             if bias is not None:
                 out = out + bias
         elif use_triton and x2.shape[0] >= DEQUANT_GEMM_MIN_M:
@@ -207,18 +204,16 @@ class Int4LinearMethod:
             self.last_backend = "triton_dequant"
             w = int4_dequantize(module.qweight, module.scales, module.zeros, module.g_idx, x.dtype,
                                 self.group_in_order)  # [in, out]
-            x2 = x2 if perm is None else x2.index_select(1, perm)
             out = x2 @ w if bias is None else torch.addmm(bias, x2, w)
         elif use_triton:
             from keel_quantization.int4_triton import int4_gemm
 
             self.last_backend = "triton"
             out = int4_gemm(x2, module.qweight, module.scales, module.zeros, module.g_idx,
-                            group_size=self.group_in_order, perm=perm)
+                            group_size=self.group_in_order)
             if bias is not None:
                 out = out + bias
         else:
             self.last_backend = "torch"
-            x2 = x2 if perm is None else x2.index_select(1, perm)
             out = torch.nn.functional.linear(x2, self._dequantized(module).to(x.dtype), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])

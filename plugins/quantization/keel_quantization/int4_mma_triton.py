@@ -112,8 +112,6 @@ def _int4_mma_kernel(
     OFFSET: tl.constexpr = 0.0,
     PDL: tl.constexpr = False,
     PAIRS: tl.constexpr = False,  # with MAGIC16: neighbouring inputs dequantized as one register (_pair_halves)
-    PERM: tl.constexpr = False,  # input k of the weight is activation column perm[k] (act order, permuted)
-    perm_ptr=None,
 ):
     pdl_enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows (outputs)
@@ -155,8 +153,7 @@ def _int4_mma_kernel(
                         tl.join(tl.join(_plane(packed, 1, zb, s, dt, MAGIC16), _plane(packed, 5, zb, s, dt, MAGIC16)),
                                 tl.join(_plane(packed, 3, zb, s, dt, MAGIC16), _plane(packed, 7, zb, s, dt, MAGIC16))))  # [BN, KW, 2, 2, 2]
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BN, BK]
-        cols = tl.load(perm_ptr + k0 + offs_k) if PERM else k0 + offs_k  # [BK]
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask_m[None, :],
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None] * stride_xk, mask=mask_m[None, :],
                      other=0.0)  # [BK, BM]
         if DOT_F32:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
@@ -176,7 +173,6 @@ def int4_mma_gemm(
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, written in full
     tile: MmaTile = DEFAULT_TILE,
     magic16: bool = True,  # dequantize in 16-bit math (the same numbers); False: in float32 (benchmarks compare)
-    perm: torch.Tensor | None = None,  # [K] int: the weight's input k reads x[:, perm[k]] (act order, permuted)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n = qweight.shape[1]
@@ -190,9 +186,6 @@ def int4_mma_gemm(
     why = misfit(k, group_size, tile)
     if why:
         raise ValueError(f"int4_mma_gemm: {why}")
-    if perm is not None and (perm.shape != (k,) or perm.device != x.device):
-        raise ValueError(f"int4_mma_gemm: perm must be [K] = [{k}] on {x.device}, got {tuple(perm.shape)} on "
-                         f"{perm.device}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
@@ -206,7 +199,7 @@ def int4_mma_gemm(
                            # int4_triton's table: x's dtype -> (bits, value) of OFFSET, whose mantissa's
                            # last 4 bits take a nibble exactly
                            MAGIC16=_MAGIC[x.dtype][0] if magic16 and x.device.type != "cpu" else 0,
-                           PAIRS=tile.pairs, PERM=perm is not None, perm_ptr=perm if perm is not None else qweight,
+                           PAIRS=tile.pairs,
                            OFFSET=_MAGIC[x.dtype][1],
                            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_kwargs(x))
     return dst.finish()

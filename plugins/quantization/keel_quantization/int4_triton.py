@@ -79,8 +79,6 @@ def _int4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     MAGIC: tl.constexpr, OFFSET: tl.constexpr,  # bits and value of the float a nibble is or-ed into (0: float path)
     PDL: tl.constexpr = False,
-    PERM: tl.constexpr = False,  # input k of the weight is activation column perm[k] (act order, permuted)
-    perm_ptr=None,
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -94,8 +92,7 @@ def _int4_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0) if PERM else offs_k  # [BK]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
         if GROUP > 0 and MAGIC != 0:  # in-order groups, bf16 / fp16 activations: no float conversion per weight
             w = _int4_tile_magic(qw_ptr, k0, k_end, offs_n, mask_n, stride_qk, stride_qn, BLOCK_K, BLOCK_N,
@@ -138,7 +135,6 @@ def int4_gemm(
     group_size: int = 0,  # > 0: g_idx is k // group_size (inputs in order; a power of two >= 8, or K)
     tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K) of the dot kernel; tests pick small ones
     plan: SmallMPlan | None = None,  # kernel, tiles, K split; default small_m_plan.int4_plan (per shape)
-    perm: torch.Tensor | None = None,  # [K] int: the weight's input k reads x[:, perm[k]] (act order, permuted)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n = qweight.shape[1]
@@ -155,10 +151,7 @@ def int4_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    if perm is not None and (perm.shape != (k,) or perm.device != x.device):
-        raise ValueError(f"int4_gemm: perm must be [K] = [{k}] on {x.device}, got {tuple(perm.shape)} on {perm.device}")
     dst = SplitKOutput(y, k, bk, plan.split_k)
-    perm_args = {"PERM": perm is not None, "perm_ptr": perm if perm is not None else g_idx}
     args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
     gemv_grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
@@ -166,16 +159,16 @@ def int4_gemm(
         from keel_quantization.int4_gemv_triton import _int4_gemv_kernel
 
         _int4_gemv_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **plan.launch_options(),
-                                     **perm_args, **pdl_kwargs(x))
+                                     **pdl_kwargs(x))
     elif plan.kernel == "gemv_fold":
         from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
 
         _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
-                                          **plan.launch_options(), **perm_args, **pdl_kwargs(x))
+                                          **plan.launch_options(), **pdl_kwargs(x))
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,
             MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], OFFSET=_MAGIC.get(x.dtype, (0, 0.0))[1], **plan.launch_options(),
-            **perm_args, **pdl_kwargs(x))
+            **pdl_kwargs(x))
     return dst.finish()

@@ -75,16 +75,14 @@ COMPILE = textwrap.dedent('''
 
     i32 = "i32"
     names = list(mma._int4_mma_kernel.arg_names)
-    cases = (("*bf16", (128, 128, 8), False, False), ("*fp16", (64, 128, 4), False, False),
-             ("*bf16", (64, 128, 4), True, False), ("*fp16", (64, 64, 4), True, False),
-             ("*bf16", (64, 32, 4), True, True))  # the last: act order, x at perm[k]
-    for dt, (bn, bm, warps), pairs, perm in cases:
+    for dt, (bn, bm, warps), pairs in (("*bf16", (128, 128, 8), False), ("*fp16", (64, 128, 4), False),
+                                       ("*bf16", (64, 128, 4), True), ("*fp16", (64, 64, 4), True)):
         sig = {"x_ptr": dt, "qw_ptr": "*i32", "s_ptr": dt, "z_ptr": dt, "y_ptr": dt, "M": i32, "N": i32, "K": i32,
-               "K_PER_SPLIT": i32, "perm_ptr": "*i64", **{s: i32 for s in ("stride_xm", "stride_qk", "stride_sg", "stride_ys", "stride_ym")}}
+               "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_qk", "stride_sg", "stride_ys", "stride_ym")}}
         # as a launch on Llama's shapes specializes them: unit strides constant, the rest divisible by 16
         consts = {"stride_xk": 1, "stride_yn": 1, "GROUP": 128, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128,
                   "DOT_F32": False, "MAGIC16": 0x4300 if dt == "*bf16" else 0x6400,
-                  "OFFSET": 128.0 if dt == "*bf16" else 1024.0, "PDL": True, "PAIRS": pairs, "PERM": perm}
+                  "OFFSET": 128.0 if dt == "*bf16" else 1024.0, "PDL": True, "PAIRS": pairs}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr",
                                                                          "N", "K", "K_PER_SPLIT", "stride_xm",
                                                                          "stride_qk", "stride_sg", "stride_ys",
@@ -92,7 +90,7 @@ COMPILE = textwrap.dedent('''
         src = ASTSource(fn=mma._int4_mma_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         constexprs=consts, attrs=attrs)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
-        with open(f"{dt[1:]}{'-pairs' if pairs else ''}{'-perm' if perm else ''}.ptx", "w") as f:
+        with open(f"{dt[1:]}{'-pairs' if pairs else ''}.ptx", "w") as f:
             f.write(out.asm["ptx"])
     print("compiled")
 ''')

@@ -22,14 +22,11 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_triton,
-                                   int4_dequant_triton, int4_gemv_fold_triton, int4_gemv_triton, int4_triton,
-                                   splitk_reduce)
+                                   int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
             consts = {**consts, "PDL": True}
-        if "PERM" in fn.arg_names:  # in-order inputs unless the case says act order (perm in the loads)
-            consts = {"PERM": False, **consts}
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
         assert "cubin" in out.asm
@@ -87,7 +84,7 @@ SCRIPT = textwrap.dedent('''
                **{s: i32 for s in ("stride_ws", "stride_wm", "stride_ym", "stride_yn")}}
         compile_(splitk_reduce._splitk_reduce_kernel, sig, {"BLOCK": 1024})
     sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
-           "y_ptr": "*bf16", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, "perm_ptr": "*i64",
+           "y_ptr": "*bf16", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
            **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn",
                                "stride_ys", "stride_ym", "stride_yn")}}
     # the float path (MAGIC 0), then nibbles or-ed into bf16 128.0 / fp16 1024.0 (in-order groups only)
@@ -110,16 +107,6 @@ SCRIPT = textwrap.dedent('''
              {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "g_ptr": "*i32", "w_ptr": "*fp16",
               **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
              {"GROUP": 32, "BLOCK_K": 128, "BLOCK_N": 128})
-    # act order served in the loads: activation column perm[k] for input k, each int4 GEMM and GEMV
-    compile_(int4_triton._int4_gemm_kernel, sig, {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
-                                                  "DOT_F32": False, "MAGIC": 0x4300, "OFFSET": 128.0, "PERM": True},
-             num_warps=4, num_stages=3)
-    compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
-             {"GROUP": 128, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "PERM": True})
-    for even in (True, False):
-        compile_(int4_gemv_fold_triton._int4_gemv_fold_kernel, sig,
-                 {"GROUP": 128, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 1024, "EVEN": even, "PREFETCH": not even,
-                  "PERM": True}, num_warps=4)
     half = {**sig, "x_ptr": "*fp16", "s_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}
     compile_(int4_triton._int4_gemm_kernel, half, {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
                                                    "DOT_F32": False, "MAGIC": 0x6400, "OFFSET": 1024.0})
