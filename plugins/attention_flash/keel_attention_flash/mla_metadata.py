@@ -19,7 +19,7 @@ import torch
 
 from keel.attention.metadata import CommonAttentionMetadata
 from keel.worker.staging import host_to_device
-from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN, uniform_query_len
+from keel_attention_flash.metadata import MAX_UNIFORM_QUERY_LEN, query_tiles, uniform_query_len
 
 
 @dataclass
@@ -48,18 +48,7 @@ class TritonMLAMetadata:
         """
         found = self._tiles.get(block_q)
         if found is None:
-            # numpy, not torch CPU ops: this runs inside the first MLA layer's forward, with the device
-            # waiting on it; torch's CPU repeat_interleave / cumsum took ~25 ms there on an H100 host
-            # (cProfile of a 64-prompt DSV2-Lite prefill step, h100-step-profile-host-*.json), numpy ~0.1
-            qsl = self.common.query_start_loc_cpu.numpy().astype(np.int64)
-            reqs = np.asarray(self.prefill_reqs, dtype=np.int64)
-            per_req = (qsl[reqs + 1] - qsl[reqs] + block_q - 1) // block_q  # query tiles of each request
-            tile_req = np.repeat(reqs, per_req)
-            first_tile = np.cumsum(per_req) - per_req
-            tile_q0 = (np.arange(int(per_req.sum())) - np.repeat(first_tile, per_req)) * block_q
-            device = self.common.query_start_loc.device
-            found = (host_to_device(torch.from_numpy(tile_req.astype(np.int32)), device),
-                     host_to_device(torch.from_numpy(tile_q0.astype(np.int32)), device))
+            found = query_tiles(self.common, np.asarray(self.prefill_reqs, dtype=np.int64), block_q)
             self._tiles[block_q] = found
         return found
 
