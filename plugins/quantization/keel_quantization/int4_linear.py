@@ -185,9 +185,14 @@ class Int4LinearMethod:
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
         x2 = x.reshape(-1, x.shape[-1])
-        if getattr(module, "input_perm", None) is not None:  # act order, put in group order after loading
-            x2 = x2.index_select(1, module.input_perm)
         use_triton = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        if getattr(module, "input_perm", None) is not None:  # act order, put in group order after loading
+            if use_triton and x2.stride(1) == 1:  # a PDL launch like the GEMMs around it (gather_columns says why)
+                from keel_quantization.gather_columns import gather_columns
+
+                x2 = gather_columns(x2, module.input_perm)
+            else:
+                x2 = x2.index_select(1, module.input_perm)
         tile = (self.mma_tile(x2.shape[0], module.qweight.shape[1], x2.shape[1], x2.dtype,
                               _device_name(x2.device.index))
                 if use_triton and x2.is_cuda else None)

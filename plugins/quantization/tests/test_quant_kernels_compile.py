@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_triton,
-                                   int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
+                                   gather_columns, int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
@@ -107,6 +107,10 @@ SCRIPT = textwrap.dedent('''
              {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "g_ptr": "*i32", "w_ptr": "*fp16",
               **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},
              {"GROUP": 32, "BLOCK_K": 128, "BLOCK_N": 128})
+    for index in ("*i64", "*i32"):  # act order's activation gather
+        compile_(gather_columns._gather_columns_kernel,
+                 {"x_ptr": "*bf16", "perm_ptr": index, "y_ptr": "*bf16", "M": i32, "K": i32, "stride_xm": i32,
+                  "stride_ym": i32}, {"BLOCK_N": 1024})
     half = {**sig, "x_ptr": "*fp16", "s_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}
     compile_(int4_triton._int4_gemm_kernel, half, {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
                                                    "DOT_F32": False, "MAGIC": 0x6400, "OFFSET": 1024.0})
