@@ -52,7 +52,7 @@
 #             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size)
 #   host-dsv2 host-llama  h200_step_profile.py --host-prefill (dummy weights, batch 1): the prefill step's CPU vs wall
 #             time, each engine.step's wall in it and a cProfile top list (DSV2-Lite's prefill wall ran ~35 ms past
-#             its GPU time on the H200 at d646db6, Llama-8B's ~0)
+#             its GPU time on the H200 at d646db6, Llama-8B's ~0; the MLA tile tables' torch CPU ops, numpy since 3adf255)
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
