@@ -171,7 +171,7 @@ def host_profile(engine, fn, top: int = 25) -> dict:
     lists = {}
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)  # no machine's paths
         lists[key] = buf.getvalue().splitlines()[-top - 2:]
     return {"wall_ms": round(wall * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2), "step_walls_ms": step_walls,
             "cprofile_by_tottime": lists["tottime"], "cprofile_by_cumulative": lists["cumulative"]}
