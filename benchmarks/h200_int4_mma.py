@@ -9,8 +9,11 @@ the dequantize + cuBLAS output (the same bf16 weights: only the summation order 
         DEQUANT_GEMM_MIN_M, dequantize + cuBLAS from it -- by 3%+: int4-mma/<device>.json beside --out, or
         --plans-dir: `int4_mma_plans`' file for this device, to commit with the result)
 
-Why, predictions and outcomes: int4_mma_triton's docstring and the comments on TILES below. Timing: each call
-alone, CUDA events over 10 (h200_llama8b._events_ms).
+Why, predictions and outcomes: int4_mma_triton's docstring and the comments on TILES below. Timing: CUDA-graph
+replays cycling through weight copies past the L2 (h200_quant.graph_us), as decode steps run. Until 0b309ac each
+call was timed alone with CUDA events around it (h200_llama8b._events_ms), which counts the host's launch: at 8-32
+tokens (a few to ~60 us of GPU a layer) that measured launches -- one for a split-1 tile, two for the small-M
+path's split-K GEMM and its reduce -- not kernels, and the 8-32-token plans it wrote were withdrawn.
 """
 
 from __future__ import annotations
@@ -76,6 +79,16 @@ def plan_rows(rows: list[dict], tiles: dict, dequant_min_m: int) -> list[dict]:
     return out
 
 
+_COPY_BYTES = 256 << 20  # past the H100's 50 MB and the H200's 60 MB L2, four times over
+
+
+def _copies(tensors: tuple, total_bytes: int) -> list[tuple]:
+    """`tensors` and clones of them, as many sets as reach `total_bytes` together (at most 32)."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    count = max(1, min(32, -(-total_bytes // size)))
+    return [tuple(tensors)] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
+
+
 def _sibling(name: str):
     from keel.testing.scripts import load_script
 
@@ -99,35 +112,37 @@ def main() -> None:
     from keel_quantization.int4_triton import int4_gemm
 
     prefill = _sibling("h200_int4_prefill")
-    llama = _sibling("h200_llama8b")
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = {name: prefill._layer(n, k, gen) for name, (n, k) in prefill.SHAPES.items()}
     tiles = _tiles(MmaTile)  # (label, tile)
     t0 = time.perf_counter()
     rows = []
+    quant = _sibling("h200_quant")
+    # weight copies a timing cycles through, so each replay reads its weight from memory, not the L2
+    copies = {name: _copies(lw[:3], _COPY_BYTES) for name, lw in layers.items()}
     for m in (int(v) for v in ns.ms.split(",")):
         for name, (n, k) in prefill.SHAPES.items():
-            qw, s, z, g = layers[name]
+            w, g = copies[name], layers[name][3]
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            dense = int4_dequantize(qw, s, z, g, torch.bfloat16, 128)
-            ref = (x @ dense).float()
-            fns = {"dequant_cublas": lambda: x @ int4_dequantize(qw, s, z, g, torch.bfloat16, 128),
-                   "shipped_tile_gemm": lambda: int4_gemm(x, qw, s, z, g, group_size=128),
-                   "bf16_cublas": lambda: x @ dense}
+            dense = [t[0] for t in _copies((int4_dequantize(*w[0], g, torch.bfloat16, 128),), _COPY_BYTES)]
+            ref = (x @ dense[0]).float()
+            fns = {"dequant_cublas": (len(w), lambda i: x @ int4_dequantize(*w[i], g, torch.bfloat16, 128)),
+                   "shipped_tile_gemm": (len(w), lambda i: int4_gemm(x, *w[i], g, group_size=128)),
+                   "bf16_cublas": (len(dense), lambda i: x @ dense[i])}
             for label, tile in tiles:
-                fns[label] = lambda tile=tile: int4_mma_gemm(x, qw, s, z, 128, tile=tile)
+                fns[label] = (len(w), lambda i, tile=tile: int4_mma_gemm(x, *w[i], 128, tile=tile))
             first_label, first = tiles[0]  # the float32 dequantize, for its cost against the 16-bit one
-            fns["float32 dequantize " + first_label] = lambda: int4_mma_gemm(x, qw, s, z, 128, tile=first,
-                                                                             magic16=False)
+            fns["float32 dequantize " + first_label] = (len(w), lambda i: int4_mma_gemm(x, *w[i], 128, tile=first,
+                                                                                        magic16=False))
             row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
-            for label, fn in fns.items():
+            for label, (calls, fn) in fns.items():
                 if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):
                     continue  # past the budget: today's paths only
                 try:
-                    out = fn()
+                    out = fn(0)
                     if label.startswith("mma"):
                         row["max_rel_diff"][label] = float((out.float() - ref).abs().max() / ref.abs().max())
-                    row["us"][label] = llama._events_ms(fn, iters=10) * 1000
+                    row["us"][label] = quant.graph_us(fn, calls)
                 except Exception as e:  # a tile that does not compile or fit is a result, not a crash
                     row.setdefault("errors", {})[label] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
