@@ -55,9 +55,12 @@ def test_gptq_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch, layout)
     llm = LLM(model=str(tmp_path), profile="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
               max_num_seqs=2, seed=0)
     assert vs.applied_quantization(llm, "keel") == "gptq"
-    down = llm.llm_engine.core.worker.runner.model.model.layers[0].mlp.down_proj
-    # act order is put in group order once after loading, so the in-order kernels serve it
-    assert (down.input_perm is not None) == (layout == "gptq-act") and down.quant_method.group_in_order == 128
+    layer = llm.llm_engine.core.worker.runner.model.model.layers[0]
+    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+    # act order is put in group order once after loading, so the in-order kernels serve it; the layer gathers its
+    # activations, except down_proj, whose permutation went into gate_up's outputs (set_input_source)
+    assert (qkv.input_perm is not None) == (layout == "gptq-act") and down.input_perm is None
+    assert down.quant_method.group_in_order == 128
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0,
                                                                              ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -88,6 +88,26 @@ class QuantizationMethod(Protocol):
 
 
 @runtime_checkable
+class PermutedInputMethod(Protocol):
+    """Optional, for a `QuantizationMethod` that serves some layers with their inputs permuted (GPTQ's act order,
+    put in group order after loading) and so gathers the activations' columns every forward. Where the model
+    declares that a layer's input is made from another layer's outputs (`LinearBase.set_input_source`), the
+    loader folds the permutation into that producer once (`keel.layers.linear.fold_input_permutations`), and the
+    gather is gone."""
+
+    def take_input_permutation(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """Called by the loader after `process_weights_after_loading`: this layer's input permutation ([in] int,
+        kernel input j reads activation column perm[j]) or None; once returned, the layer no longer applies it
+        (its input arrives permuted)."""
+        ...
+
+    def permute_outputs(self, module: torch.nn.Module, index: torch.Tensor) -> None:
+        """Called by the loader after `process_weights_after_loading`: reorder this layer's outputs so that output
+        j becomes what output index[j] was (the layer's bias is permuted by the caller)."""
+        ...
+
+
+@runtime_checkable
 class FusedMoEMethod(Protocol):
     """Per FusedMoE layer: creates, post-processes and applies the quantized expert weights."""
 

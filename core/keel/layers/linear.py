@@ -80,6 +80,7 @@ class LinearBase(nn.Module):
 
     custom_ops: ClassVar[tuple[str, ...]] = ("linear_small_m",)
     bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+    input_source: tuple[LinearBase, int] | None = None  # set_input_source
 
     def __init__(
         self,
@@ -120,6 +121,12 @@ class LinearBase(nn.Module):
             set_weight_attrs(self.bias, weight_loader=self.weight_loader)
         else:
             self.register_parameter("bias", None)
+
+    def set_input_source(self, producer: LinearBase, parts: int = 2) -> None:
+        """Declared by a model once it has built both: this layer's input is an elementwise function of
+        `producer`'s outputs cut into `parts` equal blocks (gate_up -> act_and_mul -> down: 2), so a permutation
+        of this layer's inputs may be applied to `producer`'s outputs instead, one block at a time."""
+        self.input_source = (producer, parts)
 
     def _own_params(self) -> list[nn.Parameter]:
         """Parameters loaded by this layer's own `weight_loader` (not by a quantization method's)."""
@@ -177,6 +184,38 @@ class LinearBase(nn.Module):
         return (
             f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}"
         )
+
+
+def fold_input_permutations(model: nn.Module) -> int:
+    """Called by the loader once every layer's method has processed its weights: for each layer with a declared
+    input source whose method permutes its inputs (`keel.quantization.PermutedInputMethod`) and whose producer's
+    method can reorder its outputs, the permutation moves to the producer's outputs (each of its `parts` blocks
+    by the same permutation, so an elementwise pairing like silu(gate) * up stays paired): the same numbers, one
+    activation gather fewer per forward. Returns how many layers were folded."""
+    from keel.quantization import PermutedInputMethod
+
+    folded = 0
+    for consumer in model.modules():
+        source = getattr(consumer, "input_source", None)
+        if not isinstance(consumer, LinearBase) or source is None:
+            continue
+        producer, parts = source
+        take, give = consumer.quant_method, producer.quant_method
+        if not (isinstance(take, PermutedInputMethod) and isinstance(give, PermutedInputMethod)):
+            continue
+        k = consumer.input_size_per_partition
+        if producer.output_size_per_partition != parts * k:
+            raise ValueError(f"{consumer.prefix} declares its input from {producer.prefix} in {parts} blocks, but "
+                             f"{producer.output_size_per_partition} outputs are not {parts} x {k} inputs")
+        perm = take.take_input_permutation(consumer)
+        if perm is None:
+            continue
+        index = torch.cat([perm.long() + p * k for p in range(parts)])  # [parts * k]
+        give.permute_outputs(producer, index)
+        if producer.bias is not None:
+            producer.bias.data = producer.bias.data.index_select(0, index.to(producer.bias.device))
+        folded += 1
+    return folded
 
 
 class ReplicatedLinear(LinearBase):

@@ -213,6 +213,10 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    # a layer's input permutation (GPTQ act order) moves into the layer producing that input, where declared
+    from keel.layers.linear import fold_input_permutations
+
+    fold_input_permutations(model)
     # Models that derive tensors from their weights (MLA's absorbed W_UK / W_UV) do it here, after
     # either load path, so dummy weights are processed exactly like checkpoint weights.
     hook = getattr(model, "process_weights_after_loading", None)

@@ -79,6 +79,7 @@ class LlamaMLP(nn.Module):
             i, h, bias, tp_size, tp_rank, quant_config=quant, prefix=f"{prefix}.down_proj"
         )
         self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
+        self.down_proj.set_input_source(self.gate_up_proj, parts=2)  # act(gate) * up, per index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -156,6 +156,20 @@ class Int4LinearMethod:
         module.zeros = frozen(zeros.to(self.params_dtype))
         module.scales = frozen(module.scales.data.to(self.params_dtype))
 
+    def take_input_permutation(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """`keel.quantization.PermutedInputMethod`: act order's permutation (None in order), given up -- the loader
+        has the layer producing this input emit it permuted (down_proj's into gate_up's outputs)."""
+        perm = getattr(module, "input_perm", None)
+        module.input_perm = None
+        return perm
+
+    def permute_outputs(self, module: torch.nn.Module, index: torch.Tensor) -> None:
+        """`keel.quantization.PermutedInputMethod`: output j becomes output index[j] (qweight's, the scales' and the
+        zeros' columns; after `process_weights_after_loading`, in every format)."""
+        for name in ("qweight", "scales", "zeros"):
+            param = getattr(module, name)
+            param.data = param.data.index_select(1, index.to(param.device)).contiguous()
+
     def mma_tile(self, m: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> MmaTile | None:
         """The mid-size int4 GEMM's tile for a step of m tokens on a layer of n outputs x k inputs, where measured
         on this device (`int4_mma_plans`) and the layer's groups fit it; None: the tile GEMM or dequantize +

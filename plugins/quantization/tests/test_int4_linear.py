@@ -202,3 +202,39 @@ def test_act_order_with_uneven_groups_keeps_the_gathered_path():
     load_all(layer, tensors)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.quant_method.group_in_order == 0 and layer.input_perm is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_down_proj_act_order_folds_into_gate_up(backend):
+    """A declared input source (`set_input_source`: down reads act(gate) * up per index) takes the consumer's
+    act-order permutation into the producer's outputs, both halves and the bias alike: down no longer gathers its
+    activations, and the MLP's output is the same."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from torch import nn
+
+    from keel.layers.linear import fold_input_permutations
+
+    gate_up = MergedColumnParallelLinear(64, [64, 64], True, quant_config=Int4LinearMethod(GPTQ_ACT, backend=backend))
+    down = RowParallelLinear(64, 48, False, quant_config=Int4LinearMethod(GPTQ_ACT, backend=backend))
+    down.set_input_source(gate_up, parts=2)
+    g = torch.Generator().manual_seed(3)
+    for shard in (0, 1):  # one input order for both halves, as GPTQ's act order gives them
+        load_all(gate_up, quantized(GPTQ_ACT, torch.randn(64, 64, generator=g), seed=5)[0], shard)
+    load_all(down, quantized(GPTQ_ACT, torch.randn(48, 64, generator=g), seed=6)[0])
+    gate_up.bias.data.copy_(torch.randn(128, generator=g))
+    for layer in (gate_up, down):
+        layer.quant_method.process_weights_after_loading(layer)
+    mlp = nn.ModuleList([gate_up, down]).to(DEVICE)
+
+    def forward(x):
+        y = gate_up(x)
+        return down(torch.nn.functional.silu(y[:, :64]) * y[:, 64:])
+
+    x = torch.randn(3, 64, generator=g).to(DEVICE)
+    before = forward(x)
+    assert down.input_perm is not None and gate_up.input_perm is not None
+    assert fold_input_permutations(mlp) == 1
+    assert down.input_perm is None and gate_up.input_perm is not None  # gate_up's own input keeps its gather
+    torch.testing.assert_close(forward(x), before, rtol=1e-6, atol=1e-6)
+    assert fold_input_permutations(mlp) == 0  # once
