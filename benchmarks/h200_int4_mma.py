@@ -79,16 +79,6 @@ def plan_rows(rows: list[dict], tiles: dict, dequant_min_m: int) -> list[dict]:
     return out
 
 
-_COPY_BYTES = 256 << 20  # past the H100's 50 MB and the H200's 60 MB L2, four times over
-
-
-def _copies(tensors: tuple, total_bytes: int) -> list[tuple]:
-    """`tensors` and clones of them, as many sets as reach `total_bytes` together (at most 32)."""
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    count = max(1, min(32, -(-total_bytes // size)))
-    return [tuple(tensors)] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
-
-
 def _sibling(name: str):
     from keel.testing.scripts import load_script
 
@@ -113,27 +103,29 @@ def main() -> None:
 
     prefill = _sibling("h200_int4_prefill")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    layers = {name: prefill._layer(n, k, gen) for name, (n, k) in prefill.SHAPES.items()}
+    # per layer, copies of its int4 weight (qweight, scales, zeros, g_idx) past 256 MiB together: a timing cycles
+    # through them, so each replay reads its weight from memory, not the L2 (the small-M sweep's own copies)
+    copies = {name: _sibling("h200_quant_small_m")._weights("int4_g128", n, k, gen)[0]
+              for name, (n, k) in prefill.SHAPES.items()}
     tiles = _tiles(MmaTile)  # (label, tile)
     t0 = time.perf_counter()
     rows = []
     quant = _sibling("h200_quant")
-    # weight copies a timing cycles through, so each replay reads its weight from memory, not the L2
-    copies = {name: _copies(lw[:3], _COPY_BYTES) for name, lw in layers.items()}
     for m in (int(v) for v in ns.ms.split(",")):
         for name, (n, k) in prefill.SHAPES.items():
-            w, g = copies[name], layers[name][3]
+            w = copies[name]  # [(qweight, scales, zeros, g_idx)]
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            dense = [t[0] for t in _copies((int4_dequantize(*w[0], g, torch.bfloat16, 128),), _COPY_BYTES)]
-            ref = (x @ dense[0]).float()
-            fns = {"dequant_cublas": (len(w), lambda i: x @ int4_dequantize(*w[i], g, torch.bfloat16, 128)),
-                   "shipped_tile_gemm": (len(w), lambda i: int4_gemm(x, *w[i], g, group_size=128)),
+            deq = int4_dequantize(*w[0], torch.bfloat16, 128)
+            dense = [deq] + [deq.clone() for _ in range(-(-(256 << 20) // deq.nbytes) - 1)]  # past L2 too
+            ref = (x @ deq).float()
+            fns = {"dequant_cublas": (len(w), lambda i: x @ int4_dequantize(*w[i], torch.bfloat16, 128)),
+                   "shipped_tile_gemm": (len(w), lambda i: int4_gemm(x, *w[i], group_size=128)),
                    "bf16_cublas": (len(dense), lambda i: x @ dense[i])}
             for label, tile in tiles:
-                fns[label] = (len(w), lambda i, tile=tile: int4_mma_gemm(x, *w[i], 128, tile=tile))
+                fns[label] = (len(w), lambda i, tile=tile: int4_mma_gemm(x, *w[i][:3], 128, tile=tile))
             first_label, first = tiles[0]  # the float32 dequantize, for its cost against the 16-bit one
-            fns["float32 dequantize " + first_label] = (len(w), lambda i: int4_mma_gemm(x, *w[i], 128, tile=first,
-                                                                                        magic16=False))
+            fns["float32 dequantize " + first_label] = (len(w), lambda i: int4_mma_gemm(x, *w[i][:3], 128,
+                                                                                        tile=first, magic16=False))
             row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
             for label, (calls, fn) in fns.items():
                 if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):
