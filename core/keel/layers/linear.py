@@ -196,10 +196,9 @@ def fold_input_permutations(model: nn.Module) -> int:
 
     folded = 0
     for consumer in model.modules():
-        source = getattr(consumer, "input_source", None)
-        if not isinstance(consumer, LinearBase) or source is None:
+        if not isinstance(consumer, LinearBase) or consumer.input_source is None:
             continue
-        producer, parts = source
+        producer, parts = consumer.input_source
         take, give = consumer.quant_method, producer.quant_method
         if not (isinstance(take, PermutedInputMethod) and isinstance(give, PermutedInputMethod)):
             continue

@@ -14,7 +14,9 @@ GPTQ's act-order checkpoints (desc_act: `g_idx` assigns inputs to groups out of 
 once after loading, as Marlin does: the inputs are permuted so their groups run in order (`input_perm`, the
 stable sort of g_idx; qweight's rows follow it), and each forward gathers the activations' columns by it first
 -- one small gather a layer instead of the gathered-group kernels (a scale and zero per input, "correct, not
-fast") at every size. The products are the same, summed in another order.
+fast") at every size -- unless the loader moved the permutation into the layer producing the input
+(`take_input_permutation`: down_proj's into gate_up's outputs). The products are the same, summed in another
+order.
 """
 
 from __future__ import annotations
@@ -184,7 +186,9 @@ class Int4LinearMethod:
         return int4_math.dequantize_int4(q, module.zeros, module.scales, module.g_idx, self.params_dtype).T
 
     def dequantize_weight(self, module: torch.nn.Module) -> torch.Tensor:  # [out, in] in the model dtype
-        """The layer's weight in the checkpoint's input order (layers that read it, tests)."""
+        """The layer's weight in the order of the inputs it receives (layers that read it, tests): the checkpoint's,
+        unless the loader moved its permutation into the producer of its input, and in the order of the outputs it
+        gives (permuted where it is that producer)."""
         w = self._dequantized(module)
         if getattr(module, "input_perm", None) is None:
             return w

@@ -17,8 +17,9 @@ Two launch shapes, chosen from the token count alone (a CUDA graph bucket replay
   activations) IEEE float32 dots, which run on CUDA cores (H200: 46 us per DSV2-Lite layer at 256 tokens,
   against 13 us for the copy + cuBLAS).
   With bf16 activations K is also split across programs until the grid has ~256 of them (slices of 256 or
-  more, counted from the token count's power of two, so the warm-up compiles each variant): each program writes float32 partials and `moe_sum` adds them in slice order (a fixed order per
-  token count, so repeatable), a second launch instead of a chain of K / 64 dependent steps per program.
+  more, counted from the token count's power of two, so the warm-up compiles each variant): each program
+  writes float32 partials and `moe_sum` adds them in slice order (a fixed order per token count, so
+  repeatable), a second launch instead of a chain of K / 64 dependent steps per program.
 The gate weight is read once per token tile and K slice; nothing is read back to the host.
 
 Prediction for the split path (before any GPU run): DSV2-Lite's router at 256 tokens ~5 us per layer
