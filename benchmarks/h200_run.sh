@@ -44,7 +44,8 @@
 #             shape (LINEAR_BUDGET_S, default 120); plans it wins written to $W/linear-small-m/<device>.json
 #   profile-linear  h200_step_profile.py, Llama-8B and DSV2-Lite (dummy) decode at batch 1 / 8, with the plans of
 #             a linear-small-m part run before it in the same call (KEEL_LINEAR_SMALL_M_CONFIG_DIR) and without
-#   profile-ab  h200_step_profile.py (AB_ARCH, default dsv2lite; AB_BATCH, default 1,256; dummy weights) on the
+#   profile-ab  h200_step_profile.py (AB_ARCH, default dsv2lite; AB_BATCH, default 1,256; AB_ARGS, more of its
+#             arguments, e.g. --quantization-case llama8b-gptq; dummy weights) on the
 #             working tree ("after"), then with the files under AB_DIR (default ab/: the same relative paths, e.g.
 #             `git show <base>:<path> > ab/<path>` for each file a change touched; untracked files travel) copied
 #             over ("before"), then the tree restored: a change's effect on the step in one call
@@ -177,7 +178,7 @@ for part in "$@"; do
             mkdir -p "$bak/$(dirname "$f")"; cp "$f" "$bak/$f" 2>/dev/null; cp "$ab/$f" "$f"; done
         fi
         timeout 110 python3 benchmarks/h200_step_profile.py --arch ${AB_ARCH:-dsv2lite} --batch ${AB_BATCH:-1,256} \
-          --mixed "" --out "$W/step-profile-ab-$t.json" >"$W/ab-$t.log" 2>&1
+          --mixed "" ${AB_ARGS:-} --out "$W/step-profile-ab-$t.json" >"$W/ab-$t.log" 2>&1
         echo "$t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-ab-$t.json" | tr -d ' \n')"
       done
       (cd "$ab" && find . -type f) | while read -r f; do  # restore the tree (a file new in "after" stays)
