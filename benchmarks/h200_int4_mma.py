@@ -46,9 +46,11 @@ TILES = [(128, 256, 8, 2), (128, 256, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), 
          (128, 32, 8, 4, 2)]
 # The same tiles with the pairs dequantize (MmaTile.pairs: neighbouring inputs one register; the same numbers).
 # Prediction (before any run; sm_90 SASS 12-15% fewer instructions a K tile from 32 tokens, +8% at 16): -5 to -10%
-# a layer where the tile wins today, nothing at 16 tokens.
-TILES += [t[:4] + (t[4] if len(t) > 4 else 1, True) for t in TILES
-          if t[:4] in {(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 256, 8, 3), (64, 32, 4, 4)}]
+# a layer where the tile wins today, nothing at 16 tokens. Measured at 0b309ac: it won most shapes and sizes.
+# Since its tile is built with the pair index as an axis (no layout conversion through shared memory, 2 CTA
+# barriers a K tile instead of 5; int4_mma_triton's docstring) every tile is also swept in the pairs form.
+# Prediction: M 128-512 -10 to -25% a layer against the joined pairs form, M 8-32 -5 to -10%.
+TILES += [t[:4] + (t[4] if len(t) > 4 else 1, True) for t in TILES]
 
 
 WIN = 0.97  # a tile is written where its time is under this fraction of the time of the path it replaces

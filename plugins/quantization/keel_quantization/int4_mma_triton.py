@@ -35,13 +35,20 @@ at N / 128 programs) against dequantize + cuBLAS's 745; gate_up alone ~120 again
 208; with a tile per layer shape and K split across programs (e10cd51, `h100-int4-mma-e10cd51.json`) 499 --
 still ~2x bf16 cuBLAS on a ready weight (247).
 
-Pairs (`MmaTile.pairs`, unmeasured): the 16-bit dequantize above works a nibble plane at a time, and its packed
-math pairs neighbouring outputs (the load's vector), so every pair of neighbouring inputs -- what one register of
-the MMA operand holds -- is assembled by byte permutes (72 PRMT and ~50 moves a K tile in the sm_90 SASS). The
-pairs form puts nibbles 2p and 2p + 1 of a word into the two halves of one int32 (two shifts, masks, the offset
-or-ed into both halves) and reads that register as two 16-bit values (inline PTX, no instruction): no PRMT, 12-15%
-fewer instructions a K tile from 32 tokens (64 x 128: 487 -> 414), more at 16 (401 -> 434), the same numbers.
-Predicted -5 to -10% a layer where the tile wins today; part `int4-mma` times both forms.
+Pairs (`MmaTile.pairs`): the 16-bit dequantize above works a nibble plane at a time, and its packed math pairs
+neighbouring outputs (the load's vector), so every pair of neighbouring inputs -- what one register of the MMA
+operand holds -- is assembled by byte permutes (72 PRMT and ~50 moves a K tile in the sm_90 SASS). The pairs form
+puts nibbles 2c and 2c + 1 of a word into the two halves of one int32 (a shift, masks, the offset or-ed into both
+halves) and reads that register as two 16-bit values (inline PTX, no instruction): no PRMT, the same numbers.
+Measured at 0b309ac (H100): M 256, one tile, 649 -> 584 us (predicted -5 to -10%).
+Its tile is built with the pair index c as a tensor axis ([BN, KW, 4, 2], `_pairs`), not as four tensors joined:
+then this compiler lays the packed words out as the MMA operand wants them -- a thread holds every word of its two
+rows (the four lanes of a quad read each word from shared memory), its lane picks c -- so the tile needs no layout
+conversion. Joined, it went through shared memory each K tile: 8 STS.128, 8 LDSM and 5 CTA barriers a K tile in
+the sm_90 SASS (Triton 3.6, `benchmarks/sass_mix.py --mma`), against none, none and 2 now, ~the same instruction
+count (64 x 128: 454 -> 488, 128 x 128 x 8 warps: 435 -> 423). Prediction (unmeasured): the barriers kept a
+tile's dequantize from overlapping the MMAs of the one before; without them M 128-512 -10 to -25% a layer,
+M 8-32 -5 to -10%.
 
 Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order: act order is, once
 `int4_linear` has permuted it); gathered groups and groups under 128 inputs are not served (`misfit` says
@@ -77,24 +84,27 @@ def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr, MAGIC16: tl.cons
 
 
 @triton.jit
-def _pair_halves(packed, p: tl.constexpr, MAGIC16: tl.constexpr):
-    """(OFFSET + q) of inputs 8w + 2p and 8w + 2p + 1 of each [BN, KW] word, in x's dtype: nibble 2p moved to bits
-    0..3 and nibble 2p + 1 to bits 16..19 of one int32, or-ed into two copies of OFFSET's bits, and that register
-    read as its two 16-bit halves (inline PTX: a register split, no instruction) -- so a pair of neighbouring
-    inputs is one 32-bit register from the start, as the MMA operand and the packed 16-bit math take it."""
-    lo = (packed >> (8 * p)) & 0xF
-    if 8 * p + 4 >= 16:
-        hi = (packed >> (8 * p - 12)) & 0xF0000
-    else:
-        hi = (packed << (12 - 8 * p)) & 0xF0000
-    t = lo | hi | (MAGIC16 * 0x10001)
-    if MAGIC16 == 0x4300:  # bf16's 128.0
-        even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    else:  # fp16's 1024.0
-        even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return even, odd
+def _pairs(packed, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr):
+    """The tile of [BN, KW] packed words dequantized as [BN, KW, 4, 2]: pair c of word w (inputs 8w + 2c and
+    8w + 2c + 1) on axis 2, its two inputs on axis 3 -- flat, 8w + 2c + h, the inputs' own order. The pair index is
+    a tensor axis, not four tensors joined, so the compiler lays the words out as the MMA's register operand wants
+    them (a thread holds every word of its two rows, its lane picks the pair) and extracts only its own pairs: no
+    layout conversion through shared memory. zb, s: [BN, 1] as `_plane` takes them."""
+    p = packed[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]  # [BN, KW, 4]: pair c at bits 0..7
+    if MAGIC16:
+        # nibble 2c at bits 0..3 and 2c + 1 at bits 16..19, each half or-ed into OFFSET's bits: one register read
+        # as its two 16-bit halves (inline PTX: a register split, no instruction), OFFSET + q each
+        t = (p & 0xF) | ((p << 12) & 0xF0000) | (MAGIC16 * 0x10001)
+        if MAGIC16 == 0x4300:  # bf16's 128.0
+            even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
+                                                  dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        else:  # fp16's 1024.0
+            even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        return tl.join(even, odd)  # OFFSET + q: the caller subtracts OFFSET + z and scales, on the joined tile
+    even = dequant_plane(p, 0, zb[:, :, None], s[:, :, None]).to(dtype, fp_downcast_rounding="rtne")
+    odd = dequant_plane(p, 1, zb[:, :, None], s[:, :, None]).to(dtype, fp_downcast_rounding="rtne")
+    return tl.join(even, odd)
 
 
 @triton.jit(do_not_specialize=["M"])  # the step's token count: no variant per divisibility, so eager steps of
@@ -111,7 +121,8 @@ def _int4_mma_kernel(
     # dequantize in 16-bit math; 0: in float32
     OFFSET: tl.constexpr = 0.0,
     PDL: tl.constexpr = False,
-    PAIRS: tl.constexpr = False,  # with MAGIC16: neighbouring inputs dequantized as one register (_pair_halves)
+    PAIRS: tl.constexpr = False,  # the tile as [BN, KW, 4, 2] (_pairs): no layout conversion; with MAGIC16 a
+    # pair of neighbouring inputs one register
 ):
     pdl_enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows (outputs)
@@ -139,14 +150,11 @@ def _int4_mma_kernel(
         # join appends its axis last: the innermost pairs planes j, j + 4, the outermost j, j + 1, so the reshape
         # puts plane j of word w at column 8w + j -- the inputs' own order
         if PAIRS and MAGIC16:
-            # evens e_p / odds o_p: inputs 8w + 2p / 8w + 2p + 1; joined so that the flat index is 4i + 2j + h for
-            # pair p = 2i + j, h the parity (innermost, the two halves of one register): 8w + 2p + h again
-            e0, o0 = _pair_halves(packed, 0, MAGIC16)
-            e1, o1 = _pair_halves(packed, 1, MAGIC16)
-            e2, o2 = _pair_halves(packed, 2, MAGIC16)
-            e3, o3 = _pair_halves(packed, 3, MAGIC16)
-            q = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
-            w = (q - zb[:, :, None, None, None]) * s[:, :, None, None, None]  # [BN, KW, 2, 2, 2]: the same numbers
+            # (OFFSET + q) - (OFFSET + z), times s: the same numbers; on the [BN, BK] tile, so the scale and zero
+            # loads take a slice of the MMA operand's layout (on the 4D tile each thread copied them again)
+            w = (tl.reshape(_pairs(packed, zb, s, dt, MAGIC16), (BLOCK_N, BLOCK_K)) - zb) * s
+        elif PAIRS:
+            w = _pairs(packed, zb, s, dt, MAGIC16)  # [BN, KW, 4, 2]
         else:
             w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt, MAGIC16), _plane(packed, 4, zb, s, dt, MAGIC16)),
                                 tl.join(_plane(packed, 2, zb, s, dt, MAGIC16), _plane(packed, 6, zb, s, dt, MAGIC16))),

@@ -37,12 +37,13 @@ def _case(m: int, k: int, n: int, group: int, sym: bool, dtype: torch.dtype, see
 @pytest.mark.parametrize("m,k,n,group,sym,dtype", [(1, 256, 40, 128, False, torch.bfloat16),
                                                    (20, 128, 16, -1, True, torch.bfloat16),
                                                    (5, 384, 24, 128, True, torch.float16)])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_matches_the_dequantized_weight(m, k, n, group, sym, dtype, split_k):
-    """split_k 2: K = 128 keeps one split; 256 two of a tile; 384 two of 2 and 1 tiles (float32 partials)."""
+@pytest.mark.parametrize("split_k,pairs", [(1, False), (2, False), (2, True)])
+def test_matches_the_dequantized_weight(m, k, n, group, sym, dtype, split_k, pairs):
+    """split_k 2: K = 128 keeps one split; 256 two of a tile; 384 two of 2 and 1 tiles (float32 partials).
+    pairs: the tile built as [BN, KW, 4, 2] (pair index, then the pair's two inputs), in the inputs' order."""
     x, qw, s, z, w = _case(m, k, n, group, sym, dtype, seed=m + k + n)
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    tile = dataclasses.replace(TILE, split_k=split_k)
+    tile = dataclasses.replace(TILE, split_k=split_k, pairs=pairs)
     mma.int4_mma_gemm(x, qw, s, z, k if group == -1 else group, out=out, tile=tile)
     ref = x.double() @ w.double()  # [M, N]
     # one output rounding, plus the interpreter's own rounding of the weight to x's dtype (its bf16 conversion
@@ -121,7 +122,10 @@ def test_compiles_for_sm90_with_the_weight_as_a_register_operand(tmp_path, monke
     # element by element through shared memory
     assert "cp.async" in ptx and "ldmatrix" in ptx and "st.shared.b16" not in ptx
     # pairs: a register of two neighbouring inputs is read as its halves (the sm_90 SASS then has no PRMT in the
-    # loop, against 72 a K tile for the planes: benchmarks/sass_mix.py --mma)
+    # loop, against 72 a K tile for the planes: benchmarks/sass_mix.py --mma), and the tile, built with the pair
+    # index as an axis, is made in the MMA operand's layout: nothing of it is stored to shared memory (the planes'
+    # tile goes there and back each K tile, st.shared + ldmatrix, with a barrier on either side)
     for dt in ("bf16", "fp16"):
         pairs = (tmp_path / f"{dt}-pairs.ptx").read_text()
         assert re.search(r"mov\.b32 \{", pairs) and "prmt" not in pairs and "wgmma.wait_group.sync.aligned 1" in pairs
+        assert "st.shared" not in pairs
