@@ -24,6 +24,8 @@
 #   int4-wdeq h200_int4_wdeq.py: an int4 GEMM that scales the weight tile, not the partial product (WDEQ_MS)
 #   int4-mma  h200_int4_mma.py: the swapped-operand int4 tensor-core GEMM's tiles against the tile GEMM, dequantize +
 #             cuBLAS and bf16 cuBLAS at M 8-512 (MMA_MS, MMA_BUDGET_S); the device's plan file in $W/int4-mma/
+#   swept-gptq-ckpt swept-gptq-act-ckpt  keel-gptq(-act)-ckpt with the plans of an int4-mma part run before it in the
+#             same call (KEEL_INT4_MMA_CONFIG_DIR; results in $W/swept/): shipped plans vs the sweep's in one call
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
@@ -74,6 +76,8 @@ for part in "$@"; do
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
               .whl/*.whl && export PYTHONPATH=/tmp/site;;
     install|ckpt|ckpt-*|keel-*|vllm-*|diag-*) OUT=$W bash benchmarks/h200_vs_vllm.sh "$part";;
+    swept-gptq-ckpt|swept-gptq-act-ckpt)  # keel on the GPTQ checkpoint with this call's int4-mma sweep's plans
+      mkdir -p "$W/swept"; KEEL_INT4_MMA_CONFIG_DIR=$W/int4-mma OUT=$W/swept bash benchmarks/h200_vs_vllm.sh "keel-${part#swept-}";;
     profile-dsv2) timeout 100 python3 benchmarks/h200_step_profile.py --arch dsv2lite --model-dir /tmp/dsv2ckpt \
                     --batch 1,256 --mixed 256 --out "$W/h200-step-profile-dsv2lite.json" >"$W/profile-dsv2.log" 2>&1
                   tail -c 800 "$W/profile-dsv2.log";;
