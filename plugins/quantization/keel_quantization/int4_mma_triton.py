@@ -89,7 +89,8 @@ def _pairs(packed, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr):
     8w + 2c + 1) on axis 2, its two inputs on axis 3 -- flat, 8w + 2c + h, the inputs' own order. The pair index is
     a tensor axis, not four tensors joined, so the compiler lays the words out as the MMA's register operand wants
     them (a thread holds every word of its two rows, its lane picks the pair) and extracts only its own pairs: no
-    layout conversion through shared memory. zb, s: [BN, 1] as `_plane` takes them."""
+    layout conversion through shared memory. zb, s: [BN, 1] as `_plane` takes them; (q - z) * s rounded to dtype
+    either way (16-bit: (OFFSET + q) - (OFFSET + z), exact, times s)."""
     p = packed[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]  # [BN, KW, 4]: pair c at bits 0..7
     if MAGIC16:
         # nibble 2c at bits 0..3 and 2c + 1 at bits 16..19, each half or-ed into OFFSET's bits: one register read
@@ -101,7 +102,7 @@ def _pairs(packed, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr):
         else:  # fp16's 1024.0
             even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
                                                   dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-        return tl.join(even, odd)  # OFFSET + q: the caller subtracts OFFSET + z and scales, on the joined tile
+        return (tl.join(even, odd) - zb[:, :, None, None]) * s[:, :, None, None]  # the same numbers
     even = dequant_plane(p, 0, zb[:, :, None], s[:, :, None]).to(dtype, fp_downcast_rounding="rtne")
     odd = dequant_plane(p, 1, zb[:, :, None], s[:, :, None]).to(dtype, fp_downcast_rounding="rtne")
     return tl.join(even, odd)
@@ -149,11 +150,7 @@ def _int4_mma_kernel(
         # each wait for completion (wgmma.wait_group 0) in this compiler, so one dot a tile, not one a plane
         # join appends its axis last: the innermost pairs planes j, j + 4, the outermost j, j + 1, so the reshape
         # puts plane j of word w at column 8w + j -- the inputs' own order
-        if PAIRS and MAGIC16:
-            # (OFFSET + q) - (OFFSET + z), times s: the same numbers; on the [BN, BK] tile, so the scale and zero
-            # loads take a slice of the MMA operand's layout (on the 4D tile each thread copied them again)
-            w = (tl.reshape(_pairs(packed, zb, s, dt, MAGIC16), (BLOCK_N, BLOCK_K)) - zb) * s
-        elif PAIRS:
+        if PAIRS:
             w = _pairs(packed, zb, s, dt, MAGIC16)  # [BN, KW, 4, 2]
         else:
             w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt, MAGIC16), _plane(packed, 4, zb, s, dt, MAGIC16)),
