@@ -146,13 +146,13 @@ def _int4_mma_kernel(
         else:
             s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
             zb = tl.load(z_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)[:, None] + _TWO_23  # 2^23 + z, exact
-        # the tile's eight planes joined into one [BN, BLOCK_K] operand and one dot: MMAs with a register operand
-        # each wait for completion (wgmma.wait_group 0) in this compiler, so one dot a tile, not one a plane
-        # join appends its axis last: the innermost pairs planes j, j + 4, the outermost j, j + 1, so the reshape
-        # puts plane j of word w at column 8w + j -- the inputs' own order
+        # one [BN, BLOCK_K] operand and one dot a tile: MMAs with a register operand each wait for completion
+        # (wgmma.wait_group 0) in this compiler, so not one dot a plane or pair
         if PAIRS:
             w = _pairs(packed, zb, s, dt, MAGIC16)  # [BN, KW, 4, 2]
         else:
+            # the eight planes joined: join appends its axis last, the innermost pairs planes j, j + 4, the
+            # outermost j, j + 1, so the reshape puts plane j of word w at column 8w + j -- the inputs' own order
             w = tl.join(tl.join(tl.join(_plane(packed, 0, zb, s, dt, MAGIC16), _plane(packed, 4, zb, s, dt, MAGIC16)),
                                 tl.join(_plane(packed, 2, zb, s, dt, MAGIC16), _plane(packed, 6, zb, s, dt, MAGIC16))),
                         tl.join(tl.join(_plane(packed, 1, zb, s, dt, MAGIC16), _plane(packed, 5, zb, s, dt, MAGIC16)),
