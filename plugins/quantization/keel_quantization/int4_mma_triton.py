@@ -38,17 +38,28 @@ still ~2x bf16 cuBLAS on a ready weight (247).
 Pairs (`MmaTile.pairs`): the 16-bit dequantize above works a nibble plane at a time, and its packed math pairs
 neighbouring outputs (the load's vector), so every pair of neighbouring inputs -- what one register of the MMA
 operand holds -- is assembled by byte permutes (72 PRMT and ~50 moves a K tile in the sm_90 SASS). The pairs form
-puts nibbles 2c and 2c + 1 of a word into the two halves of one int32 (a shift, masks, the offset or-ed into both
-halves) and reads that register as two 16-bit values (inline PTX, no instruction): no PRMT, the same numbers.
+puts nibbles 2c and 2c + 1 of a word into the two halves of one int32 (the offset or-ed into both halves) and
+reads that register as two 16-bit values (inline PTX, no instruction): the same numbers.
 Measured at 0b309ac (H100): M 256, one tile, 649 -> 584 us (predicted -5 to -10%).
 Its tile is built with the pair index c as a tensor axis ([BN, KW, 4, 2], `_pairs`), not as four tensors joined:
 then this compiler lays the packed words out as the MMA operand wants them -- a thread holds every word of its two
 rows (the four lanes of a quad read each word from shared memory), its lane picks c -- so the tile needs no layout
 conversion. Joined, it went through shared memory each K tile: 8 STS.128, 8 LDSM and 5 CTA barriers a K tile in
 the sm_90 SASS (Triton 3.6, `benchmarks/sass_mix.py --mma`), against none, none and 2 now, ~the same instruction
-count (64 x 128: 454 -> 488, 128 x 128 x 8 warps: 435 -> 423). Prediction (unmeasured): the barriers kept a
-tile's dequantize from overlapping the MMAs of the one before; without them M 128-512 -10 to -25% a layer,
-M 8-32 -5 to -10%.
+count (64 x 128: 454 -> 488, 128 x 128 x 8 warps: 435 -> 423). Predicted M 128-512 -10 to -25% a layer (the
+barriers keeping a tile's dequantize from overlapping the MMAs before it), M 8-32 -5 to -10%. Measured at
+ba3bbc6 (H100, `h100-int4-mma-ba3bbc6.json`): M 8-32 -8%, but from M 128 the best tile's time moved with the
+instruction count, not the barriers (64 x 128 at M 128: 234 -> 248 us, +6% against +7% instructions; M 256 353
+-> 353): the loop is bound by issuing instructions.
+So a pair's extraction is now three instructions instead of five: one PRMT takes byte c of the word alone, a
+multiply by 0x1001 copies its high nibble 12 bits up (b | b << 12), one LOP3 masks both nibbles and or-s in the
+offset held in a register. Per pair the loop issues PRMT, IMAD, LOP3, HADD2, HMUL2 and the word's LDS: 64 x 128
+488 -> 424 instructions a K tile, 128 x 128 x 8 warps 423 -> 359, 64 x 16 436 -> 372 (sm_90 SASS, Triton 3.6).
+Prediction (unmeasured on a GPU): -10 to -13% a layer at every M the pairs entries serve.
+Tried and left: loop-carried pointers for the tiles' loads (64 x 128 pairs 488 -> 534 instructions: the 64-bit
+adds and the pipeliner's copies cost more than the multiply-adds they replace), and the activation tile by one
+TMA copy a K tile (a [BLOCK_M, 128] bf16 box is wider than the 128-byte swizzle, so the tile reaches the MMA
+through a register round trip: 359 -> 449 at 128 x 128, 20 barriers a K tile).
 
 Tiles lie in one scale group (BLOCK_K divides the group, inputs in group order: act order is, once
 `int4_linear` has permuted it); gathered groups and groups under 128 inputs are not served (`misfit` says
@@ -84,18 +95,26 @@ def _plane(packed, j: tl.constexpr, zb, s, dtype: tl.constexpr, MAGIC16: tl.cons
 
 
 @triton.jit
-def _pairs(packed, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr):
+def _pairs(packed, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr, magic):
     """The tile of [BN, KW] packed words dequantized as [BN, KW, 4, 2]: pair c of word w (inputs 8w + 2c and
     8w + 2c + 1) on axis 2, its two inputs on axis 3 -- flat, 8w + 2c + h, the inputs' own order. The pair index is
     a tensor axis, not four tensors joined, so the compiler lays the words out as the MMA's register operand wants
     them (a thread holds every word of its two rows, its lane picks the pair) and extracts only its own pairs: no
     layout conversion through shared memory. zb, s: [BN, 1] as `_plane` takes them; (q - z) * s rounded to dtype
-    either way (16-bit: (OFFSET + q) - (OFFSET + z), exact, times s)."""
-    p = packed[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]  # [BN, KW, 4]: pair c at bits 0..7
+    either way (16-bit: (OFFSET + q) - (OFFSET + z), exact, times s). magic: MAGIC16 in both halves of an int32,
+    as a value the compiler cannot fold (a register: the mask then is the LOP3's one immediate)."""
     if MAGIC16:
-        # nibble 2c at bits 0..3 and 2c + 1 at bits 16..19, each half or-ed into OFFSET's bits: one register read
-        # as its two 16-bit halves (inline PTX: a register split, no instruction), OFFSET + q each
-        t = (p & 0xF) | ((p << 12) & 0xF0000) | (MAGIC16 * 0x10001)
+        # byte c of each word alone (one PRMT: selector 0x4440 + c takes byte c, then zero bytes); times 0x1001
+        # it is b | b << 12, so its nibble 2c sits at bits 0..3 and 2c + 1 at bits 16..19; masked, each half
+        # or-ed into OFFSET's bits (one LOP3, `magic` in a register): one register read as its two 16-bit
+        # halves (inline PTX: a register split, no instruction), OFFSET + q each. Three instructions a pair,
+        # against five for a shift, a shift left and three masks or ors
+        shape: tl.constexpr = (packed.shape[0], packed.shape[1], 4)
+        sel = tl.broadcast_to((0x4440 + tl.arange(0, 4))[None, None, :], shape)
+        b = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, $2;", "=r,r,r",
+                                      [tl.broadcast_to(packed[:, :, None], shape), sel],
+                                      dtype=tl.int32, is_pure=True, pack=1)  # [BN, KW, 4]: byte c at bits 0..7
+        t = ((b * 0x1001) & 0x000F000F) | magic
         if MAGIC16 == 0x4300:  # bf16's 128.0
             even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
@@ -103,6 +122,7 @@ def _pairs(packed, zb, s, dtype: tl.constexpr, MAGIC16: tl.constexpr):
             even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
                                                   dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
         return (tl.join(even, odd) - zb[:, :, None, None]) * s[:, :, None, None]  # the same numbers
+    p = packed[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]  # [BN, KW, 4]: pair c at bits 0..7
     even = dequant_plane(p, 0, zb[:, :, None], s[:, :, None]).to(dtype, fp_downcast_rounding="rtne")
     odd = dequant_plane(p, 1, zb[:, :, None], s[:, :, None]).to(dtype, fp_downcast_rounding="rtne")
     return tl.join(even, odd)
@@ -134,6 +154,9 @@ def _int4_mma_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start, k_end = split_range(tl.program_id(2), K, K_PER_SPLIT)
+    # both halves' OFFSET bits, not foldable (K_PER_SPLIT > 0, so the shift is 0): with two immediates ptxas
+    # spends a second LOP3 a pair on masking and or-ing (sm_90 SASS)
+    magic = MAGIC16 * 0x10001 + (K_PER_SPLIT >> 31)
     for k0 in range(k_start, k_end, BLOCK_K):  # K and K_PER_SPLIT are multiples of BLOCK_K (the launcher checks)
         words = k0 // 8 + offs_w
         packed = tl.load(qw_ptr + words[None, :] * stride_qk + offs_n[:, None], mask=mask_n[:, None],
@@ -149,7 +172,7 @@ def _int4_mma_kernel(
         # one [BN, BLOCK_K] operand and one dot a tile: MMAs with a register operand each wait for completion
         # (wgmma.wait_group 0) in this compiler, so not one dot a plane or pair
         if PAIRS:
-            w = _pairs(packed, zb, s, dt, MAGIC16)  # [BN, KW, 4, 2]
+            w = _pairs(packed, zb, s, dt, MAGIC16, magic)  # [BN, KW, 4, 2]
         else:
             # the eight planes joined: join appends its axis last, the innermost pairs planes j, j + 4, the
             # outermost j, j + 1, so the reshape puts plane j of word w at column 8w + j -- the inputs' own order

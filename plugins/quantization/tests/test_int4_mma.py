@@ -121,11 +121,14 @@ def test_compiles_for_sm90_with_the_weight_as_a_register_operand(tmp_path, monke
     # operands arrive by cp.async; the joined weight tile goes to its MMA layout by stmatrix / ldmatrix, never
     # element by element through shared memory
     assert "cp.async" in ptx and "ldmatrix" in ptx and "st.shared.b16" not in ptx
-    # pairs: a register of two neighbouring inputs is read as its halves (the sm_90 SASS then has no PRMT in the
-    # loop, against 72 a K tile for the planes: benchmarks/sass_mix.py --mma), and the tile, built with the pair
-    # index as an axis, is made in the MMA operand's layout: nothing of it is stored to shared memory (the planes'
-    # tile goes there and back each K tile, st.shared + ldmatrix, with a barrier on either side)
+    # pairs: a register of two neighbouring inputs is read as its halves, its byte taken from the word by one
+    # permute against a zero (the planes' byte permutes join two registers: 72 PRMT a K tile in the sm_90 SASS,
+    # benchmarks/sass_mix.py --mma), and the tile, built with the pair index as an axis, is made in the MMA
+    # operand's layout: nothing of it is stored to shared memory (the planes' tile goes there and back each K
+    # tile, st.shared + ldmatrix, with a barrier on either side)
     for dt in ("bf16", "fp16"):
         pairs = (tmp_path / f"{dt}-pairs.ptx").read_text()
-        assert re.search(r"mov\.b32 \{", pairs) and "prmt" not in pairs and "wgmma.wait_group.sync.aligned 1" in pairs
+        permutes = re.findall(r"prmt\.b32 [^;]*;", pairs)
+        assert permutes and all(re.fullmatch(r"prmt\.b32 %r\d+, %r\d+, 0, %r\d+;", p) for p in permutes), permutes[:3]
+        assert re.search(r"mov\.b32 \{", pairs) and "wgmma.wait_group.sync.aligned 1" in pairs
         assert "st.shared" not in pairs
