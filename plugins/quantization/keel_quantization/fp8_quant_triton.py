@@ -17,7 +17,11 @@ The numbers equal `keel.layers.fp8_utils.per_token_group_quant_fp8` (the torch r
 the same float32 amax, IEEE divisions (`div_rn`: Triton's default float32 division is approximate), and
 rounding to nearest-even on the e4m3 grid done in float32 before the cast. The explicit rounding makes
 the cast exact, which also keeps the CPU interpreter right (it drops the carry of a mantissa that
-rounds up into the next binade: 124.4 -> 64, not 128).
+rounds up into the next binade: 124.4 -> 64, not 128). Compiled for a GPU, the stored values skip it: the
+hardware's saturating convert (cvt.rn.satfinite) clamps and rounds to nearest-even itself, the same bits
+(`_to_e4m3_stored`). That is 1200 -> 784 sm_90 instructions for a 4096-input token at 4 warps (37.5 -> 24.5
+an element; the IEEE division, kept for the reference's bits, is most of the rest). At 8192 x 4096 the
+kernel ran 44 us on the H200 (8c848ae: ~2.3 TB/s, issue-bound); predicted ~28-32 us, unmeasured.
 """
 
 from __future__ import annotations
@@ -63,12 +67,24 @@ def _to_e4m3(x, scale):
 
 
 @triton.jit
+def _to_e4m3_stored(x, scale, dtype: tl.constexpr, HW_CVT: tl.constexpr):
+    """`_to_e4m3(x, scale)` as the e4m3 `dtype` a kernel stores. HW_CVT (compiled for sm_89+): the quotient goes
+    straight to the saturating round-to-nearest-even convert (cvt.rn.satfinite: the clamp and the rounding
+    `_round_to_e4m3` spell out, in one instruction a pair) -- the same bits; the interpreter's convert is not
+    exact, so it keeps the spelled-out rounding."""
+    if HW_CVT:
+        return tl.math.div_rn(x, scale).to(dtype)
+    return _to_e4m3(x, scale).to(dtype)
+
+
+@triton.jit
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr,
     M, K, GROUP, NUM_GROUPS,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     STATIC: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, BLOCK_G: tl.constexpr,
     PDL: tl.constexpr = False,
+    HW_CVT: tl.constexpr = False,  # the hardware's saturating convert rounds (`_to_e4m3_stored`)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0)
@@ -83,8 +99,8 @@ def _quant_fp8_kernel(
         scale = tl.load(static_ptr + groups * 0).to(tl.float32)  # [G], the one static scale
     else:
         scale = _dynamic_scale(tl.max(tl.abs(x), axis=1))  # [G]
-    q = _to_e4m3(x, tl.broadcast_to(scale[:, None], x.shape))
-    tl.store(q_ptr + row * stride_qm + k * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = _to_e4m3_stored(x, tl.broadcast_to(scale[:, None], x.shape), q_ptr.dtype.element_ty, HW_CVT)
+    tl.store(q_ptr + row * stride_qm + k * stride_qk, q, mask=mask)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < NUM_GROUPS)
 
 
@@ -95,6 +111,7 @@ def _quant_fp8_row_loop_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm,
     STATIC: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     PDL: tl.constexpr = False,
+    HW_CVT: tl.constexpr = False,
 ):
     """One scale per token, one token per program, K in chunks: a pass for the amax, a second one (the row
     again, from L2) to quantize -- a few registers per thread instead of the whole row's."""
@@ -115,8 +132,8 @@ def _quant_fp8_row_loop_kernel(
     for c in range(NUM_CHUNKS):
         k = c * CHUNK + cols
         x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=(k < K) & in_x, other=0.0).to(tl.float32)
-        q = _to_e4m3(x, tl.full((CHUNK,), 1.0, tl.float32) * scale)
-        tl.store(q_ptr + row * stride_qm + k * stride_qk, q.to(q_ptr.dtype.element_ty), mask=k < K)
+        q = _to_e4m3_stored(x, tl.full((CHUNK,), 1.0, tl.float32) * scale, q_ptr.dtype.element_ty, HW_CVT)
+        tl.store(q_ptr + row * stride_qm + k * stride_qk, q, mask=k < K)
     tl.store(s_ptr + row * stride_sm, scale)
 
 
@@ -177,7 +194,7 @@ def quant_fp8(
             x, q, s, s if static_scale is None else static_scale, m, k,
             x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0),
             STATIC=static_scale is not None, CHUNK=launch.chunk, NUM_CHUNKS=triton.cdiv(k, launch.chunk),
-            num_warps=launch.warps or 4, **pdl_kwargs(x),
+            num_warps=launch.warps or 4, HW_CVT=x.is_cuda, **pdl_kwargs(x),
         )
         return q, s
     block_g = triton.next_power_of_2(group)
@@ -189,7 +206,7 @@ def quant_fp8(
         m, k, group, num_groups,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         STATIC=static_scale is not None, GROUPS_PER_PROGRAM=per_program, BLOCK_G=block_g,
-        num_warps=launch.warps or (4 if elements <= 4096 else 8), **pdl_kwargs(x),
+        num_warps=launch.warps or (4 if elements <= 4096 else 8), HW_CVT=x.is_cuda, **pdl_kwargs(x),
     )
     return q, s
 
