@@ -37,12 +37,14 @@ SCRIPT = textwrap.dedent('''
                "NUM_GROUPS": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qm", "stride_qk",
                                                        "stride_sm", "stride_sg")}}
         for static in statics:
+            # HW_CVT: the hardware convert rounds, as a GPU launch compiles it (the interpreter runs the other form)
             compile_(fp8_quant_triton._quant_fp8_kernel, sig,
-                     {"STATIC": static, "GROUPS_PER_PROGRAM": 1 if static else 32, "BLOCK_G": 4096 if static else 128},
+                     {"STATIC": static, "GROUPS_PER_PROGRAM": 1 if static else 32, "BLOCK_G": 4096 if static else 128,
+                      "HW_CVT": True},
                      num_warps=4)
             loop_sig = {k: v for k, v in sig.items() if k not in ("GROUP", "NUM_GROUPS", "stride_sg")}
             compile_(fp8_quant_triton._quant_fp8_row_loop_kernel, loop_sig,
-                     {"STATIC": static, "CHUNK": 2048, "NUM_CHUNKS": 7}, num_warps=4)
+                     {"STATIC": static, "CHUNK": 2048, "NUM_CHUNKS": 7, "HW_CVT": True}, num_warps=4)
     strides = ("stride_am", "stride_ak", "stride_asm", "stride_ask", "stride_bn", "stride_bk", "stride_bsn",
                "stride_bsk", "stride_cs", "stride_cm", "stride_cn")
     for a_dt, has_a_scale, tiles, group_n, group_k in (("*fp8e4nv", True, (64, 128, 128), 128, 128),
