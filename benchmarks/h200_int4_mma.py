@@ -129,27 +129,10 @@ def main() -> None:
             fns["float32 dequantize " + first_label] = (len(w), lambda i: int4_mma_gemm(x, *w[i][:3], 128,
                                                                                         tile=first, magic16=False))
             row = {"m": m, "layer": name, "n": n, "k": k, "us": {}, "max_rel_diff": {}}
-            for label, (calls, fn) in fns.items():
-                if time.perf_counter() - t0 > ns.budget_s and label.startswith("mma"):
-                    continue  # past the budget: today's paths only
-                try:
-                    out = fn(0)
-                    if label.startswith("mma"):
-                        row["max_rel_diff"][label] = float((out.float() - ref).abs().max() / ref.abs().max())
-                    row["us"][label] = quant.graph_us(fn, calls)
-                except Exception as e:  # a tile that does not compile or fit is a result, not a crash
-                    row.setdefault("errors", {})[label] = f"{type(e).__name__}: {str(e)[:200]}"
+            quant.time_paths(row, fns, ref, "mma", lambda: time.perf_counter() - t0 > ns.budget_s)
             rows.append(row)
             print(json.dumps({k_: row[k_] for k_ in ("m", "layer", "us")}, default=lambda v: round(v, 1)), flush=True)
-    totals = {}
-    for r in rows:
-        t = totals.setdefault(r["m"], {})
-        for lb, us in r["us"].items():
-            t[lb] = t.get(lb, 0.0) + us
-    for m, t in totals.items():  # a label missing on a layer has no total
-        for lb in list(t):
-            if sum(1 for r in rows if r["m"] == m and lb in r["us"]) < len(prefill.SHAPES):
-                del t[lb]
+    totals = quant.totals_per_m(rows, len(prefill.SHAPES))
     best = {m: min((us, lb) for lb, us in t.items() if lb.startswith("mma")) if any(lb.startswith("mma") for lb in t)
             else None for m, t in totals.items()}
     from keel_quantization.int4_linear import DEQUANT_GEMM_MIN_M

@@ -186,6 +186,37 @@ def graph_us(fn, calls: int) -> float:
     return _llama8b._events_ms(graph.replay, iters=10) * 1000 / calls
 
 
+def time_paths(row: dict, fns: dict, ref: torch.Tensor, candidate: str, over_budget) -> dict:
+    """Fill row["us"] (graph_us per label of `fns`: label -> (calls, fn(i))) and row["max_rel_diff"] (labels
+    starting with `candidate`, against `ref`); candidates are skipped once `over_budget()` holds, and one that
+    does not compile or fit is recorded under row["errors"], not raised. Returns row."""
+    for label, (calls, fn) in fns.items():
+        if over_budget() and label.startswith(candidate):
+            continue  # past the budget: today's paths only
+        try:
+            out = fn(0)
+            if label.startswith(candidate):
+                row["max_rel_diff"][label] = float((out.float() - ref).abs().max() / ref.abs().max())
+            row["us"][label] = graph_us(fn, calls)
+        except Exception as e:  # a tile that does not compile or fit is a result, not a crash
+            row.setdefault("errors", {})[label] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def totals_per_m(rows: list[dict], layers: int) -> dict:
+    """M -> label -> the rows' summed us, for labels timed on all `layers` layers of that M."""
+    totals = {}
+    for r in rows:
+        t = totals.setdefault(r["m"], {})
+        for lb, us in r["us"].items():
+            t[lb] = t.get(lb, 0.0) + us
+    for m, t in totals.items():  # a label missing on a layer has no total
+        for lb in list(t):
+            if sum(1 for r in rows if r["m"] == m and lb in r["us"]) < layers:
+                del t[lb]
+    return totals
+
+
 def _gemm_paths(x: torch.Tensor, per_row: list, block: list, dense: list, int4: list) -> dict:
     """path -> (weight copies, fn(copy index)) for one M: each FP8 linear path of fp8_native, GPTQ int4
     (group 128, in order), and bf16."""

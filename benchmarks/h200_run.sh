@@ -26,6 +26,9 @@
 #             cuBLAS and bf16 cuBLAS at M 8-512 (MMA_MS, MMA_BUDGET_S); the device's plan file in $W/int4-mma/
 #   swept-gptq-ckpt swept-gptq-act-ckpt  keel-gptq(-act)-ckpt with the plans of an int4-mma part run before it in the
 #             same call (KEEL_INT4_MMA_CONFIG_DIR; results in $W/swept/): shipped plans vs the sweep's in one call
+#   fp8-mid-m h200_fp8_mid_m.py: Llama-8B's fp8 per-row GEMMs at M 64-512, torch._scaled_mm (shipped) against the
+#             Triton W8A8 GEMM's tiles and K splits (FP8_MID_MS, FP8_MID_BUDGET_S): is cuBLAS's one-tile choice leaving
+#             SMs idle on the 4096-wide layers
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
@@ -135,6 +138,9 @@ for part in "$@"; do
     int4-mma) timeout $(( ${MMA_BUDGET_S:-120} + 60 )) python3 benchmarks/h200_int4_mma.py --ms "${MMA_MS:-8,16,32,64,128,256,512}" \
                 --budget-s "${MMA_BUDGET_S:-120}" --out "$W/h200-int4-mma.json" >"$W/int4-mma.log" 2>&1
               tail -n 45 "$W/int4-mma.log" | cut -c1-300;;
+    fp8-mid-m) timeout $(( ${FP8_MID_BUDGET_S:-90} + 60 )) python3 benchmarks/h200_fp8_mid_m.py \
+                --ms "${FP8_MID_MS:-64,128,256,512}" --budget-s "${FP8_MID_BUDGET_S:-90}" --out "$W/h200-fp8-mid-m.json" \
+                >"$W/fp8-mid-m.log" 2>&1; tail -n 30 "$W/fp8-mid-m.log" | cut -c1-300;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
     kv-write) timeout 90 python3 benchmarks/h200_kv_write.py --out "$W/h200-kv-write.json" \
