@@ -36,6 +36,11 @@ def _fp8_gemm_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_A_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    # one scale per row over all of K (GROUP_K >= K, GROUP_N 1): the tiles' products are summed in the
+    # accumulator (fp8 sums promoted to float32 every K tile, as the per-tile form's fresh dot does) and
+    # scaled once after the loop, not each K tile (2 multiplies and an add per output element a tile, with
+    # the MMA waited for before them)
+    SCALE_AFTER: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -54,18 +59,31 @@ def _fp8_gemm_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8 (or the model dtype)
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None] * stride_bk,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN] fp8
-        g = k0 // GROUP_K
-        b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + g * stride_bsk, mask=mask_n, other=0.0)  # [BN]
-        if UPCAST_DOT:  # the interpreter has no fp8 dot, float32 none in bf16: the same products in float32
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif HAS_A_SCALE:
-            part = tl.dot(a, b)
-        else:  # weight-only: widen the fp8 tile to the activations' dtype
-            part = tl.dot(a, b.to(a.dtype))
+        if SCALE_AFTER:
+            if UPCAST_DOT:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            elif HAS_A_SCALE:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc)
+        else:
+            g = k0 // GROUP_K
+            b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + g * stride_bsk, mask=mask_n,
+                          other=0.0)  # [BN]
+            if UPCAST_DOT:  # the interpreter has no fp8 dot, float32 none in bf16: the same products in fp32
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif HAS_A_SCALE:
+                part = tl.dot(a, b)
+            else:  # weight-only: widen the fp8 tile to the activations' dtype
+                part = tl.dot(a, b.to(a.dtype))
+            if HAS_A_SCALE:
+                a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_ask, mask=mask_m, other=0.0)  # [BM]
+                part = part * a_s[:, None]
+            acc += part * b_s[None, :]
+    if SCALE_AFTER:
+        acc *= tl.load(bs_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)[None, :]
         if HAS_A_SCALE:
-            a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_ask, mask=mask_m, other=0.0)  # [BM]
-            part = part * a_s[:, None]
-        acc += part * b_s[None, :]
+            acc *= tl.load(as_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
     c_ptr += tl.program_id(2) * stride_cs  # one split: y itself; more: this split's float32 partials
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
@@ -89,12 +107,18 @@ def _check(a: torch.Tensor, a_groups: int | None, b_q: torch.Tensor, b_s: torch.
                          f"{tuple(b_q.shape)}, b_s {tuple(b_s.shape)}, groups ({group_n}, {group_k})")
 
 
-def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out) -> torch.Tensor:
+def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out,
+            scale_after: bool = False) -> torch.Tensor:
+    # scale_after: the "dot" kernel's SCALE_AFTER (one scale per row over K only); benchmarks/h200_fp8_mid_m.py
+    # times it against the per-tile form, nothing routes to it yet
     m, k = a.shape
     n = b_q.shape[0]
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     if group_k < k and group_k % bk:
         raise ValueError(f"fp8_gemm: BLOCK_K {bk} must divide the scale group {group_k}")
+    if scale_after and (group_k < k or group_n != 1 or plan.kernel != "dot"):
+        raise ValueError(f"fp8_gemm: scale_after takes one scale per row over K and the dot kernel, not groups "
+                         f"({group_n}, {group_k}) of K {k} on {plan.kernel!r}")
     y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
     if m == 0:
         return y
@@ -122,7 +146,7 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), b_q.stride(0), b_q.stride(1),
         b_s.stride(0), b_s.stride(1), scs, scm, scn,
         GROUP_N=group_n, GROUP_K=group_k, UPCAST_DOT=upcast, HAS_A_SCALE=has_a_scale,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **options, **pdl_kwargs(a),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=scale_after, **options, **pdl_kwargs(a),
     )
     return dst.finish()
 

@@ -43,6 +43,29 @@ def test_per_channel_fp8_gemm_is_one_group_per_row():
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("a_scaled", [True, False], ids=["w8a8", "weight_only"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_per_row_scales_after_the_loop_match_the_reference(a_scaled, split):
+    from keel_quantization.small_m_plan import SmallMPlan
+
+    m, n, k = 19, 40, 96  # partial token and weight-row tiles; 6 K tiles of 16, split 3 ways
+    x, w = operands(m, n, k, 11 + split)
+    b_q, b_s = fp8_math.quantize_per_row(w)
+    b_s = b_s.reshape(-1, 1)
+    plan = SmallMPlan("dot", 16, 16, 16, split)
+    out = torch.full((m, n), float("nan"))
+    if a_scaled:
+        a, a_s = per_token_group_quant_fp8(x, k)
+        ref = (a.double() * a_s.double()) @ (b_q.double() * b_s.double()).T
+    else:
+        a, a_s = x, None
+        ref = x.double() @ (b_q.double() * b_s.double()).T
+    fp8_triton._launch(a, a_s, b_q, b_s, 1, k, torch.float32, plan, out, scale_after=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="scale_after takes one scale per row"):
+        fp8_triton._launch(a, a_s, b_q, b_s, 1, 32, torch.float32, plan, out, scale_after=True)
+
+
 def test_a_block_k_that_does_not_divide_the_group_is_refused():
     x, w = operands(2, 16, 64, 1)
     a_q, a_s = per_token_group_quant_fp8(x, 32)

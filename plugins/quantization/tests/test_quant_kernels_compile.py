@@ -55,7 +55,14 @@ SCRIPT = textwrap.dedent('''
                **{s: i32 for s in strides}}
         compile_(fp8_triton._fp8_gemm_kernel, sig,
                  {"GROUP_N": group_n, "GROUP_K": group_k, "UPCAST_DOT": False, "HAS_A_SCALE": has_a_scale,
-                  "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2]}, num_stages=4)
+                  "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2], "SCALE_AFTER": False}, num_stages=4)
+    # per-row scales after the loop (benchmarks/h200_fp8_mid_m.py's candidates): fp8 sums promoted every K tile
+    for a_dt, has_a_scale in (("*fp8e4nv", True), ("*bf16", False)):
+        sig = {"a_ptr": a_dt, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "M": i32,
+               "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in strides}}
+        compile_(fp8_triton._fp8_gemm_kernel, sig,
+                 {"GROUP_N": 1, "GROUP_K": 4096, "UPCAST_DOT": False, "HAS_A_SCALE": has_a_scale,
+                  "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SCALE_AFTER": True}, num_warps=8, num_stages=3)
     gemv_strides = ("stride_xm", "stride_xk", "stride_bn", "stride_bk", "stride_bsn", "stride_bsk", "stride_cs",
                     "stride_cm", "stride_cn")
     # weight-only, then on activations quantized in it (per token, per token and group, static)
