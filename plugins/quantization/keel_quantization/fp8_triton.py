@@ -28,6 +28,17 @@ from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
 
 @triton.jit
+def _tile_dot(a, b, acc, UPCAST_DOT: tl.constexpr, HAS_A_SCALE: tl.constexpr, PROMOTE_K: tl.constexpr):
+    """a [BM, BK] . b [BK, BN] (+ acc, None: a fresh sum) in float32; fp8 x fp8 sums promoted to float32 every
+    PROMOTE_K inputs (None: the compiler's default, over the dot's K)."""
+    if UPCAST_DOT:  # the interpreter has no fp8 dot, float32 none in bf16: the same products in float32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if HAS_A_SCALE:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+    return tl.dot(a, b.to(a.dtype), acc)  # weight-only: widen the fp8 tile to the activations' dtype
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
     M, N, K, K_PER_SPLIT,  # split s (program_id 2) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
@@ -62,22 +73,12 @@ def _fp8_gemm_kernel(
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None] * stride_bk,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN] fp8
         if SCALE_AFTER:
-            if UPCAST_DOT:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            elif HAS_A_SCALE:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, b.to(a.dtype), acc)
+            acc = _tile_dot(a, b, acc, UPCAST_DOT, HAS_A_SCALE, BLOCK_K)
         else:
             g = k0 // GROUP_K
             b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + g * stride_bsk, mask=mask_n,
                           other=0.0)  # [BN]
-            if UPCAST_DOT:  # the interpreter has no fp8 dot, float32 none in bf16: the same products in fp32
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            elif HAS_A_SCALE:
-                part = tl.dot(a, b)
-            else:  # weight-only: widen the fp8 tile to the activations' dtype
-                part = tl.dot(a, b.to(a.dtype))
+            part = _tile_dot(a, b, None, UPCAST_DOT, HAS_A_SCALE, None)
             if HAS_A_SCALE:
                 a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_ask, mask=mask_m, other=0.0)  # [BM]
                 part = part * a_s[:, None]
