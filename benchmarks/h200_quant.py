@@ -186,6 +186,11 @@ def graph_us(fn, calls: int) -> float:
     return _llama8b._events_ms(graph.replay, iters=10) * 1000 / calls
 
 
+def past_l2(t: torch.Tensor) -> list[torch.Tensor]:
+    """t and copies of it, 256 MiB or more together: a timing that cycles through them reads each from memory."""
+    return [t] + [t.clone() for _ in range(-(-(256 << 20) // t.nbytes) - 1)]
+
+
 def time_paths(row: dict, fns: dict, ref: torch.Tensor, candidate: str, over_budget) -> dict:
     """Fill row["us"] (graph_us per label of `fns`: label -> (calls, fn(i))) and row["max_rel_diff"] (labels
     starting with `candidate`, against `ref`); candidates are skipped once `over_budget()` holds, and one that
