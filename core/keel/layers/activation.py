@@ -14,13 +14,20 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:], the SwiGLU gate of Llama-family MLPs (gate first, then up).
 
-    The worker may bind a fused `silu_and_mul` kernel (see `keel.layers.custom_op`).
+    The worker may bind a fused `silu_and_mul` kernel (see `keel.layers.custom_op`); the quantized linear
+    layer it feeds may bind its activation quantization (`fused_input_quant`, see `keel.layers.input_quant`):
+    steps of more than its `min_m` tokens then return a `QuantizedInput`.
     """
 
     custom_ops: ClassVar[tuple[str, ...]] = ("silu_and_mul",)
     bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+    input_quant_op: ClassVar[str] = "silu_and_mul"
+    fused_input_quant: Any = None  # an InputQuantFusion, bound after loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]
+        fused = self.fused_input_quant
+        if fused is not None and x.numel() // x.shape[-1] > fused.min_m:
+            return fused("silu_and_mul", x)
         op = self.bound_ops.get("silu_and_mul")
         if op is not None:
             return op(x)

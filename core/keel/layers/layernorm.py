@@ -20,11 +20,15 @@ class RMSNorm(nn.Module):
     un-normalized stream without an extra add.
 
     `custom_ops` / `bound_ops`: the worker may bind fused kernels for these ops (see
-    `keel.layers.custom_op`); an unbound op runs the torch math below.
+    `keel.layers.custom_op`); an unbound op runs the torch math below. `fused_input_quant`: the quantized
+    linear layer this norm feeds may have bound its activation quantization here (`keel.layers.input_quant`);
+    steps of more than its `min_m` tokens then return a `QuantizedInput` in place of the normalized tensor.
     """
 
     custom_ops: ClassVar[tuple[str, ...]] = ("rms_norm", "fused_add_rms_norm")
     bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+    input_quant_op: ClassVar[str] = "rms_norm"
+    fused_input_quant: Any = None  # an InputQuantFusion, bound after loading
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -45,6 +49,10 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., hidden_size]
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = self.fused_input_quant
+        if fused is not None and x.numel() // x.shape[-1] > fused.min_m:
+            out, new_residual = fused("rms_norm", x, residual, self.weight, self.variance_epsilon)
+            return out if residual is None else (out, new_residual)
         if residual is None:
             op = self.bound_ops.get("rms_norm")
             return op(x, self.weight, self.variance_epsilon) if op is not None else self._norm(x)

@@ -81,6 +81,7 @@ class LinearBase(nn.Module):
     custom_ops: ClassVar[tuple[str, ...]] = ("linear_small_m",)
     bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
     input_source: tuple[LinearBase, int] | None = None  # set_input_source
+    input_producer: tuple[nn.Module] | None = None  # set_input_producer (a tuple: not registered as a child)
 
     def __init__(
         self,
@@ -128,6 +129,12 @@ class LinearBase(nn.Module):
         of this layer's inputs may be applied to `producer`'s outputs instead, one block at a time."""
         self.input_source = (producer, parts)
 
+    def set_input_producer(self, producer: nn.Module) -> None:
+        """Declared by a model once it has built both: `producer`'s output (a norm's, a gated activation's) is this
+        layer's input, unchanged and read by nothing else, so it may arrive quantized as this layer's method
+        wants it (`keel.layers.input_quant`)."""
+        self.input_producer = (producer,)
+
     def _own_params(self) -> list[nn.Parameter]:
         """Parameters loaded by this layer's own `weight_loader` (not by a quantization method's)."""
         return [
@@ -170,6 +177,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded_weight)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x may be a QuantizedInput from a producer bound to this layer's method (keel.layers.input_quant)
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
         op = self.bound_ops.get("linear_small_m")  # a plugin's kernel for decode-sized steps, where measured

@@ -217,6 +217,10 @@ def load_model(model_cls: Any, build: ModelBuildContext, path: str | Path, load_
     from keel.layers.linear import fold_input_permutations
 
     fold_input_permutations(model)
+    # a quantized layer's activation quantization moves into the norm / activation producing its input
+    from keel.layers.input_quant import bind_input_quant
+
+    bind_input_quant(model)
     # Models that derive tensors from their weights (MLA's absorbed W_UK / W_UV) do it here, after
     # either load path, so dummy weights are processed exactly like checkpoint weights.
     hook = getattr(model, "process_weights_after_loading", None)

@@ -80,6 +80,7 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
         self.down_proj.set_input_source(self.gate_up_proj, parts=2)  # act(gate) * up, per index
+        self.down_proj.set_input_producer(self.act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -156,6 +157,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = LlamaMLP(config, build, variant.mlp_bias, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn.qkv_proj.set_input_producer(self.input_layernorm)
+        self.mlp.gate_up_proj.set_input_producer(self.post_attention_layernorm)
 
 
 class LlamaModel(DecoderStack):

@@ -31,18 +31,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from keel.layers.input_quant import QuantizedInput
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import fp8_math
 from keel_quantization.fp8_native import (
+    _HAS_TRITON,
     NativeChoiceLog,
     choose_native,
     choose_small_m,
     native_linear,
     native_scale,
+    quantized_linear,
 )
 from keel_quantization.loading import add_param, load_per_shard, load_row_scale, load_sharded
 
 ACTIVATIONS = ("static", "dynamic_token", "dynamic_group", "none")
+# the large-M paths that quantize activations in a launch of their own, which a producer may take over
+_PREQUANTIZED_PATHS = ("scaled_mm", "triton")
 
 
 @dataclass(frozen=True)
@@ -141,12 +146,25 @@ class Fp8LinearMethod:
             return fp8_math.fake_quant_per_token_group(x, self.scheme.block[1])
         return x
 
+    def input_quant_fusion(self, module: torch.nn.Module) -> Fp8InputFusion | None:
+        """Called once after loading (`keel.layers.input_quant.bind_input_quant`): the producer of this layer's
+        input may quantize it -- one scale per token or the static scale, on a path that quantizes in a launch
+        of its own. Steps of at most `small_m_max_m` tokens keep their own path (it quantizes in its prologue)."""
+        s = self.scheme
+        if self.native not in _PREQUANTIZED_PATHS or s.activation not in ("dynamic_token", "static") or not _HAS_TRITON:
+            return None
+        return Fp8InputFusion(self.small_m_max_m, module.input_scale.float().reshape(1)
+                              if s.activation == "static" else None)
+
     def apply(
         self,
         module: torch.nn.Module,
-        x: torch.Tensor,  # [num_tokens, input_size]
+        x: torch.Tensor | QuantizedInput,  # [num_tokens, input_size]
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
+        if isinstance(x, QuantizedInput):  # from the producer bound to input_quant_fusion's, past small_m_max_m
+            return quantized_linear(self.native, x.values, x.scales, module.weight,
+                                    getattr(module, self.scheme.scale_name), self.scheme.block, bias, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         if self.native is not None:  # chosen for CUDA weights only (tests set it to run kernels interpreted)
             s = self.scheme
@@ -157,3 +175,31 @@ class Fp8LinearMethod:
             return out.reshape(*x.shape[:-1], out.shape[-1])
         out = F.linear(self.quantize_input(module, x2), self.dequantize_weight(module).to(x.dtype), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@dataclass(frozen=True)
+class Fp8InputFusion:
+    """`keel.layers.input_quant.InputQuantFusion` for a W8A8 fp8 layer: its producer writes e4m3 activations and
+    one scale per token (or the layer's static scale) with `fp8_input_fusion_triton`'s kernels."""
+
+    min_m: int
+    static_scale: torch.Tensor | None  # float32 [1]; None: dynamic per token
+
+    def supports(self, op: str, width: int) -> bool:
+        from keel_quantization.fp8_input_fusion_triton import MAX_NORM_WIDTH
+
+        return op == "silu_and_mul" or op == "rms_norm" and width <= MAX_NORM_WIDTH
+
+    def __call__(self, op: str, *args):
+        from keel_quantization import fp8_input_fusion_triton as k
+
+        if op == "rms_norm":
+            x, residual, weight, eps = args
+            x2 = x.reshape(-1, x.shape[-1])
+            r2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
+            q, s, res = k.rms_norm_quant(x2, r2, weight, eps, self.static_scale)
+            out_dtype = torch.promote_types(weight.dtype, x.dtype if res is None else res.dtype)  # as the norm's
+            return QuantizedInput(q, s, out_dtype), (None if res is None else res.view(residual.shape))
+        (x,) = args
+        q, s = k.silu_and_mul_quant(x.reshape(-1, x.shape[-1]), self.static_scale)
+        return QuantizedInput(q, s, x.dtype)

@@ -174,11 +174,27 @@ def native_linear(
         out = fp8_cublas_block.gemm(x, weight, weight_scale)
         return out if bias is None else out + bias
     a_q, a_s = quantize_activations(x, activation, block, input_scale)
+    return quantized_linear(path, a_q, a_s, weight, weight_scale, block, bias, x.dtype)
+
+
+def quantized_linear(
+    path: str,  # "scaled_mm" or "triton"
+    a_q: torch.Tensor,  # e4m3 [M, K]: the activations, quantized (`quantize_activations`, or by their producer)
+    a_s: torch.Tensor,  # float32 [M, groups]
+    weight: torch.Tensor,  # e4m3 [N, K]
+    weight_scale: torch.Tensor,  # float32 [N] (per row) or [ceil(N / bn), ceil(K / bk)] (block)
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,  # the model dtype
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """The large-M W8A8 GEMM on activations already quantized as `quantize_activations` quantizes them."""
     if path == "scaled_mm":
         out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale.reshape(1, -1),
-                               out_dtype=x.dtype)
+                               out_dtype=out_dtype)
     else:
         from keel_quantization.fp8_triton import fp8_gemm
 
-        out = fp8_gemm(a_q, a_s, weight, groups, group_n, group_k, x.dtype)
+        group_n, group_k = block if block is not None else (1, a_q.shape[1])
+        groups = weight_scale if block is not None else weight_scale.reshape(-1, 1)
+        out = fp8_gemm(a_q, a_s, weight, groups, group_n, group_k, out_dtype)
     return out if bias is None else out + bias

@@ -1,0 +1,173 @@
+"""FP8 activation quantization fused into the layer that produces a W8A8 linear layer's input (RMSNorm before
+qkv / gate_up, SiluAndMul before down; `keel.layers.input_quant`): one launch writes e4m3 values and their
+per-token scale where two launches wrote the model-dtype activations and then read them back to quantize.
+
+The numbers are the unfused pair's, bit for bit: each kernel rounds its result to the model dtype exactly where
+kernels-triton's `rms_norm_kernel` / `silu_and_mul_kernel` round (the norm with the same tile and warps, so the
+same sum order), then quantizes those values as `fp8_quant_triton.quant_fp8` does (float32 amax, IEEE division,
+e4m3 round-to-nearest-even) -- so a request's tokens do not depend on whether its step was fused (steps of
+at most the layer's small-M bound are not).
+
+One scale per token (dynamic) or the layer's static input scale. A token's row is held whole (the norm:
+hidden sizes up to MAX_NORM_WIDTH) or, for wide activations in big steps (`fp8_quant_triton.choose_launch`'s
+loop launch), walked in chunks twice: the amax, then the values again from L2 -- recomputed, not stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from keel.layers.fp8_utils import FP8
+from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3_stored, choose_launch
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
+
+MAX_NORM_WIDTH = 8192  # kernels-triton's one-tile norm; wider rows are not fused
+
+
+@triton.jit
+def _round_to(x, dt: tl.constexpr):
+    """float32 `x` rounded to `dt` to nearest-even (the interpreter truncates to bfloat16 without this); kernels-
+    triton's `_round_to`, copied as `pdl` is, so this plugin needs no other plugin."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _quantize_row(v, q_row, s_row, static_ptr, offs, mask, STATIC: tl.constexpr, HW_CVT: tl.constexpr):
+    """Store one token's values v (float32, already on the model dtype's grid) as e4m3 and its scale."""
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = _dynamic_scale(tl.max(tl.abs(v), axis=0))
+    q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
+    tl.store(q_row + offs, q, mask=mask)
+    tl.store(s_row, scale)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
+    stride_x, stride_r, stride_q, stride_ro, H, eps,
+    DT: tl.constexpr,  # the norm's output dtype (what the unfused norm stores)
+    HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HW_CVT: tl.constexpr = False,
+):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = _round_to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    y = _round_to(xf * rstd, x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = _round_to(w * y, DT).to(tl.float32)
+    _quantize_row(v, q_ptr + row * stride_q, s_ptr + row, static_ptr, offs, mask, STATIC, HW_CVT)
+
+
+@triton.jit
+def _silu_mul(x_row, offs, mask, D, DT: tl.constexpr):
+    g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_row + D + offs, mask=mask, other=0.0).to(tl.float32)
+    s = _round_to(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
+    return _round_to(s * u, DT).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, D,
+    DT: tl.constexpr, STATIC: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr = False, HW_CVT: tl.constexpr = False,
+):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    cols = tl.arange(0, CHUNK)
+    if NUM_CHUNKS == 1:
+        mask = cols < D
+        _quantize_row(_silu_mul(x_row, cols, mask, D, DT), q_row, s_ptr + row, static_ptr, cols, mask, STATIC,
+                      HW_CVT)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((CHUNK,), dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                k = c * CHUNK + cols
+                amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, k, k < D, D, DT)))
+            scale = tl.max(_dynamic_scale(amax), axis=0)  # monotone in the amax: the largest chunk's is the token's
+        for c2 in range(NUM_CHUNKS):
+            k2 = c2 * CHUNK + cols
+            v = _silu_mul(x_row, k2, k2 < D, D, DT)
+            q = _to_e4m3_stored(v, tl.full((CHUNK,), 1.0, tl.float32) * scale, q_ptr.dtype.element_ty, HW_CVT)
+            tl.store(q_row + k2, q, mask=k2 < D)
+        tl.store(s_ptr + row, scale)
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _outputs(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(rows, width, dtype=FP8, device=device),
+            torch.empty(rows, 1, dtype=torch.float32, device=device))
+
+
+def rms_norm_quant(
+    x: torch.Tensor,  # [M, H], contiguous last dim
+    residual: torch.Tensor | None,  # [M, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic per token
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (e4m3 [M, H], float32 [M, 1], new residual or None)
+    x, residual = _rows(x), None if residual is None else _rows(residual)
+    m, h = x.shape
+    res_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = torch.promote_types(weight.dtype, res_dtype)  # what the unfused norm stores, as torch promotes
+    q, s = _outputs(m, h, x.device)
+    res_out = torch.empty(m, h, dtype=res_dtype, device=x.device) if residual is not None else None
+    if m:
+        block = triton.next_power_of_2(h)  # kernels-triton's tile and warps: the same sum order
+        r = residual if residual is not None else x
+        ro = res_out if res_out is not None else x
+        _rms_norm_quant_kernel[(m,)](
+            x, r, weight, q, s, ro, s if static_scale is None else static_scale,
+            x.stride(0), r.stride(0), q.stride(0), ro.stride(0), h, float(eps),
+            DT=_TL[out_dtype], HAS_RESIDUAL=residual is not None, STATIC=static_scale is not None, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 16), HW_CVT=x.is_cuda, **pdl_kwargs(x),
+        )
+    return q, s, res_out
+
+
+def silu_and_mul_quant(
+    x: torch.Tensor,  # [M, 2 * D], contiguous last dim: gate, then up
+    static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic per token
+    chunk: int | None = None,  # inputs a program walks at a time (None: the whole row, or quant_fp8's loop chunk)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M, D], float32 [M, 1])
+    x = _rows(x)
+    m, d = x.shape[0], x.shape[1] // 2
+    q, s = _outputs(m, d, x.device)
+    if m:
+        if chunk is None:
+            launch = choose_launch(m, d, d)
+            chunk = launch.chunk if launch.kind == "loop" else triton.next_power_of_2(d)
+        warps = 4 if chunk <= 2048 else min(chunk // 512, 16)
+        _silu_and_mul_quant_kernel[(m,)](
+            x, q, s, s if static_scale is None else static_scale, x.stride(0), q.stride(0), d,
+            DT=_TL[x.dtype], STATIC=static_scale is not None, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(d, chunk),
+            num_warps=warps, HW_CVT=x.is_cuda, **pdl_kwargs(x),
+        )
+    return q, s
