@@ -152,19 +152,28 @@ def rms_norm_quant(
     return q, s, res_out
 
 
+def silu_launch(m: int, d: int) -> tuple[int, int]:
+    """(chunk, warps) of `silu_and_mul_quant` for m rows of d outputs: a chunk of at least d holds the row whole."""
+    launch = choose_launch(m, d, d)
+    if launch.kind == "loop":
+        return launch.chunk, 8
+    chunk = triton.next_power_of_2(d)
+    return chunk, min(max(chunk // 512, 4), 16)
+
+
 def silu_and_mul_quant(
     x: torch.Tensor,  # [M, 2 * D], contiguous last dim: gate, then up
     static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic per token
-    chunk: int | None = None,  # inputs a program walks at a time (None: the whole row, or quant_fp8's loop chunk)
+    chunk: int | None = None,  # inputs a program walks at a time (None: `silu_launch`'s)
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M, D], float32 [M, 1])
     x = _rows(x)
     m, d = x.shape[0], x.shape[1] // 2
     q, s = _outputs(m, d, x.device)
     if m:
-        if chunk is None:
-            launch = choose_launch(m, d, d)
-            chunk = launch.chunk if launch.kind == "loop" else triton.next_power_of_2(d)
-        warps = 4 if chunk <= 2048 else min(chunk // 512, 16)
+        default_chunk, default_warps = silu_launch(m, d)
+        chunk = chunk or default_chunk
+        warps = warps or (default_warps if chunk == default_chunk else 4)
         _silu_and_mul_quant_kernel[(m,)](
             x, q, s, s if static_scale is None else static_scale, x.stride(0), q.stride(0), d,
             DT=_TL[x.dtype], STATIC=static_scale is not None, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(d, chunk),
