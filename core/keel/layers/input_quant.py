@@ -36,13 +36,14 @@ PRODUCER_OPS = ("rms_norm", "silu_and_mul")
 
 @dataclass(frozen=True)
 class QuantizedInput:
-    """A linear layer's input, already quantized by its producer: `values` [M, K] (e.g. e4m3) and `scales`
-    [M, groups] float32, as the consumer's method asked for them; `dtype` is the model dtype the unquantized
-    activations had (the layer's output dtype)."""
+    """A linear layer's input, already quantized by its producer: `values` [M', K] (e.g. e4m3) and `scales`
+    [M', groups] float32, in the layout the consumer's method asked for (M' >= num_tokens where it pads rows);
+    `dtype` is the model dtype the unquantized activations had (the layer's output dtype)."""
 
-    values: torch.Tensor  # [M, K]
-    scales: torch.Tensor  # [M, groups] float32
+    values: torch.Tensor  # [M', K]
+    scales: torch.Tensor  # [M', groups] float32, any strides
     dtype: torch.dtype
+    num_tokens: int  # the real rows (M)
 
     @property
     def shape(self) -> torch.Size:

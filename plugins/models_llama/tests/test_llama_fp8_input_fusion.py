@@ -4,8 +4,13 @@ bit for bit. The fp8 GEMMs and the fused kernels run interpreted on the CPU (the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported (triton.jit reads it then)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from keel_models_llama.llama import LlamaForCausalLM
 from llama_test_utils import build_context, prefill_logits, random_prompts
 
@@ -20,15 +25,15 @@ quantization = pytest.importorskip("keel_quantization.quantizer")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's own paths are tests/test_cuda_quant.py's")
-def test_fused_producers_give_the_unfused_models_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-block"])  # per-token scales; per token and 16-input group
+def test_fused_producers_give_the_unfused_models_logits(tmp_path, monkeypatch, layout):
     from keel_kernels_triton.ops import TritonFusedAddRMSNorm, TritonRMSNorm, TritonSiluAndMul
     from keel_quantization.fp8 import Fp8Config
 
     from keel.layers.activation import SiluAndMul
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     src = make_checkpoint("llama", tmp_path / "src")
-    path = quantization.quantize_checkpoint(src, tmp_path / "q", "fp8-channel")
+    path = quantization.quantize_checkpoint(src, tmp_path / "q", layout, block=(16, 16))
     ctx = build_context(path)
     quant = Fp8Config.from_config(ctx.hf_config.quantization_config)
     model = load_model(LlamaForCausalLM, ModelBuildContext(**{**ctx.__dict__, "quant_method": quant}), path)

@@ -80,8 +80,20 @@ def gemm(
         raise ValueError(f"cublas_block: weight scales {tuple(scales.shape)} are not weight_scales() of a "
                          f"{tuple(weight.shape)} weight")
     a_q, a_s = quantize_activations(x)
+    return gemm_quantized(a_q, a_s, m, weight, scales, x.dtype)
+
+
+def gemm_quantized(
+    a_q: torch.Tensor,  # e4m3 [M', K], M' = m rounded up to ROWS_MULTIPLE (`quantize_activations`' layout)
+    a_s: torch.Tensor,  # float32 [M', K / 128], strides (1, M')
+    m: int,  # the real rows
+    weight: torch.Tensor,  # e4m3 [N, K]
+    scales: torch.Tensor,  # `weight_scales(weight_scale_inv)`
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [m, N]
+    """The GEMM on activations already in cuBLAS's layout (quantized here, or by their producer)."""
     out = F.scaled_mm(a_q, weight.t(), a_s, _SCALING.BlockWise1x128, scales.t(), _SCALING.BlockWise128x128,
-                      output_dtype=x.dtype)
+                      output_dtype=out_dtype)
     return out if out.shape[0] == m else out[:m]
 
 

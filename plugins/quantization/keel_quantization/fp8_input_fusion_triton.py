@@ -38,40 +38,54 @@ def _round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(v, q_row, s_row, static_ptr, offs, mask, STATIC: tl.constexpr, HW_CVT: tl.constexpr):
-    """Store one token's values v (float32, already on the model dtype's grid) as e4m3 and its scale."""
+def _quantize_groups(v, q_row, s_row, stride_sg, static_ptr, offs, mask, W, first_group, BLOCK: tl.constexpr,
+                     GROUP: tl.constexpr, STATIC: tl.constexpr, HW_CVT: tl.constexpr):
+    """Store BLOCK values v (float32, on the model dtype's grid; zeros past the row) at offs as e4m3 with one scale
+    per GROUP inputs (GROUP >= BLOCK: one for them all; else BLOCK // GROUP groups from group `first_group`)."""
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
-    else:
+        q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
+        tl.store(q_row + offs, q, mask=mask)
+        tl.store(s_row, scale)
+    elif GROUP >= BLOCK:
         scale = _dynamic_scale(tl.max(tl.abs(v), axis=0))
-    q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
-    tl.store(q_row + offs, q, mask=mask)
-    tl.store(s_row, scale)
+        q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
+        tl.store(q_row + offs, q, mask=mask)
+        tl.store(s_row + first_group * stride_sg, scale)
+    else:
+        v2 = tl.reshape(v, (BLOCK // GROUP, GROUP))
+        scales = _dynamic_scale(tl.max(tl.abs(v2), axis=1))  # [BLOCK // GROUP]
+        q = _to_e4m3_stored(v2, tl.broadcast_to(scales[:, None], v2.shape), q_row.dtype.element_ty, HW_CVT)
+        tl.store(q_row + tl.reshape(offs, (BLOCK // GROUP, GROUP)), q, mask=tl.reshape(mask, (BLOCK // GROUP, GROUP)))
+        first = first_group + tl.arange(0, BLOCK // GROUP)
+        tl.store(s_row + first * stride_sg, scales, mask=first * GROUP < W)
 
 
 @triton.jit
 def _rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, static_ptr,
-    stride_x, stride_r, stride_q, stride_ro, H, eps,
+    M, stride_x, stride_r, stride_q, stride_ro, stride_sm, stride_sg, H, eps,
     DT: tl.constexpr,  # the norm's output dtype (what the unfused norm stores)
-    HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-    HW_CVT: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    PDL: tl.constexpr = False, HW_CVT: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    live = mask & ((row + offs * 0) < M)  # rows past x's (the padding cuBLAS's layout asks for): zeros in, zeros out
+    x = tl.load(x_ptr + row * stride_x + offs, mask=live, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        r = tl.load(res_ptr + row * stride_r + offs, mask=live, other=0.0)
         x = _round_to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=live)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
     y = _round_to(xf * rstd, x.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = _round_to(w * y, DT).to(tl.float32)
-    _quantize_row(v, q_ptr + row * stride_q, s_ptr + row, static_ptr, offs, mask, STATIC, HW_CVT)
+    v = tl.where(live, _round_to(w * y, DT).to(tl.float32), 0.0)  # padding rows +0, not w * 0's -0
+    _quantize_groups(v, q_ptr + row * stride_q, s_ptr + row * stride_sm, stride_sg, static_ptr, offs, mask, H, 0,
+                     BLOCK, GROUP, STATIC, HW_CVT)
 
 
 @triton.jit
@@ -84,19 +98,24 @@ def _silu_mul(x_row, offs, mask, D, DT: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, D,
-    DT: tl.constexpr, STATIC: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, static_ptr, M, stride_x, stride_q, stride_sm, stride_sg, D,
+    DT: tl.constexpr, STATIC: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, GROUP: tl.constexpr,
     PDL: tl.constexpr = False, HW_CVT: tl.constexpr = False,
 ):
+    """One scale per token (GROUP >= D: a program walks the row, in one chunk or twice in NUM_CHUNKS) or per GROUP
+    inputs (program_id(1) picks the row's chunk, CHUNK a multiple of GROUP)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
-    cols = tl.arange(0, CHUNK)
+    s_row = s_ptr + row * stride_sm
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    in_x = (row + cols * 0) < M  # rows past x's (cuBLAS's padding): zeros in, zeros out
     if NUM_CHUNKS == 1:
         mask = cols < D
-        _quantize_row(_silu_mul(x_row, cols, mask, D, DT), q_row, s_ptr + row, static_ptr, cols, mask, STATIC,
-                      HW_CVT)
+        v = _silu_mul(x_row, cols, mask & in_x, D, DT)
+        _quantize_groups(v, q_row, s_row, stride_sg, static_ptr, cols, mask, D, tl.program_id(1) * (CHUNK // GROUP),
+                         CHUNK, GROUP, STATIC, HW_CVT)
     else:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -104,14 +123,14 @@ def _silu_and_mul_quant_kernel(
             amax = tl.zeros((CHUNK,), dtype=tl.float32)
             for c in range(NUM_CHUNKS):
                 k = c * CHUNK + cols
-                amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, k, k < D, D, DT)))
+                amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, k, (k < D) & in_x, D, DT)))
             scale = tl.max(_dynamic_scale(amax), axis=0)  # monotone in the amax: the largest chunk's is the token's
         for c2 in range(NUM_CHUNKS):
             k2 = c2 * CHUNK + cols
-            v = _silu_mul(x_row, k2, k2 < D, D, DT)
+            v = _silu_mul(x_row, k2, (k2 < D) & in_x, D, DT)
             q = _to_e4m3_stored(v, tl.full((CHUNK,), 1.0, tl.float32) * scale, q_ptr.dtype.element_ty, HW_CVT)
             tl.store(q_row + k2, q, mask=k2 < D)
-        tl.store(s_ptr + row, scale)
+        tl.store(s_row, scale)
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -121,9 +140,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _outputs(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(rows, width, dtype=FP8, device=device),
-            torch.empty(rows, 1, dtype=torch.float32, device=device))
+def _outputs(m: int, width: int, group: int | None, pad_to: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M', width], float32 scales [M', groups]) with M' = m rounded up to pad_to; pad_to > 1 is cuBLAS's
+    block-scaled layout (`fp8_cublas_block.quantize_activations`): scales token-major, strides (1, M')."""
+    rows = -(-m // pad_to) * pad_to
+    groups = 1 if group is None else -(-width // group)
+    q = torch.empty(rows, width, dtype=FP8, device=device)
+    if pad_to > 1:
+        return q, torch.empty(groups, rows, dtype=torch.float32, device=device).t()
+    return q, torch.empty(rows, groups, dtype=torch.float32, device=device)
+
+
+def _check_group(group: int | None, static_scale: torch.Tensor | None) -> None:
+    if group is not None and (group & (group - 1) or static_scale is not None):
+        raise ValueError(f"fp8 input fusion: groups of {group} (a power of two, dynamic scales only)")
 
 
 def rms_norm_quant(
@@ -131,29 +162,34 @@ def rms_norm_quant(
     residual: torch.Tensor | None,  # [M, H]
     weight: torch.Tensor,  # [H]
     eps: float,
-    static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic per token
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (e4m3 [M, H], float32 [M, 1], new residual or None)
+    static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic
+    group: int | None = None,  # inputs per dynamic scale; None: one per token
+    pad_to: int = 1,  # rows rounded up to this (cuBLAS's layout, see _outputs)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (e4m3 [M', H], float32 [M', groups], new residual)
+    _check_group(group, static_scale)
     x, residual = _rows(x), None if residual is None else _rows(residual)
     m, h = x.shape
     res_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out_dtype = torch.promote_types(weight.dtype, res_dtype)  # what the unfused norm stores, as torch promotes
-    q, s = _outputs(m, h, x.device)
+    q, s = _outputs(m, h, group, pad_to, x.device)
     res_out = torch.empty(m, h, dtype=res_dtype, device=x.device) if residual is not None else None
-    if m:
+    if q.shape[0]:
         block = triton.next_power_of_2(h)  # kernels-triton's tile and warps: the same sum order
         r = residual if residual is not None else x
         ro = res_out if res_out is not None else x
-        _rms_norm_quant_kernel[(m,)](
+        _rms_norm_quant_kernel[(q.shape[0],)](
             x, r, weight, q, s, ro, s if static_scale is None else static_scale,
-            x.stride(0), r.stride(0), q.stride(0), ro.stride(0), h, float(eps),
+            m, x.stride(0), r.stride(0), q.stride(0), ro.stride(0), s.stride(0), s.stride(1), h, float(eps),
             DT=_TL[out_dtype], HAS_RESIDUAL=residual is not None, STATIC=static_scale is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 16), HW_CVT=x.is_cuda, **pdl_kwargs(x),
+            GROUP=min(group or block, block), num_warps=min(max(block // 256, 1), 16), HW_CVT=x.is_cuda,
+            **pdl_kwargs(x),
         )
     return q, s, res_out
 
 
 def silu_launch(m: int, d: int) -> tuple[int, int]:
-    """(chunk, warps) of `silu_and_mul_quant` for m rows of d outputs: a chunk of at least d holds the row whole."""
+    """(chunk, warps) of `silu_and_mul_quant` with one scale per token, m rows of d outputs: a chunk of at least d
+    holds the row whole."""
     launch = choose_launch(m, d, d)
     if launch.kind == "loop":
         return launch.chunk, 8
@@ -161,22 +197,33 @@ def silu_launch(m: int, d: int) -> tuple[int, int]:
     return chunk, min(max(chunk // 512, 4), 16)
 
 
+GROUP_CHUNK = 1024  # inputs a program quantizes in groups (several groups, one pass)
+
+
 def silu_and_mul_quant(
     x: torch.Tensor,  # [M, 2 * D], contiguous last dim: gate, then up
-    static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic per token
+    static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic
     chunk: int | None = None,  # inputs a program walks at a time (None: `silu_launch`'s)
     warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M, D], float32 [M, 1])
+    group: int | None = None,  # inputs per dynamic scale; None: one per token
+    pad_to: int = 1,  # rows rounded up to this (cuBLAS's layout, see _outputs)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M', D], float32 [M', groups])
+    _check_group(group, static_scale)
     x = _rows(x)
     m, d = x.shape[0], x.shape[1] // 2
-    q, s = _outputs(m, d, x.device)
-    if m:
-        default_chunk, default_warps = silu_launch(m, d)
-        chunk = chunk or default_chunk
-        warps = warps or (default_warps if chunk == default_chunk else 4)
-        _silu_and_mul_quant_kernel[(m,)](
-            x, q, s, s if static_scale is None else static_scale, x.stride(0), q.stride(0), d,
-            DT=_TL[x.dtype], STATIC=static_scale is not None, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(d, chunk),
-            num_warps=warps, HW_CVT=x.is_cuda, **pdl_kwargs(x),
+    q, s = _outputs(m, d, group, pad_to, x.device)
+    if q.shape[0]:
+        if group is not None and group < d:  # independent groups: a program per row chunk, one pass
+            chunk = chunk or max(group, min(GROUP_CHUNK, triton.next_power_of_2(d)))
+            grid, num_chunks, warps = (q.shape[0], triton.cdiv(d, chunk)), 1, warps or 4
+        else:
+            default_chunk, default_warps = silu_launch(m, d)
+            chunk = chunk or default_chunk
+            warps = warps or (default_warps if chunk == default_chunk else 4)
+            grid, num_chunks = (q.shape[0], 1), triton.cdiv(d, chunk)
+        _silu_and_mul_quant_kernel[grid](
+            x, q, s, s if static_scale is None else static_scale, m, x.stride(0), q.stride(0), s.stride(0),
+            s.stride(1), d, DT=_TL[x.dtype], STATIC=static_scale is not None, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+            GROUP=min(group or chunk, chunk), num_warps=warps, HW_CVT=x.is_cuda, **pdl_kwargs(x),
         )
     return q, s

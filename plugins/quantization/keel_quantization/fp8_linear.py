@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from keel.layers.input_quant import QuantizedInput
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import fp8_math
+from keel_quantization.fp8_cublas_block import ROWS_MULTIPLE, gemm_quantized
 from keel_quantization.fp8_native import (
     _HAS_TRITON,
     NativeChoiceLog,
@@ -47,7 +48,7 @@ from keel_quantization.loading import add_param, load_per_shard, load_row_scale,
 
 ACTIVATIONS = ("static", "dynamic_token", "dynamic_group", "none")
 # the large-M paths that quantize activations in a launch of their own, which a producer may take over
-_PREQUANTIZED_PATHS = ("scaled_mm", "triton")
+_PREQUANTIZED_PATHS = ("scaled_mm", "triton", "cublas_block")
 
 
 @dataclass(frozen=True)
@@ -148,13 +149,20 @@ class Fp8LinearMethod:
 
     def input_quant_fusion(self, module: torch.nn.Module) -> Fp8InputFusion | None:
         """Called once after loading (`keel.layers.input_quant.bind_input_quant`): the producer of this layer's
-        input may quantize it -- one scale per token or the static scale, on a path that quantizes in a launch
-        of its own. Steps of at most `small_m_max_m` tokens keep their own path (it quantizes in its prologue)."""
-        s = self.scheme
-        if self.native not in _PREQUANTIZED_PATHS or s.activation not in ("dynamic_token", "static") or not _HAS_TRITON:
+        input may quantize it as this layer's large-M path reads it -- per token, static, or per token and
+        `bk`-input group (row-major for the Triton GEMM, cuBLAS's padded token-major layout for its block-scaled
+        GEMM). Steps of at most `small_m_max_m` tokens keep their own path (it quantizes in its prologue)."""
+        s, static = self.scheme, None
+        if self.native not in _PREQUANTIZED_PATHS or s.activation == "none" or not _HAS_TRITON:
             return None
-        return Fp8InputFusion(self.small_m_max_m, module.input_scale.float().reshape(1)
-                              if s.activation == "static" else None)
+        if s.activation == "dynamic_group":
+            group = s.block[1]
+            if group & (group - 1):  # the fused kernels' groups are power-of-two tiles
+                return None
+            return Fp8InputFusion(self.small_m_max_m, None, group, ROWS_MULTIPLE if self.native == "cublas_block" else 1)
+        if s.activation == "static":
+            static = module.input_scale.float().reshape(1)
+        return Fp8InputFusion(self.small_m_max_m, static)
 
     def apply(
         self,
@@ -163,6 +171,9 @@ class Fp8LinearMethod:
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
         if isinstance(x, QuantizedInput):  # from the producer bound to input_quant_fusion's, past small_m_max_m
+            if self.native == "cublas_block":
+                out = gemm_quantized(x.values, x.scales, x.num_tokens, module.weight, self.native_scale, x.dtype)
+                return out if bias is None else out + bias
             return quantized_linear(self.native, x.values, x.scales, module.weight,
                                     getattr(module, self.scheme.scale_name), self.scheme.block, bias, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
@@ -180,10 +191,13 @@ class Fp8LinearMethod:
 @dataclass(frozen=True)
 class Fp8InputFusion:
     """`keel.layers.input_quant.InputQuantFusion` for a W8A8 fp8 layer: its producer writes e4m3 activations and
-    one scale per token (or the layer's static scale) with `fp8_input_fusion_triton`'s kernels."""
+    their scales (per token, the layer's static scale, or per `group` inputs; rows padded to `pad_to`) with
+    `fp8_input_fusion_triton`'s kernels."""
 
     min_m: int
-    static_scale: torch.Tensor | None  # float32 [1]; None: dynamic per token
+    static_scale: torch.Tensor | None  # float32 [1]; None: dynamic
+    group: int | None = None  # inputs per dynamic scale; None: one per token
+    pad_to: int = 1  # > 1: cuBLAS's block-scaled layout (rows padded, scales token-major)
 
     def supports(self, op: str, width: int) -> bool:
         from keel_quantization.fp8_input_fusion_triton import MAX_NORM_WIDTH
@@ -197,9 +211,11 @@ class Fp8InputFusion:
             x, residual, weight, eps = args
             x2 = x.reshape(-1, x.shape[-1])
             r2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
-            q, s, res = k.rms_norm_quant(x2, r2, weight, eps, self.static_scale)
+            q, s, res = k.rms_norm_quant(x2, r2, weight, eps, self.static_scale, self.group, self.pad_to)
             out_dtype = torch.promote_types(weight.dtype, x.dtype if res is None else res.dtype)  # as the norm's
-            return QuantizedInput(q, s, out_dtype), (None if res is None else res.view(residual.shape))
+            return (QuantizedInput(q, s, out_dtype, x2.shape[0]),
+                    None if res is None else res.view(residual.shape))
         (x,) = args
-        q, s = k.silu_and_mul_quant(x.reshape(-1, x.shape[-1]), self.static_scale)
-        return QuantizedInput(q, s, x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        q, s = k.silu_and_mul_quant(x2, self.static_scale, group=self.group, pad_to=self.pad_to)
+        return QuantizedInput(q, s, x.dtype, x2.shape[0])

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 from keel_kernels_triton.ops import TritonFusedAddRMSNorm, TritonRMSNorm, TritonSiluAndMul  # noqa: E402
 from keel_quantization import fp8_input_fusion_triton as fused  # noqa: E402
-from keel_quantization import fp8_math  # noqa: E402
+from keel_quantization import fp8_math, fp8_native  # noqa: E402
 from keel_quantization.fp8_linear import Fp8LinearMethod, Fp8Scheme  # noqa: E402
 from keel_quantization.fp8_quant_triton import quant_fp8  # noqa: E402
 
@@ -78,13 +78,36 @@ def test_empty_steps_and_row_views():
     assert same_bits(q, q_want) and torch.equal(s, s_want)
 
 
+@pytest.mark.parametrize("m,width,group", [(3, 256, 128), (5, 384, 128), (4, 96, 32), (1, 200, 64)])
+def test_grouped_and_cublas_layouts_are_quant_fp8s(m, width, group):
+    from keel_quantization.fp8_cublas_block import quantize_activations
+
+    x, r, w = rand(m, width), rand(m, width, seed=1), rand(width, scale=1.0, seed=2)
+    x[0, : group // 2] *= 100  # one group much larger than its neighbours
+    out, res = TritonFusedAddRMSNorm()(x, r, w, 1e-6)
+    q, s, res_got = fused.rms_norm_quant(x, r, w, 1e-6, None, group)
+    assert same_bits(q, quant_fp8(out, group)[0]) and torch.equal(s, quant_fp8(out, group)[1])
+    assert torch.equal(res_got, res)
+    g = rand(m, 2 * width, scale=4.0, seed=3)
+    act = TritonSiluAndMul()(g)
+    for chunk in (None, group):
+        q, s = fused.silu_and_mul_quant(g, None, chunk, group=group)
+        assert same_bits(q, quant_fp8(act, group)[0]) and torch.equal(s, quant_fp8(act, group)[1])
+    if width % 128 == 0:  # cuBLAS's block-scaled layout: rows padded to 4 (zeros), scales token-major
+        for got, src in ((fused.rms_norm_quant(x, r, w, 1e-6, None, 128, 4)[:2], out),
+                         (fused.silu_and_mul_quant(g, None, group=128, pad_to=4), act)):
+            want = quantize_activations(src)
+            assert same_bits(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert got[1].stride() == want[1].stride() and got[0].shape[0] == -(-m // 4) * 4
+
+
 class Block(torch.nn.Module):
     """norm -> gate_up -> act -> down, the producers declared as a Llama model declares them."""
 
     def __init__(self, scheme: Fp8Scheme, native: str, small_m_max_m: int, h: int = 64, i: int = 96,
-                 act: torch.nn.Module | None = None):
+                 act: torch.nn.Module | None = None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        with default_dtype(torch.bfloat16):
+        with default_dtype(dtype):
             self.norm = RMSNorm(h, 1e-6)
             self.up = ReplicatedLinear(h, 2 * i, False, quant_config=Fp8LinearMethod(scheme, "fp8"))
             self.down = ReplicatedLinear(i, h, False, quant_config=Fp8LinearMethod(scheme, "fp8"))
@@ -98,8 +121,10 @@ class Block(torch.nn.Module):
             getattr(layer, scheme.scale_name).data.copy_(s)
             if scheme.activation == "static":
                 layer.input_scale.data.fill_(0.05)
+            layer.to(DEV)
             layer.quant_method.process_weights_after_loading(layer)
             layer.quant_method.native, layer.quant_method.small_m_max_m = native, small_m_max_m
+            layer.quant_method.native_scale = fp8_native.native_scale(native, getattr(layer, scheme.scale_name).data)
             layer.quant_method.small_m = "w8a8_small_m" if small_m_max_m else None
         # the unfused pair runs kernels-triton's kernels, whose rounding the fused ones reproduce
         self.norm.bound_ops = {"rms_norm": TritonRMSNorm(), "fused_add_rms_norm": TritonFusedAddRMSNorm()}
@@ -117,27 +142,36 @@ class Block(torch.nn.Module):
 NATIVE = "scaled_mm" if DEV == "cuda" else "triton"  # CPU torch has no bf16 row-wise _scaled_mm
 
 
-@pytest.mark.parametrize("activation", ["dynamic_token", "static"])
-def test_a_bound_block_gives_the_unbound_blocks_bits_above_and_below_the_small_m_bound(activation):
-    block = Block(Fp8Scheme(activation), NATIVE, small_m_max_m=4)
+BLOCK = Fp8Scheme("dynamic_group", (32, 32), "weight_scale_inv")
+CUBLAS = pytest.param(Fp8Scheme("dynamic_group", (128, 128), "weight_scale_inv"), "cublas_block", marks=pytest.mark.skipif(
+    DEV != "cuda" or torch.cuda.get_device_capability() != (9, 0), reason="cuBLAS's block-scaled GEMM: sm90"))
+
+
+@pytest.mark.parametrize("scheme,native", [(Fp8Scheme("dynamic_token"), NATIVE), (Fp8Scheme("static"), NATIVE),
+                                           (BLOCK, "triton"), CUBLAS])
+def test_a_bound_block_gives_the_unbound_blocks_bits_above_and_below_the_small_m_bound(scheme, native):
+    h, i = (256, 384) if native == "cublas_block" else (64, 96)
+    block = Block(scheme, native, small_m_max_m=4, h=h, i=i,
+                  dtype=torch.float32 if native == "triton" and DEV == "cpu" else torch.bfloat16)
+    dtype = block.norm.weight.dtype
     outs = {}
     for m in (2, 4, 5, 9):
-        outs[m] = block(rand(m, 64, seed=m), rand(m, 64, seed=m + 1))
+        outs[m] = block(rand(m, h, seed=m, dtype=dtype), rand(m, h, seed=m + 1, dtype=dtype))
     assert bind_input_quant(block) == 2
     assert block.norm.fused_input_quant is not None and block.act.fused_input_quant is not None
     seen = []
     up_apply = block.up.quant_method.apply
     block.up.quant_method.apply = lambda mod, x, bias=None: seen.append(type(x)) or up_apply(mod, x, bias)
     for m, (want, want_res) in outs.items():
-        got, res = block(rand(m, 64, seed=m), rand(m, 64, seed=m + 1))
+        got, res = block(rand(m, h, seed=m, dtype=dtype), rand(m, h, seed=m + 1, dtype=dtype))
         assert torch.equal(got, want) and torch.equal(res, want_res)
     assert seen == [torch.Tensor, torch.Tensor, QuantizedInput, QuantizedInput]  # fused only past the bound
-    x = rand(6, 64, seed=11)
-    assert isinstance(block.norm(x), QuantizedInput)  # no residual: the first layer's norm
+    out = block.norm(rand(6, h, seed=11, dtype=dtype))
+    assert isinstance(out, QuantizedInput) and out.num_tokens == 6  # no residual: the first layer's norm
 
 
 @pytest.mark.parametrize("scheme,native,act", [
-    (Fp8Scheme("dynamic_group", (32, 32), "weight_scale_inv"), "triton", None),  # per-group: not fused (yet)
+    (Fp8Scheme("dynamic_group", (32, 48), "weight_scale_inv"), "triton", None),  # groups not a power of two
     (Fp8Scheme("none"), "weight_only", None),  # no activation quantization
     (Fp8Scheme("dynamic_token"), None, None),  # the reference path: it rounds in torch itself
     (Fp8Scheme("dynamic_token"), NATIVE, GeluAndMul()),  # a producer with no fused op
