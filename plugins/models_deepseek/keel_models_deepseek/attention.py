@@ -102,6 +102,7 @@ class DeepseekV2MLAAttention(nn.Module):
                 self.q_lora_rank, total_heads * (n + r), False, tp_size, tp_rank, quant_config=quant,
                 prefix=f"{prefix}.q_b_proj",
             )
+            self.q_b_proj.set_input_producer(self.q_a_layernorm)
         elif self.fused_qkv_a_proj is None:
             self.q_proj = ColumnParallelLinear(hidden, total_heads * (n + r), False, tp_size, tp_rank,
                                                quant_config=quant, prefix=f"{prefix}.q_proj")

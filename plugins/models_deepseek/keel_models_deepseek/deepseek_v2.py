@@ -61,6 +61,8 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
             self.mlp = DeepseekV2MLP(config.hidden_size, config.intermediate_size, act, build, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if isinstance(self.mlp, DeepseekV2MLP):  # a MoE reads its input for the router and the experts
+            self.mlp.gate_up_proj.set_input_producer(self.post_attention_layernorm)
 
 
 class DeepseekV2Model(DecoderStack):

@@ -60,6 +60,7 @@ class DeepseekV2MLP(nn.Module):
         )
         self.act_fn = get_act_and_mul_fn(act)
         self.down_proj.set_input_source(self.gate_up_proj, parts=2)  # act(gate) * up, per index
+        self.down_proj.set_input_producer(self.act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
