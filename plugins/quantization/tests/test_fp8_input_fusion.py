@@ -192,3 +192,41 @@ def test_wide_norms_stay_unfused():
     made = fusion.input_quant_fusion(torch.nn.Module())
     assert made.supports("rms_norm", fused.MAX_NORM_WIDTH) and not made.supports("rms_norm", fused.MAX_NORM_WIDTH + 1)
     assert made.supports("silu_and_mul", 28672) and not made.supports("gelu_and_mul", 64)
+
+
+@pytest.mark.parametrize("scheme,native", [(Fp8Scheme("dynamic_token"), NATIVE), (BLOCK, "triton")])
+def test_the_conformance_suite_passes_keels_fp8_fusion(scheme, native):
+    from keel.testing.input_quant import check_input_quant_fusion
+
+    dtype = torch.float32 if native == "triton" and DEV == "cpu" else torch.bfloat16
+    block = Block(scheme, native, small_m_max_m=4, dtype=dtype)
+    norm = check_input_quant_fusion(block.norm, block.up, lambda m: (rand(m, 64, seed=m, dtype=dtype),
+                                                                     rand(m, 64, seed=m + 1, dtype=dtype)))
+    act = check_input_quant_fusion(block.act, block.down, lambda m: (rand(m, 192, seed=m, dtype=dtype),))
+    assert norm == act == {"min_m": 4, "fused_ms": [5, 64]}
+    assert block.norm.fused_input_quant is None and block.act.fused_input_quant is None  # left unbound
+
+
+def test_the_conformance_suite_names_a_method_without_a_fusion():
+    from keel.testing.input_quant import check_input_quant_fusion
+
+    block = Block(Fp8Scheme("none"), "weight_only", small_m_max_m=0)
+    with pytest.raises(AssertionError, match="offers no activation fusion for a SiluAndMul producing 96 inputs"):
+        check_input_quant_fusion(block.act, block.down, lambda m: (rand(m, 192, seed=m),))
+
+
+def test_the_conformance_suite_catches_a_fusion_whose_numbers_differ(monkeypatch):
+    from keel_quantization.fp8_linear import Fp8InputFusion
+
+    from keel.testing.input_quant import check_input_quant_fusion
+
+    call = Fp8InputFusion.__call__
+
+    def off_by_a_bit(self, op, *args):  # a producer whose scales are 1% off
+        out = call(self, op, *args)
+        return QuantizedInput(out.values, out.scales * 1.01, out.dtype, out.num_tokens)
+
+    monkeypatch.setattr(Fp8InputFusion, "__call__", off_by_a_bit)
+    block = Block(Fp8Scheme("dynamic_token"), NATIVE, small_m_max_m=4)
+    with pytest.raises(AssertionError, match="output at 5 tokens differs from the unfused pair's"):
+        check_input_quant_fusion(block.act, block.down, lambda m: (rand(m, 192, seed=m),))
