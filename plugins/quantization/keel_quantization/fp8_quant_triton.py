@@ -148,17 +148,18 @@ class QuantLaunch:
     chunk: int = 2048
 
 
-# The loop launch past this many inputs a token (one scale per token) when enough tokens fill the device:
-# the tile launch then holds 16384 floats a program (K 14336: 64 a thread at 8 warps), so few programs fit
-# an SM and the loads of one cannot hide another's latency. Below ROW_LOOP_MIN_ROWS the tile launch's wide
-# programs are what keeps the device busy.
+# The loop launch past this many inputs a token (one scale per token): the tile launch then holds 16384 floats a
+# program (K 14336: 64 a thread at 8 warps), so few programs fit an SM and the loads of one cannot hide another's
+# latency. 2048-input chunks at 8 warps were the fastest or near it at every M measured, on both cards
+# (h200-fp8-act-quant-8c848ae.json, h100-fp8-act-quant-56d12d9.json; K 14336, us at M 64 / 256 / 1024 / 8192):
+# H200 5.4 / 6.9 / 20.8 / 139.3 against the tile's 7.0 / 9.6 and the 4-warp loop's 20.6 / 149.9 it took from 512
+# rows before; H100 4.6 / 5.6 / 19.5 / 154.6 against 5.4 / 6.8 / 28.8 / 188.1.
 ROW_LOOP_MIN_K = 8192
-ROW_LOOP_MIN_ROWS = 512
 
 
 def choose_launch(rows: int, k: int, group: int) -> QuantLaunch:
-    if group >= k and k >= ROW_LOOP_MIN_K and rows >= ROW_LOOP_MIN_ROWS:
-        return QuantLaunch("loop", 4, 2048)
+    if group >= k and k >= ROW_LOOP_MIN_K:
+        return QuantLaunch("loop", 8, 2048)
     return QuantLaunch()
 
 
