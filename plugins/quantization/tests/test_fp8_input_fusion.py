@@ -56,7 +56,7 @@ def test_norm_quant_is_the_norm_then_quant_fp8(m, h, dtype, residual, static):
 
 
 @pytest.mark.parametrize("m,d,chunk", [(1, 40, None), (6, 100, None), (4, 100, 32), (3, 64, 16), (2, 14336, None),
-                                       (520, 8200, None)])
+                                       (520, 8200, None), (2, fused.MAX_SILU_ROW + 8, None)])  # last: walked twice
 @pytest.mark.parametrize("static", [False, True])
 def test_silu_quant_is_silu_and_mul_then_quant_fp8(m, d, chunk, static):
     if m * d > 100_000 and DEV == "cpu":
