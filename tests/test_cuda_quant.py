@@ -314,7 +314,8 @@ def test_quantized_llama_on_cuda_matches_transformers(llama, tmp_path, layout, o
     if native is not None:
         assert layer.quant_method.native == native  # fp8 GEMM on the stored weight, no per-step dequantize
         decoder = engine.core.worker.runner.model.model.layers[0]  # the activation quantization in its producers
-        assert decoder.input_layernorm.fused_input_quant is not None and decoder.mlp.act_fn.fused_input_quant is not None
+        assert decoder.input_layernorm.fused_input_quant is not None
+        assert decoder.mlp.act_fn.fused_input_quant is not None
     prompts = _prompts(3, [5, 33, 17, 70])
     stats = assert_close_to_hf(tmp_path / "ref", prompts, run_requests(engine, prompts, GREEDY), atol=atol,
                                min_margin=0.5)
@@ -353,7 +354,8 @@ def test_block_fp8_deepseek_v3_moe_on_cuda(tmp_path):
     experts = engine.core.worker.runner.model.model.layers[1].mlp.experts
     assert experts.w13_weight.dtype == torch.float8_e4m3fn and "fused_experts" in experts.bound_ops
     dense = engine.core.worker.runner.model.model.layers[0]  # its MLP's inputs quantized by their producers
-    assert dense.post_attention_layernorm.fused_input_quant is not None and dense.mlp.act_fn.fused_input_quant is not None
+    assert dense.post_attention_layernorm.fused_input_quant is not None
+    assert dense.mlp.act_fn.fused_input_quant is not None
     prompts = _prompts(5, [7, 30])
     assert_close_to_hf(tmp_path / "ref", prompts, run_requests(engine, prompts, GREEDY), atol=0.6, min_margin=0.5)
 

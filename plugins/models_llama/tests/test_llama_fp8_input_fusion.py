@@ -55,8 +55,11 @@ def test_fused_producers_give_the_unfused_models_logits(tmp_path, monkeypatch, l
     assert bind_input_quant(model) == 3 * len(model.model.layers)  # two norms and the activation per layer
     took = []
     apply = type(layer.self_attn.qkv_proj.quant_method).apply
-    monkeypatch.setattr(type(layer.self_attn.qkv_proj.quant_method), "apply",
-                        lambda self, mod, x, bias=None: took.append(isinstance(x, QuantizedInput)) or apply(self, mod, x, bias))
+    def spy(self, mod, x, bias=None):
+        took.append(isinstance(x, QuantizedInput))
+        return apply(self, mod, x, bias)
+
+    monkeypatch.setattr(type(layer.self_attn.qkv_proj.quant_method), "apply", spy)
     got = prefill_logits(model, prompts)
     assert torch.equal(got, want)
     assert took.count(True) == 3 * len(model.model.layers) and took.count(False) == len(model.model.layers)  # o_proj

@@ -159,7 +159,8 @@ class Fp8LinearMethod:
             group = s.block[1]
             if group & (group - 1):  # the fused kernels' groups are power-of-two tiles
                 return None
-            return Fp8InputFusion(self.small_m_max_m, None, group, ROWS_MULTIPLE if self.native == "cublas_block" else 1)
+            pad_to = ROWS_MULTIPLE if self.native == "cublas_block" else 1
+            return Fp8InputFusion(self.small_m_max_m, None, group, pad_to)
         if s.activation == "static":
             static = module.input_scale.float().reshape(1)
         return Fp8InputFusion(self.small_m_max_m, static)

@@ -143,8 +143,10 @@ NATIVE = "scaled_mm" if DEV == "cuda" else "triton"  # CPU torch has no bf16 row
 
 
 BLOCK = Fp8Scheme("dynamic_group", (32, 32), "weight_scale_inv")
-CUBLAS = pytest.param(Fp8Scheme("dynamic_group", (128, 128), "weight_scale_inv"), "cublas_block", marks=pytest.mark.skipif(
-    DEV != "cuda" or torch.cuda.get_device_capability() != (9, 0), reason="cuBLAS's block-scaled GEMM: sm90"))
+CUBLAS = pytest.param(
+    Fp8Scheme("dynamic_group", (128, 128), "weight_scale_inv"), "cublas_block",
+    marks=pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability() != (9, 0),
+                             reason="cuBLAS's block-scaled GEMM: sm90"))
 
 
 @pytest.mark.parametrize("scheme,native", [(Fp8Scheme("dynamic_token"), NATIVE), (Fp8Scheme("static"), NATIVE),
