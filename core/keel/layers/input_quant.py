@@ -8,11 +8,13 @@ through memory fewer, the same numbers (the producer rounds to the model dtype f
 unfused pair rounds).
 
 Lifecycle: after loading (and after `process_weights_after_loading`), the loader calls `bind_input_quant`. For
-each declared pair it asks the consumer's method for `input_quant_fusion(module) -> InputQuantFusion | None`
-(an optional member of a `QuantizationMethod`; None: this layer takes model-dtype inputs only). If the fusion
-`supports` the producer's op and shape, the producer keeps it in `fused_input_quant` and, in every forward of
-more than `min_m` tokens, returns a `QuantizedInput` from the fusion's kernel instead of a tensor; the
-consumer's `apply` takes it. Steps of at most `min_m` tokens (the consumer's small-M path quantizes in its own
+each declared producer it asks every consumer's method for `input_quant_fusion(module) -> InputQuantFusion |
+None` (an optional member of a `QuantizationMethod`; None: this layer takes model-dtype inputs only). A producer
+may feed several layers (DeepSeek's first norm: q_a and kv_a), which then share one quantized input: their
+fusions must `merge` into one that serves them all (else the producer stays unfused). If the fusion `supports`
+the producer's op and shape, the producer keeps it in `fused_input_quant` and, in every forward of more than
+`min_m` tokens, returns a `QuantizedInput` from the fusion's kernel instead of a tensor; the consumers' `apply`
+take it. Steps of at most `min_m` tokens (the consumer's small-M path quantizes in its own
 prologue) keep the model-dtype tensor. Token counts are static per CUDA graph, so the choice is too.
 """
 
@@ -65,24 +67,33 @@ class InputQuantFusion(Protocol):
         """Called by the producer's forward (also inside captured CUDA graphs): op's contract above."""
         ...
 
+    def merge(self, other: InputQuantFusion) -> InputQuantFusion | None:
+        """Called by `bind_input_quant` when a producer feeds several layers: one fusion whose output every layer
+        of both takes (min_m the larger), or None when no layout serves both. Optional: without it, only equal
+        fusions merge."""
+        ...
+
 
 def bind_input_quant(model: nn.Module) -> int:
     """Called by the loader once every layer's method has processed its weights: binds each declared producer to
-    its consumer's fusion (see the module docstring). Returns how many producers were bound."""
+    its consumers' fusion (see the module docstring). Returns how many producers were bound."""
     from keel.layers.linear import LinearBase
 
+    consumers: dict[int, tuple[nn.Module, list[LinearBase]]] = {}  # id(producer) -> (producer, its consumers)
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.input_producer is not None:
+            producer = module.input_producer[0]
+            consumers.setdefault(id(producer), (producer, []))[1].append(module)
     bound, declined = 0, []
-    for consumer in model.modules():
-        if not isinstance(consumer, LinearBase) or consumer.input_producer is None:
+    for producer, layers in consumers.values():
+        fusions = [_offered(layer) for layer in layers]
+        if all(f is None for f in fusions):
             continue
-        producer = consumer.input_producer[0]
-        make = getattr(consumer.quant_method, "input_quant_fusion", None)
-        fusion = make(consumer) if make is not None else None
-        if fusion is None:
-            continue
+        fusion = None if any(f is None for f in fusions) else _merged(fusions)
         op = getattr(producer, "input_quant_op", None)
-        if op is None or not fusion.supports(op, consumer.input_size_per_partition):
-            declined.append(f"{consumer.prefix} ({type(producer).__name__})")
+        widths = {layer.input_size_per_partition for layer in layers}
+        if fusion is None or op is None or len(widths) != 1 or not fusion.supports(op, widths.pop()):
+            declined.append(f"{' + '.join(layer.prefix for layer in layers)} ({type(producer).__name__})")
             continue
         producer.fused_input_quant = fusion
         bound += 1
@@ -92,3 +103,19 @@ def bind_input_quant(model: nn.Module) -> int:
     if bound:
         logger.info("activation quantization fused into %d producer layer(s)", bound)
     return bound
+
+
+def _offered(layer: nn.Module) -> Any:
+    make = getattr(layer.quant_method, "input_quant_fusion", None)
+    return make(layer) if make is not None else None
+
+
+def _merged(fusions: list[Any]) -> Any:
+    """One fusion serving every consumer of a producer, or None."""
+    fusion = fusions[0]
+    for other in fusions[1:]:
+        merge = getattr(fusion, "merge", None)
+        fusion = merge(other) if merge is not None else (fusion if fusion == other else None)
+        if fusion is None:
+            return None
+    return fusion

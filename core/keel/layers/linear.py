@@ -131,8 +131,8 @@ class LinearBase(nn.Module):
 
     def set_input_producer(self, producer: nn.Module) -> None:
         """Declared by a model once it has built both: `producer`'s output (a norm's, a gated activation's) is this
-        layer's input, unchanged and read by nothing else, so it may arrive quantized as this layer's method
-        wants it (`keel.layers.input_quant`)."""
+        layer's input, unchanged and read by nothing but the layers that declare it, so it may arrive quantized as
+        their methods want it (`keel.layers.input_quant`)."""
         self.input_producer = (producer,)
 
     def _own_params(self) -> list[nn.Parameter]:

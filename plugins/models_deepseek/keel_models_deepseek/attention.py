@@ -122,6 +122,13 @@ class DeepseekV2MLAAttention(nn.Module):
                                      get_rope(r, config.max_position_embeddings, rope),
                                      rope_interleaved=bool(getattr(config, "rope_interleave", True)))
 
+    def input_projections(self) -> list[nn.Module]:
+        """The layers that read the hidden state `forward` takes (the decoder layer declares its norm their
+        producer)."""
+        if self.fused_qkv_a_proj is not None:
+            return [self.fused_qkv_a_proj]
+        return [self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa]
+
     def process_weights_after_loading(self) -> None:
         """Called by the model after loading: W_UK / W_UV go to the MLA backend."""
         self.mla_attn.process_weights_after_loading(dense_weight(self.kv_b_proj))

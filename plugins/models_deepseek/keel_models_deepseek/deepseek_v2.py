@@ -63,6 +63,8 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if isinstance(self.mlp, DeepseekV2MLP):  # a MoE reads its input for the router and the experts
             self.mlp.gate_up_proj.set_input_producer(self.post_attention_layernorm)
+        for proj in self.self_attn.input_projections():  # q (or q_a) and kv_a share the quantized input
+            proj.set_input_producer(self.input_layernorm)
 
 
 class DeepseekV2Model(DecoderStack):

@@ -1,5 +1,6 @@
-"""DeepSeek's declared input producers (q_a_layernorm -> q_b_proj, the dense layers' post-attention norm ->
-gate_up, each SwiGLU MLP's activation -> down, shared experts included) take over the block-fp8 layers'
+"""DeepSeek's declared input producers (input_layernorm -> q_a_proj and kv_a_proj_with_mqa, sharing one quantized
+input; q_a_layernorm -> q_b_proj; the dense layers' post-attention norm -> gate_up; each SwiGLU MLP's activation ->
+down, shared experts included) take over the block-fp8 layers'
 per-token-group activation quantization after loading (`keel.layers.input_quant`): the model's prefill logits
 equal the unfused model's bit for bit. The fp8 GEMMs and the fused kernels run interpreted on the CPU (the
 layers' Triton path forced); the MoE experts keep their reference path."""
@@ -48,6 +49,8 @@ def test_fused_producers_give_the_unfused_models_logits(tmp_path, monkeypatch):
     want = prefill_logits(model, prompts)
     bound = bind_input_quant(model)
     assert bound >= 4 and dense.self_attn.q_a_layernorm.fused_input_quant is not None
+    assert moe.input_layernorm.fused_input_quant is not None  # one quantized input for q_a and kv_a
+    assert moe.self_attn.kv_a_proj_with_mqa.input_producer == (moe.input_layernorm,)
     assert moe.post_attention_layernorm.fused_input_quant is None  # the MoE's router reads it too
     got = prefill_logits(model, prompts)
     assert torch.equal(got, want)

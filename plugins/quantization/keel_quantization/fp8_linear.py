@@ -26,7 +26,7 @@ logged at load).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +175,8 @@ class Fp8LinearMethod:
             if self.native == "cublas_block":
                 out = gemm_quantized(x.values, x.scales, x.num_tokens, module.weight, self.native_scale, x.dtype)
                 return out if bias is None else out + bias
-            return quantized_linear(self.native, x.values, x.scales, module.weight,
+            m = x.num_tokens  # rows past it: the padding a cuBLAS layer sharing the input asked for (any strides)
+            return quantized_linear(self.native, x.values[:m], x.scales[:m], module.weight,
                                     getattr(module, self.scheme.scale_name), self.scheme.block, bias, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         if self.native is not None:  # chosen for CUDA weights only (tests set it to run kernels interpreted)
@@ -199,6 +200,17 @@ class Fp8InputFusion:
     static_scale: torch.Tensor | None  # float32 [1]; None: dynamic
     group: int | None = None  # inputs per dynamic scale; None: one per token
     pad_to: int = 1  # > 1: cuBLAS's block-scaled layout (rows padded, scales token-major)
+
+    def merge(self, other: object) -> Fp8InputFusion | None:
+        """Layers sharing one producer share its output: the same scales (per token, per group, or one static
+        scale), rows padded as far as any of them asks (cuBLAS's block layout; the Triton GEMM reads the real rows
+        of it through its strides)."""
+        if not isinstance(other, Fp8InputFusion) or self.group != other.group:
+            return None
+        mine, theirs = self.static_scale, other.static_scale
+        if (mine is None) != (theirs is None) or mine is not None and not torch.equal(mine, theirs):
+            return None
+        return replace(self, min_m=max(self.min_m, other.min_m), pad_to=max(self.pad_to, other.pad_to))
 
     def supports(self, op: str, width: int) -> bool:
         from keel_quantization.fp8_input_fusion_triton import MAX_NORM_WIDTH

@@ -232,3 +232,53 @@ def test_the_conformance_suite_catches_a_fusion_whose_numbers_differ(monkeypatch
     block = Block(Fp8Scheme("dynamic_token"), NATIVE, small_m_max_m=4)
     with pytest.raises(AssertionError, match="output at 5 tokens differs from the unfused pair's"):
         check_input_quant_fusion(block.act, block.down, lambda m: (rand(m, 192, seed=m),))
+
+
+def test_fusions_merge_where_one_quantized_input_serves_both():
+    from keel_quantization.fp8_linear import Fp8InputFusion
+
+    cublas, triton = Fp8InputFusion(16, None, 128, 4), Fp8InputFusion(8, None, 128, 1)
+    assert cublas.merge(triton) == triton.merge(cublas) == Fp8InputFusion(16, None, 128, 4)
+    assert cublas.merge(Fp8InputFusion(8, None, None, 1)) is None  # per group vs per token
+    static = Fp8InputFusion(8, torch.tensor([0.5]))
+    assert static.merge(Fp8InputFusion(8, torch.tensor([0.5]))) == static
+    assert static.merge(Fp8InputFusion(8, torch.tensor([0.25]))) is None  # two static scales
+    assert static.merge(Fp8InputFusion(8, None)) is None
+
+
+@pytest.mark.parametrize("pad_to", [1, 4])
+def test_a_shared_producer_feeds_both_of_its_layers(pad_to, monkeypatch):
+    """A norm read by two layers (DeepSeek's q_a and kv_a) binds once; both take its one QuantizedInput, also in
+    cuBLAS's padded token-major layout (pad_to 4, as when one of them is a cuBLAS block layer) through strides."""
+    from keel_quantization.fp8_linear import Fp8InputFusion
+
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    block = Block(BLOCK, "triton", small_m_max_m=4, dtype=dtype)
+    with default_dtype(dtype):
+        side = ReplicatedLinear(64, 40, True, quant_config=Fp8LinearMethod(BLOCK, "fp8"))
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(9)) * 0.1
+    q, s = fp8_math.quantize_blocks(w, BLOCK.block)
+    side.weight.data.copy_(q)
+    side.weight_scale_inv.data.copy_(s)
+    side.bias.data.normal_()
+    side.to(DEV)
+    side.quant_method.process_weights_after_loading(side)
+    side.quant_method.native, side.quant_method.small_m_max_m = "triton", 2
+    side.set_input_producer(block.norm)
+    block.side = side
+
+    def both(m):
+        h, res = block.norm(rand(m, 64, seed=m, dtype=dtype), rand(m, 64, seed=m + 1, dtype=dtype))
+        return block.up(h), side(h), res
+
+    want = {m: both(m) for m in (3, 5, 7)}
+    offer = Fp8LinearMethod.input_quant_fusion
+    monkeypatch.setattr(Fp8LinearMethod, "input_quant_fusion", lambda self, mod: (
+        None if (f := offer(self, mod)) is None else Fp8InputFusion(f.min_m, f.static_scale, f.group,
+                                                                    pad_to if mod is side else 1)))
+    assert bind_input_quant(block) == 2  # the norm (for up and side), the activation (for down)
+    assert block.norm.fused_input_quant == Fp8InputFusion(4, None, 32, pad_to)  # the larger min_m and padding
+    for m, outs in want.items():
+        for got, w in zip(both(m), outs):
+            assert torch.equal(got, w)
+    assert isinstance(block.norm(rand(7, 64, dtype=dtype), rand(7, 64, dtype=dtype))[0], QuantizedInput)
