@@ -138,7 +138,7 @@ def test_row_loop_launch_is_bit_equal_to_the_tile_launch(m, k, dtype):
 def test_launch_choice():
     choose = fp8_quant_triton.choose_launch
     assert choose(8192, 14336, 14336) == choose(64, 14336, 14336) == fp8_quant_triton.QuantLaunch("loop", 8, 2048)
-    assert choose(8192, 4096, 4096).kind == "tile"
-    assert choose(8192, 14336, 128).kind == "tile"  # block groups
+    assert choose(8192, 4096, 4096) == choose(8192, 14336, 128) == fp8_quant_triton.QuantLaunch()  # block groups
+    assert choose(256, 4096, 4096) == choose(64, 14336, 128) == fp8_quant_triton.QuantLaunch("tile", 16)
     with pytest.raises(ValueError, match="one scale per token"):
         fp8_quant_triton.quant_fp8(torch.randn(2, 512), 128, launch=LOOP)
