@@ -1,6 +1,6 @@
 """Activation quantization fused into the layer that produces a quantized linear layer's input.
 
-A linear layer whose method quantizes its activations (fp8 W8A8: per token or static) reads them in the model
+A linear layer whose method quantizes its activations (fp8 W8A8: per token, per group or static) reads them in the model
 dtype and quantizes them in a launch of its own. Where the model declares which module produces that input
 unchanged (`LinearBase.set_input_producer`: the RMSNorm before qkv and gate_up, the SiluAndMul before down),
 the producer can write the quantized activations itself: one launch and one round trip of the activations
@@ -46,10 +46,6 @@ class QuantizedInput:
     scales: torch.Tensor  # [M', groups] float32, any strides
     dtype: torch.dtype
     num_tokens: int  # the real rows (M)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
 
 
 @runtime_checkable

@@ -43,13 +43,11 @@ def _quantize_groups(v, q_row, s_row, stride_sg, static_ptr, offs, mask, W, firs
                      GROUP: tl.constexpr, STATIC: tl.constexpr, HW_CVT: tl.constexpr):
     """Store BLOCK values v (float32, on the model dtype's grid; zeros past the row) at offs as e4m3 with one scale
     per GROUP inputs (GROUP >= BLOCK: one for them all; else BLOCK // GROUP groups from group `first_group`)."""
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-        q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
-        tl.store(q_row + offs, q, mask=mask)
-        tl.store(s_row, scale)
-    elif GROUP >= BLOCK:
-        scale = _dynamic_scale(tl.max(tl.abs(v), axis=0))
+    if STATIC or GROUP >= BLOCK:  # one scale (static scales are one per tensor: GROUP >= BLOCK there too)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = _dynamic_scale(tl.max(tl.abs(v), axis=0))
         q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
         tl.store(q_row + offs, q, mask=mask)
         tl.store(s_row + first_group * stride_sg, scale)

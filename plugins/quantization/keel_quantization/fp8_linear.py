@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from keel.layers.input_quant import QuantizedInput
 from keel.quantization import LinearLayerSpec, QuantizationError
 from keel_quantization import fp8_math
-from keel_quantization.fp8_cublas_block import ROWS_MULTIPLE, gemm_quantized
+from keel_quantization.fp8_cublas_block import ROWS_MULTIPLE
 from keel_quantization.fp8_native import (
     _HAS_TRITON,
     NativeChoiceLog,
@@ -172,12 +172,8 @@ class Fp8LinearMethod:
         bias: torch.Tensor | None = None,  # [output_size]
     ) -> torch.Tensor:  # [num_tokens, output_size]
         if isinstance(x, QuantizedInput):  # from the producer bound to input_quant_fusion's, past small_m_max_m
-            if self.native == "cublas_block":
-                out = gemm_quantized(x.values, x.scales, x.num_tokens, module.weight, self.native_scale, x.dtype)
-                return out if bias is None else out + bias
-            m = x.num_tokens  # rows past it: the padding a cuBLAS layer sharing the input asked for (any strides)
-            return quantized_linear(self.native, x.values[:m], x.scales[:m], module.weight,
-                                    getattr(module, self.scheme.scale_name), self.scheme.block, bias, x.dtype)
+            return quantized_linear(self.native, x.values, x.scales, x.num_tokens, module.weight, self.native_scale,
+                                    self.scheme.block, bias, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         if self.native is not None:  # chosen for CUDA weights only (tests set it to run kernels interpreted)
             s = self.scheme

@@ -174,20 +174,27 @@ def native_linear(
         out = fp8_cublas_block.gemm(x, weight, weight_scale)
         return out if bias is None else out + bias
     a_q, a_s = quantize_activations(x, activation, block, input_scale)
-    return quantized_linear(path, a_q, a_s, weight, weight_scale, block, bias, x.dtype)
+    return quantized_linear(path, a_q, a_s, x.shape[0], weight, weight_scale, block, bias, x.dtype)
 
 
 def quantized_linear(
-    path: str,  # "scaled_mm" or "triton"
-    a_q: torch.Tensor,  # e4m3 [M, K]: the activations, quantized (`quantize_activations`, or by their producer)
-    a_s: torch.Tensor,  # float32 [M, groups]
+    path: str,  # "scaled_mm", "triton" or "cublas_block"
+    # e4m3 [M', K]: the activations, quantized (`quantize_activations`, `fp8_cublas_block.quantize_activations`, or
+    # by their producer); rows past m are padding (cuBLAS's layout), which the other paths read past
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,  # float32 [M', groups], any strides
+    m: int,  # the real rows
     weight: torch.Tensor,  # e4m3 [N, K]
-    weight_scale: torch.Tensor,  # float32 [N] (per row) or [ceil(N / bn), ceil(K / bk)] (block)
+    weight_scale: torch.Tensor,  # `native_scale(path, ...)`: float32 [N] (per row) or the block scales
     block: tuple[int, int] | None,
     bias: torch.Tensor | None,  # [N]
     out_dtype: torch.dtype,  # the model dtype
-) -> torch.Tensor:  # [M, N] in out_dtype
-    """The large-M W8A8 GEMM on activations already quantized as `quantize_activations` quantizes them."""
+) -> torch.Tensor:  # [m, N] in out_dtype
+    """The large-M W8A8 GEMM on activations already quantized as its path reads them."""
+    if path == "cublas_block":
+        out = fp8_cublas_block.gemm_quantized(a_q, a_s, m, weight, weight_scale, out_dtype)
+        return out if bias is None else out + bias
+    a_q, a_s = a_q[:m], a_s[:m]
     if path == "scaled_mm":
         out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale.reshape(1, -1),
                                out_dtype=out_dtype)
