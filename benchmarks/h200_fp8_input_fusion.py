@@ -1,7 +1,8 @@
 """fp8 activation quantization fused into its producer (`keel_quantization.fp8_input_fusion_triton`) against the
 unfused pair (kernels-triton's norm / silu kernel, then `quant_fp8`), at Llama-3-8B's widths (norm 4096 with the
 residual add, SiluAndMul 2 x 14336) and decode / prefill M; for the fused SiluAndMul each launch variant (the row
-whole or walked in chunks twice, warps).
+whole or walked in chunks twice, warps); with --groups block fp8's (128-input groups, cuBLAS's layout) per launch
+variant at Llama-3-8B's and DeepSeek-V3's widths.
 
     python benchmarks/h200_fp8_input_fusion.py --out benchmarks/results/h200-fp8-input-fusion.json
 
@@ -25,9 +26,60 @@ HIDDEN, INTER = 4096, 14336
 SILU_VARIANTS = ((16384, 8), (16384, 16), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
 
 
+GROUP_WIDTHS = (4096, 7168)  # Llama-3-8B's, DeepSeek-V3's hidden sizes
+NORM_CHUNKS = (0, 256, 512, 1024, 2048, 4096)  # 0: the whole row through a reshape (the first version)
+SILU_GROUP_VARIANTS = ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8))
+
+
+def group_rows(gen, norm, silu, fused, graph_us, same) -> list[dict]:
+    """Block fp8 (one scale per 128 inputs, written in cuBLAS's block-scaled layout as the engine's large-M steps
+    do) per launch variant against the unfused pair (the norm / silu kernel, then `quantize_activations`)."""
+    from keel_quantization.fp8_cublas_block import quantize_activations
+
+    rows = []
+    for m in (256, 8192):
+        for hidden in GROUP_WIDTHS:
+            x = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            r = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            w = torch.rand(hidden, device="cuda", generator=gen).to(torch.bfloat16)
+
+            def unfused(i):
+                out, res = norm(x, r, w, 1e-5)
+                return (*quantize_activations(out), res)
+
+            want = unfused(0)
+            row = {"op": "rms_norm_group128", "m": m, "width": hidden, "unfused_us": graph_us(unfused, 20),
+                   "bit_equal": True}
+            for chunk in NORM_CHUNKS:
+                if chunk > triton_next_pow2(hidden):
+                    continue
+                fn = lambda i, c=chunk: fused.rms_norm_quant(x, r, w, 1e-5, None, 128, 4, chunk=c)  # noqa: E731
+                row[f"chunk{chunk}_us"] = graph_us(fn, 20)
+                row["bit_equal"] &= same(fn(0), want)
+            rows.append(row)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        g = torch.randn(m, 2 * INTER, device="cuda", generator=gen, dtype=torch.bfloat16) * 3
+        want = quantize_activations(silu(g))
+        row = {"op": "silu_and_mul_group128", "m": m, "width": INTER,
+               "unfused_us": graph_us(lambda i: quantize_activations(silu(g)), 20), "bit_equal": True}
+        for chunk, warps in SILU_GROUP_VARIANTS:
+            fn = lambda i, c=chunk, wp=warps: fused.silu_and_mul_quant(g, None, c, wp, 128, 4)  # noqa: E731
+            row[f"c{chunk}_w{warps}_us"] = graph_us(fn, 20)
+            row["bit_equal"] &= same(fn(0), want)
+        rows.append(row)
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return rows
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200-fp8-input-fusion.json")
+    ap.add_argument("--groups", action="store_true", help="also block fp8's kernels (128-input groups, cuBLAS's "
+                    "layout) per launch variant")
     ns = ap.parse_args()
     import triton
     from keel_kernels_triton.ops import TritonFusedAddRMSNorm, TritonSiluAndMul
@@ -73,6 +125,8 @@ def main() -> None:
             row["bit_equal"] &= same(fused.silu_and_mul_quant(g, None, chunk, warps), want)
         rows.append(row)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if ns.groups:
+        rows += group_rows(gen, norm, silu, fused, graph_us, same)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": source_commit(Path(__file__).parent), "rows": rows, "wall_s": time.perf_counter() - start}
     out = Path(ns.out)

@@ -32,7 +32,7 @@
 #   int4-dequant h200_int4_dequant.py: the full int4 dequantize, old kernel, shipped tile and a tile sweep
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   fp8-fusion h200_fp8_input_fusion.py: the quantization fused into RMSNorm / SiluAndMul against the unfused pair,
-#             the fused SiluAndMul per launch variant
+#             the fused SiluAndMul per launch variant (FUSION_ARGS=--groups: block fp8's kernels too)
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150;
@@ -151,7 +151,7 @@ for part in "$@"; do
     fp8-mid-m) timeout $(( ${FP8_MID_BUDGET_S:-90} + 60 )) python3 benchmarks/h200_fp8_mid_m.py \
                 --ms "${FP8_MID_MS:-64,128,256,512}" --budget-s "${FP8_MID_BUDGET_S:-90}" --out "$W/h200-fp8-mid-m.json" \
                 >"$W/fp8-mid-m.log" 2>&1; tail -n 30 "$W/fp8-mid-m.log" | cut -c1-300;;
-    fp8-fusion) timeout 120 python3 benchmarks/h200_fp8_input_fusion.py --out "$W/h200-fp8-input-fusion.json" \
+    fp8-fusion) timeout 150 python3 benchmarks/h200_fp8_input_fusion.py ${FUSION_ARGS:-} --out "$W/h200-fp8-input-fusion.json" \
                   >"$W/fp8-fusion.log" 2>&1; cut -c1-400 "$W/fp8-fusion.log" | tail -12;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
