@@ -152,7 +152,7 @@ for part in "$@"; do
                 --ms "${FP8_MID_MS:-64,128,256,512}" --budget-s "${FP8_MID_BUDGET_S:-90}" --out "$W/h200-fp8-mid-m.json" \
                 >"$W/fp8-mid-m.log" 2>&1; tail -n 30 "$W/fp8-mid-m.log" | cut -c1-300;;
     fp8-fusion) timeout 150 python3 benchmarks/h200_fp8_input_fusion.py ${FUSION_ARGS:-} --out "$W/h200-fp8-input-fusion.json" \
-                  >"$W/fp8-fusion.log" 2>&1; cut -c1-400 "$W/fp8-fusion.log" | tail -12;;
+                  >"$W/fp8-fusion.log" 2>&1; cut -c1-400 "$W/fp8-fusion.log" | tail -16;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
     kv-write) timeout 90 python3 benchmarks/h200_kv_write.py --out "$W/h200-kv-write.json" \
