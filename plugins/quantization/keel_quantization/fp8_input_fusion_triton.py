@@ -25,8 +25,11 @@ from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3_stored
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 
 MAX_NORM_WIDTH = 8192  # kernels-triton's one-tile norm; wider rows are not fused
-NORM_GROUP_CHUNK = 1024  # the grouped norm's inputs per pass (unmeasured: the first version, a reshape of the whole
-                         # row, ran 660 us a launch at 8192 x 4096 on an H100 against 158 for the unfused pair)
+# The grouped norm's inputs per pass. At 8192 x 4096 on an H100 (h100-fp8-input-fusion-1b41e57): 89.8 us a launch
+# in one pass of 4096, 138.6 in passes of 1024, 344.9 of 256, against 128.0 for the unfused pair (norm, then
+# quant_fp8 in cuBLAS's layout) and 664.9 for the first version (the row's registers reshaped to [32, 128]); 7168
+# wide: 185.5 in passes of 4096 against 231.0 unfused. At 256 rows 4.7 us against 5.1 (4096 wide).
+NORM_GROUP_CHUNK = 4096
 
 
 @triton.jit
@@ -68,12 +71,12 @@ def _rms_norm_quant_kernel(
     M, stride_x, stride_r, stride_q, stride_ro, stride_sm, stride_sg, H, eps,
     DT: tl.constexpr,  # the norm's output dtype (what the unfused norm stores)
     HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-    CHUNK: tl.constexpr = 0,  # groups: inputs quantized per pass (0: the row at once, through a reshape)
+    CHUNK: tl.constexpr = 0,  # with groups: inputs quantized per pass
     PDL: tl.constexpr = False, HW_CVT: tl.constexpr = False,
 ):
-    """One program a row. With groups and CHUNK > 0 the row's sum of squares comes from the row whole (the unfused
-    norm's tile and warps: its sum order), then the row is read again (from L1) in [CHUNK // GROUP, GROUP] pieces
-    and quantized, no reshape of the row's layout."""
+    """One program a row. With groups the row's sum of squares comes from the row whole (the unfused norm's tile
+    and warps: its sum order), then the row is read again (from L1) in [CHUNK // GROUP, GROUP] pieces and
+    quantized: reshaping the row's registers to [groups, GROUP] instead ran 4-5x slower (NORM_GROUP_CHUNK)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -85,7 +88,7 @@ def _rms_norm_quant_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
     q_row, s_row = q_ptr + row * stride_q, s_ptr + row * stride_sm
-    if CHUNK > 0 and GROUP < BLOCK:
+    if GROUP < BLOCK:
         o2 = tl.arange(0, CHUNK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [groups, GROUP]
         for c in range(BLOCK // CHUNK):
             k = c * CHUNK + o2
@@ -198,8 +201,7 @@ def rms_norm_quant(
     static_scale: torch.Tensor | None,  # float32 [1]; None: dynamic
     group: int | None = None,  # inputs per dynamic scale; None: one per token
     pad_to: int = 1,  # rows rounded up to this (cuBLAS's layout, see _outputs)
-    chunk: int | None = None,  # groups: inputs quantized per pass (None: NORM_GROUP_CHUNK; 0: the row through a
-                               # reshape, the first version, kept for the benchmark)
+    chunk: int | None = None,  # with groups: inputs quantized per pass (None: NORM_GROUP_CHUNK)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (e4m3 [M', H], float32 [M', groups], new residual)
     _check_group(group, static_scale)
     x, residual = _rows(x), None if residual is None else _rows(residual)
@@ -211,7 +213,7 @@ def rms_norm_quant(
     if q.shape[0]:
         block = triton.next_power_of_2(h)  # kernels-triton's tile and warps: the same sum order
         grp = min(group or block, block)
-        chunk = 0 if grp >= block or chunk == 0 else min(max(chunk or NORM_GROUP_CHUNK, grp), block)
+        chunk = min(max(chunk or NORM_GROUP_CHUNK, grp), block)
         r = residual if residual is not None else x
         ro = res_out if res_out is not None else x
         _rms_norm_quant_kernel[(q.shape[0],)](

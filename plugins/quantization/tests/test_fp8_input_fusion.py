@@ -85,7 +85,7 @@ def test_grouped_and_cublas_layouts_are_quant_fp8s(m, width, group):
     x, r, w = rand(m, width), rand(m, width, seed=1), rand(width, scale=1.0, seed=2)
     x[0, : group // 2] *= 100  # one group much larger than its neighbours
     out, res = TritonFusedAddRMSNorm()(x, r, w, 1e-6)
-    for chunk in (None, 0, group):  # the default pass size, the row at once (reshaped), a group a pass
+    for chunk in (None, group):  # the default pass size, a group a pass
         q, s, res_got = fused.rms_norm_quant(x, r, w, 1e-6, None, group, chunk=chunk)
         assert same_bits(q, quant_fp8(out, group)[0]) and torch.equal(s, quant_fp8(out, group)[1])
         assert torch.equal(res_got, res)
@@ -96,7 +96,7 @@ def test_grouped_and_cublas_layouts_are_quant_fp8s(m, width, group):
         assert same_bits(q, quant_fp8(act, group)[0]) and torch.equal(s, quant_fp8(act, group)[1])
     if width % 128 == 0:  # cuBLAS's block-scaled layout: rows padded to 4 (zeros), scales token-major
         for got, src in ((fused.rms_norm_quant(x, r, w, 1e-6, None, 128, 4)[:2], out),
-                         (fused.rms_norm_quant(x, r, w, 1e-6, None, 128, 4, chunk=0)[:2], out),
+                         (fused.rms_norm_quant(x, r, w, 1e-6, None, 128, 4, chunk=128)[:2], out),
                          (fused.silu_and_mul_quant(g, None, group=128, pad_to=4), act)):
             want = quantize_activations(src)
             assert same_bits(got[0], want[0]) and torch.equal(got[1], want[1])
