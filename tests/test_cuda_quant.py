@@ -228,11 +228,14 @@ def test_fused_moe_quant_gemms_compiled(kind):
         q2 = [fp8_math.quantize_blocks(we, (128, 128)) for we in w2]
         d13 = torch.stack([fp8_math.dequantize(a, b, (128, 128), dtype) for a, b in q13])
         d2 = torch.stack([fp8_math.dequantize(a, b, (128, 128), dtype) for a, b in q2])
+        from keel_quantization.fp8_moe import gated_input_quantizer
         from keel_quantization.fp8_quant_triton import quant_fp8
 
-        quant = FusedMoEQuantConfig("fp8_block", torch.stack([b for _, b in q13]), torch.stack([b for _, b in q2]),
-                                    block_shape=(128, 128), quantize_input=quant_fp8)
         b13, b2 = torch.stack([a for a, _ in q13]), torch.stack([a for a, _ in q2])
+        quant = FusedMoEQuantConfig("fp8_block", torch.stack([b for _, b in q13]), torch.stack([b for _, b in q2]),
+                                    block_shape=(128, 128), quantize_input=quant_fp8,
+                                    quantize_gated_input=gated_input_quantizer(b13, 128))
+        assert quant.quantize_gated_input is not None  # the fused silu + quantization, as the method hands it over
         act = lambda y: fp8_math.fake_quant_per_token_group(y, 128)
     else:
         def pack(w, group):

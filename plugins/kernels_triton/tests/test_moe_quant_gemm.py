@@ -60,19 +60,26 @@ def fp8_case(seed: int, tokens: int, hidden: int, inter: int, experts: int, top_
     return x, q13, q2, w, ids, quant, ref
 
 
-@pytest.mark.parametrize("tokens,top_k,used,fused_quant", [(1, 2, None, False), (9, 3, [0, 2, 5], False),
-                                                           (9, 3, None, True)])
+@pytest.mark.parametrize("tokens,top_k,used,fused_quant", [(1, 2, None, ""), (9, 3, [0, 2, 5], ""),
+                                                           (9, 3, None, "input"), (9, 3, None, "gated")])
 def test_block_fp8_experts_match_the_reference(tokens, top_k, used, fused_quant):
     x, q13, q2, w, ids, quant, ref = fp8_case(tokens, tokens, 40, 32, 6, top_k, used)
-    if fused_quant:  # the quantization plugin's one-launch quantizer, as its method hands it over on a GPU
+    calls, gated = [], []
+    if fused_quant:  # the quantization plugin's one-launch quantizers, as its method hands them over on a GPU
         quant_fp8 = pytest.importorskip("keel_quantization.fp8_quant_triton").quant_fp8
-        calls = []
         quant = dataclasses.replace(quant, quantize_input=lambda t, g: calls.append(t.shape) or quant_fp8(t, g))
+    if fused_quant == "gated":  # silu(gate) * up and its quantization in one launch
+        fused = pytest.importorskip("keel_quantization.fp8_input_fusion_triton")
+        quant = dataclasses.replace(quant, quantize_gated_input=lambda t, g: gated.append((t.shape, g)) or
+                                    fused.silu_and_mul_quant(t, None, group=g))
     residual = torch.randn_like(x)
     out = fused_experts_quant_triton(x, q13, q2, w, ids, "silu", residual, quant, tile_configs=(TILES, TILES))
     torch.testing.assert_close(out, ref + residual, atol=1e-4, rtol=1e-4)
-    if fused_quant:
+    if fused_quant == "input":
         assert calls == [(tokens, 40), (tokens * top_k, 32)]  # both GEMM inputs
+    if fused_quant == "gated":  # the first GEMM's input alone; the down GEMM's comes with its silu
+        assert calls == [(tokens, 40)] and gated == [((tokens * top_k, 64), BLOCK[1])]
+
 
 
 def test_int4_experts_match_the_reference():

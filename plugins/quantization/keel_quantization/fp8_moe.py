@@ -7,7 +7,8 @@ blocks: I must be a multiple of bn) and `w2_weight` [E, H, I] + `w2_<scale>`. Ac
 token and bk-input group, as the checkpoint's linear layers. Forward: the bound `fused_experts` kernel
 (dequantizing inside the grouped GEMM) or the reference here: only experts with work are dequantized,
 each GEMM input goes through its fp8 rounding and back. On a GPU the kernels quantize the GEMM inputs
-with this plugin's fused kernel (`fp8_quant_triton`), handed over in the `FusedMoEQuantConfig`.
+with this plugin's fused kernels (`fp8_quant_triton`; silu(gate) * up and its quantization in one launch,
+`fp8_input_fusion_triton`), handed over in the `FusedMoEQuantConfig`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ def input_quantizer(weight: torch.Tensor):
     from keel_quantization.fp8_quant_triton import quant_fp8
 
     return quant_fp8
+
+
+def gated_input_quantizer(weight: torch.Tensor, group: int):
+    """The down GEMM's input of silu experts, silu(gate) * up quantized in one launch (bit-equal to the silu
+    kernel, then `input_quantizer`'s): this plugin's fused kernel on a GPU for groups of a power of two; None
+    elsewhere."""
+    if input_quantizer(weight) is None or group & (group - 1):
+        return None
+    from keel_quantization.fp8_input_fusion_triton import silu_and_mul_quant
+
+    return lambda gate_up, group: silu_and_mul_quant(gate_up, None, group=group)
 
 
 class Fp8MoEMethod:
@@ -66,7 +78,8 @@ class Fp8MoEMethod:
         if self._quant is None:
             self._quant = FusedMoEQuantConfig("fp8_block", getattr(layer, f"w13_{self.scale_name}"),
                                               getattr(layer, f"w2_{self.scale_name}"), block_shape=self.block,
-                                              quantize_input=input_quantizer(layer.w13_weight))
+                                              quantize_input=input_quantizer(layer.w13_weight),
+                                              quantize_gated_input=gated_input_quantizer(layer.w13_weight, self.block[1]))
         return self._quant
 
     def apply(

@@ -11,7 +11,11 @@ Kinds:
   (`keel.layers.fp8_utils.per_token_group_quant_fp8`), as the checkpoint's dynamic activation scheme says;
   `quantize_input`, when the method gives one, computes those same numbers faster (a fused kernel of the
   method's plugin: `(x [M, K], group) -> (e4m3 [M, K], float32 scales [M, ceil(K / group)])`) and kernel
-  providers call it instead.
+  providers call it instead. `quantize_gated_input`, when given, does the same for the down GEMM's input of silu
+  experts straight from the w13 GEMM's output: `(gate_up [M, 2I], group)` -> the e4m3 values and scales of
+  silu(gate) * up as the unfused silu kernel rounds it (to gate_up's dtype) and `quantize_input` quantizes it,
+  bit for bit, in one launch; a kernel provider whose gated activation runs as a step of its own between the
+  GEMMs calls it instead of that step and `quantize_input`.
 - "int4": weight-only 4-bit (GPTQ / AWQ after repacking): `w13` int32 [E, H / 8, 2I] and `w2` int32
   [E, I / 8, H] packed along the input (input k in bits 4 * (k % 8) of word k // 8), `w*_scale` and
   `w*_zeros` [E, groups, N] in the model dtype (real weight = (q - zero) * scale), `w*_g_idx` int32
@@ -39,6 +43,7 @@ class FusedMoEQuantConfig:
     w13_g_idx: torch.Tensor | None = None
     w2_g_idx: torch.Tensor | None = None
     quantize_input: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # fp8_block
+    quantize_gated_input: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # silu
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -14,7 +14,8 @@ alignment, tile configs and combine are the unquantized path's (grouped_gemm.py)
   through g_idx-gathered scales and zeros, then multiplied in the activation dtype (as int4_gemm for
   linear layers).
 
-The gated activation runs in torch between the GEMMs (it must be quantized before the fp8 down GEMM).
+The gated activation runs as a step of its own between the GEMMs (it must be quantized before the fp8 down
+GEMM): for fp8 silu experts in one launch with its quantization where the config has `quantize_gated_input`.
 K splits are not used here. Runs compiled on CUDA, interpreted on the CPU (tests, tiny shapes).
 """
 
@@ -31,7 +32,7 @@ import triton.language as tl
 from keel.layers.fp8_utils import per_token_group_quant_fp8
 from keel.layers.fused_moe.quant_config import FusedMoEQuantConfig
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
-from keel_kernels_triton.fused_moe.grouped_gemm import act_and_mul, live_block_bound
+from keel_kernels_triton.fused_moe.grouped_gemm import FUSED_ACTIVATIONS, act_and_mul, live_block_bound
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
 from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
 from keel_kernels_triton.support import interpreter_enabled
@@ -200,16 +201,22 @@ def fused_experts_quant_triton(
     group = quant.block_shape[1] if fp8 else 0
     quantize = quant.quantize_input or per_token_group_quant_fp8
 
-    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: Any, g_idx: Any, n: int,
-             weights: torch.Tensor | None, row_div: int, config: MoETileConfig) -> torch.Tensor:
-        x_q, x_s = quantize(x, group) if fp8 else (x, None)
+    def gemm(x: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, scale: torch.Tensor, zeros: Any,
+             g_idx: Any, n: int, weights: torch.Tensor | None, row_div: int, config: MoETileConfig) -> torch.Tensor:
         out = torch.empty(rows, n, dtype=hidden.dtype, device=hidden.device)
-        invoke_fused_moe_quant_kernel(x_q, x_s, w, scale, zeros, g_idx, out, weights, sorted_ids, expert_ids, total,
+        invoke_fused_moe_quant_kernel(*x, w, scale, zeros, g_idx, out, weights, sorted_ids, expert_ids, total,
                                       row_div, config, quant)
         return out
 
-    gate_up = gemm(hidden, w13, quant.w13_scale, quant.w13_zeros, quant.w13_g_idx, n13, None, top_k, c13)
-    act = act_and_mul(gate_up, activation)  # [rows, I]: one silu_and_mul launch on a GPU, not torch's two
+    def gemm_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return quantize(x, group) if fp8 else (x, None)
+
+    gate_up = gemm(gemm_input(hidden), w13, quant.w13_scale, quant.w13_zeros, quant.w13_g_idx, n13, None, top_k,
+                   c13)
+    if fp8 and quant.quantize_gated_input is not None and activation.lower() in FUSED_ACTIVATIONS:
+        act = quant.quantize_gated_input(gate_up, group)  # silu and its quantization in one launch
+    else:
+        act = gemm_input(act_and_mul(gate_up, activation))  # [rows, I]: one silu_and_mul launch on a GPU
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     down = gemm(act, w2, quant.w2_scale, quant.w2_zeros, quant.w2_g_idx, h, weights, 1, c2)
     return moe_sum(down.view(num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
