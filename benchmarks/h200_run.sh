@@ -56,6 +56,8 @@
 #             working tree ("after"), then with the files under AB_DIR (default ab/: the same relative paths, e.g.
 #             `git show <base>:<path> > ab/<path>` for each file a change touched; untracked files travel) copied
 #             over ("before"), then the tree restored: a change's effect on the step in one call
+#   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line, e.g.
+#             AB_SETS=$'ab-splitk|llama8b|1,256|--quantization-case llama8b-fp8-tensor\nab-dsv2|dsv2lite||--quantization-case dsv2lite-fp8-block'
 #   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (1024-8192 tokens) against dense cuBLAS,
 #             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size)
 #   host-dsv2 host-llama  h200_step_profile.py --host-prefill (dummy weights, batch 1): the prefill step's CPU vs wall
@@ -78,6 +80,25 @@ TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/
 # Every keel engine start loads the xgrammar plugin: without its wheels (part wheels, .whl carried) such a part would
 # fail at startup after its checkpoint and warm-up work; it is skipped at once instead, saying why.
 xgrammar_ok=""
+# profile_ab DIR ARCH BATCHES ARGS TAG: the step profile on the tree ("after"), then with DIR's files copied over
+# ("before"), then the tree restored (a file new in "after" stays); results step-profile-ab<TAG>-{after,before}.json
+profile_ab() {
+  local ab=$1 bak=/tmp/ab-backup t
+  rm -rf $bak; mkdir -p $bak
+  [ -d "$ab" ] || { echo "profile-ab: no $ab folder"; return; }
+  for t in after before; do
+    if [ $t = before ]; then
+      (cd "$ab" && find . -type f) | while read -r f; do
+        mkdir -p "$bak/$(dirname "$f")"; cp "$f" "$bak/$f" 2>/dev/null; cp "$ab/$f" "$f"; done
+    fi
+    # shellcheck disable=SC2086  # ARGS are several arguments
+    timeout 110 python3 benchmarks/h200_step_profile.py --arch "$2" --batch "$3" --mixed "" $4 \
+      --out "$W/step-profile-ab$5-$t.json" >"$W/ab$5-$t.log" 2>&1
+    echo "$ab $2 $t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-ab$5-$t.json" | tr -d ' \n')"
+  done
+  (cd "$ab" && find . -type f) | while read -r f; do
+    if [ -f "$bak/$f" ]; then cp "$bak/$f" "$f"; fi; done
+}
 for part in "$@"; do
   start=$(date +%s)
   case $part in keel-*|diag*|swept-*|profile-*|host-*|quant|spec|bitmask|gc)
@@ -191,20 +212,11 @@ for part in "$@"; do
           echo "$arch $t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-$arch-linear-$t.json" | tr -d ' \n')"
         done
       done;;
-    profile-ab)
-      ab=${AB_DIR:-ab}; bak=/tmp/ab-backup; rm -rf $bak; mkdir -p $bak
-      [ -d "$ab" ] || { echo "profile-ab: no $ab folder"; continue; }
-      for t in after before; do
-        if [ $t = before ]; then
-          (cd "$ab" && find . -type f) | while read -r f; do
-            mkdir -p "$bak/$(dirname "$f")"; cp "$f" "$bak/$f" 2>/dev/null; cp "$ab/$f" "$f"; done
-        fi
-        timeout 110 python3 benchmarks/h200_step_profile.py --arch ${AB_ARCH:-dsv2lite} --batch ${AB_BATCH:-1,256} \
-          --mixed "" ${AB_ARGS:-} --out "$W/step-profile-ab-$t.json" >"$W/ab-$t.log" 2>&1
-        echo "$t: $(grep -E '"(batch|step_wall_ms_median)"' "$W/step-profile-ab-$t.json" | tr -d ' \n')"
-      done
-      (cd "$ab" && find . -type f) | while read -r f; do  # restore the tree (a file new in "after" stays)
-        if [ -f "$bak/$f" ]; then cp "$bak/$f" "$f"; fi; done;;
+    profile-ab) profile_ab "${AB_DIR:-ab}" "${AB_ARCH:-dsv2lite}" "${AB_BATCH:-1,256}" "${AB_ARGS:-}" "";;
+    profile-abs)  # several A/Bs in one call: AB_SETS, one "dir|arch|batches|arguments" a line
+      while IFS='|' read -r d a b x; do
+        [ -n "$d" ] && profile_ab "$d" "$a" "${b:-1,256}" "$x" "-$(basename "$d")-$a"
+      done <<<"${AB_SETS:-}";;
     moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" >"$W/moe-prefill.log" 2>&1
                  grep -o '"tokens": [0-9]*\|"pair_ms": {[^}]*}' "$W/moe-prefill.log" | paste -sd' ';;
     host-dsv2|host-llama) arch=$([ $part = host-dsv2 ] && echo dsv2lite || echo llama8b)
