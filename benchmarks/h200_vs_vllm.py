@@ -136,14 +136,24 @@ def shared_input(name: str) -> str:
     return re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
 
 
-def checkpoint_tensors(name: str, shape: tuple[int, ...], gen, quantization: str | None, g_idx_of: dict) -> dict:
+def checkpoint_tensors(name: str, shape: tuple[int, ...], gen, quantization: str | None, g_idx_of: dict,
+                       ignored: tuple[str, ...] = ()) -> dict:
     """One hub tensor of `write_checkpoint` (drawn on `gen`'s device, returned on the CPU): norms 1, matrices
-    N(0, 1/fan_in) in bf16, or with quantization "gptq" / "gptq-act" the projections in GPTQ's layout; `g_idx_of`
-    carries the g_idx drawn for each `shared_input` so projections reading the same activations share it."""
+    N(0, 1/fan_in) in bf16, or with quantization "gptq" / "gptq-act" the projections in GPTQ's layout, with
+    "fp8-block" in DeepSeek-V3's block-fp8 layout (e4m3 `weight` + float32 `weight_scale_inv` per 128 x 128 block,
+    keel's quantizer; the router, embeddings, lm_head and the `ignored` modules stay bf16); `g_idx_of` carries
+    the g_idx drawn for each `shared_input` so projections reading the same activations share it."""
     import torch
 
     if len(shape) == 1:
         return {name: torch.ones(shape, dtype=torch.bfloat16)}
+    if (quantization == "fp8-block" and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            and not any(name.startswith(m + ".") for m in ignored)):
+        from keel_quantization.fp8_math import quantize_blocks
+
+        w = torch.randn(shape, generator=gen, device=gen.device, dtype=torch.float32) / shape[1] ** 0.5
+        q, s = quantize_blocks(w, tuple(QUANTIZATION["fp8-block"]["weight_block_size"]))
+        return {name: q.cpu(), name.removesuffix("weight") + "weight_scale_inv": s.cpu()}
     if quantization in ("gptq", "gptq-act") and name.endswith("_proj.weight"):
         ts = gptq_tensors(name, shape, gen, act_order=quantization == "gptq-act",
                           g_idx=g_idx_of.get(shared_input(name)))
@@ -157,14 +167,17 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
                      quantization: str | None = None) -> None:
     """Seeded random weights (norms 1, matrices N(0, 1/fan_in), like keel's dummy init), bf16 shards; with
     quantization "gptq" / "gptq-act" (Llama-8B only) the projections in GPTQ's layout (`gptq_tensors`; -act:
-    desc_act's shuffled groups)."""
+    desc_act's shuffled groups), "fp8-block" (DSV2-Lite only: its routing then is the same in both engines) in
+    DeepSeek-V3's block-fp8 layout."""
     import torch
     from safetensors.torch import save_file
 
-    if (arch, quantization) not in (("dsv2lite", None), ("llama8b", "gptq"), ("llama8b", "gptq-act")):
-        raise SystemExit("--write-checkpoint: dsv2lite in bf16 or llama8b in gptq / gptq-act (dense bf16 models "
-                         "compare fine on dummy weights)")
+    if (arch, quantization) not in (("dsv2lite", None), ("dsv2lite", "fp8-block"), ("llama8b", "gptq"),
+                                    ("llama8b", "gptq-act")):
+        raise SystemExit("--write-checkpoint: dsv2lite in bf16 or fp8-block, llama8b in gptq / gptq-act (dense "
+                         "models compare fine on dummy weights)")
     write_config(out, arch, quantization)
+    ignored = tuple(quantization_config(arch, quantization).get("ignored_layers", ())) if quantization else ()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shard, size, index, n = {}, 0, {}, 0
     g_idx_of: dict = {}  # shared_input(name) -> the g_idx its first projection drew
@@ -179,7 +192,7 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
 
     tensors = hub_tensors_dsv2(DSV2_LITE) if arch == "dsv2lite" else hub_tensors_llama(LLAMA3_8B)
     for name, shape in tensors:
-        ts = checkpoint_tensors(name, shape, gen, quantization, g_idx_of)
+        ts = checkpoint_tensors(name, shape, gen, quantization, g_idx_of, ignored)
         shard.update(ts)
         size += sum(t.numel() * t.element_size() for t in ts.values())
         if size >= shard_bytes:
@@ -219,7 +232,18 @@ def write_config(out: Path, arch: str, quantization: str | None = None) -> None:
     cfg.save_pretrained(out)
     if quantization is not None:
         raw = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**raw, "quantization_config": QUANTIZATION[quantization]}))
+        (out / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization_config(arch,
+                                                                                                       quantization)}))
+
+
+def quantization_config(arch: str, quantization: str) -> dict:
+    """QUANTIZATION[quantization] for `arch`: DSV2-Lite's dense first layers' MLP (intermediate 10944, not a
+    multiple of the 128-row block) stays bf16 in block fp8, as a checkpoint of this shape would have to leave it
+    (vLLM refuses the split; `h200_quant.py`'s case does the same)."""
+    cfg = dict(QUANTIZATION[quantization])
+    if arch == "dsv2lite" and "weight_block_size" in cfg and DSV2_LITE["intermediate_size"] % 128:
+        cfg["ignored_layers"] = [f"model.layers.{i}.mlp" for i in range(DSV2_LITE["first_k_dense_replace"])]
+    return cfg
 
 
 # ------------------------------------------------------------------ keel diagnosis hooks

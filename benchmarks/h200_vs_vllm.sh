@@ -16,6 +16,9 @@
 #   keel-gptq-ckpt vllm-gptq-ckpt               one engine on that checkpoint
 #   ckpt-gptq-act keel-gptq-act-ckpt vllm-gptq-act-ckpt   the same with desc_act (act order: shuffled groups;
 #                  /tmp/llamagptqact)
+#   ckpt-dsv2-fp8  write the seeded DSV2-Lite checkpoint in DeepSeek-V3's block-fp8 layout (/tmp/dsv2fp8; keel's
+#                  quantizer, layer 0's MLP bf16 and in ignored_layers), so both engines route alike (~16 GB)
+#   keel-dsv2-fp8-ckpt vllm-dsv2-fp8-ckpt       one engine on that checkpoint
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
 #   keel-dsv2-Q vllm-dsv2-Q                     DSV2-Lite the same way (each engine draws its own weights: routing differs)
@@ -30,6 +33,7 @@ VSITE=/tmp/vsite
 CKPT=/tmp/dsv2ckpt
 GPTQ_CKPT=/tmp/llamagptq
 GPTQ_ACT_CKPT=/tmp/llamagptqact
+DSV2_FP8_CKPT=/tmp/dsv2fp8
 for part in "$@"; do
   start=$(date +%s)
   case $part in
@@ -61,6 +65,13 @@ t = time.perf_counter(); m.write_checkpoint(Path('$CKPT'), 'dsv2lite'); print('c
 import sys, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
 t = time.perf_counter(); m.write_checkpoint(Path('$d'), 'llama8b', quantization='$q')
 print('$q checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+    ckpt-dsv2-fp8) [ -f $DSV2_FP8_CKPT/model.safetensors.index.json ] || timeout 400 python3 -c "
+import sys, time; sys.path.insert(0, 'benchmarks'); import h200_vs_vllm as m; from pathlib import Path
+t = time.perf_counter(); m.write_checkpoint(Path('$DSV2_FP8_CKPT'), 'dsv2lite', quantization='fp8-block')
+print('dsv2lite fp8-block checkpoint written', round(time.perf_counter() - t, 1), 's')";;
+    keel-dsv2-fp8-ckpt|vllm-dsv2-fp8-ckpt)  # before keel-dsv2-*: the checkpoint, not dummy weights
+      timeout 480 $B --arch dsv2lite --engines ${part%%-*} --model-dir $DSV2_FP8_CKPT --vllm-site $VSITE \
+        --timeout 460 --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-gptq-ckpt|vllm-gptq-ckpt|keel-gptq-act-ckpt|vllm-gptq-act-ckpt)
       d=$(case $part in *-act-*) echo $GPTQ_ACT_CKPT;; *) echo $GPTQ_CKPT;; esac)
       timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $d --vllm-site $VSITE \

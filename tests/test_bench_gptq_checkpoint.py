@@ -94,3 +94,40 @@ def test_top2_rows_and_the_divergence_report(tmp_path, monkeypatch):
     b = {"top2": [[[1, -0.5, 2, -0.9], [4, -0.1001, 3, -0.1003]], [[1, -0.5, 2, -0.9]]]}
     assert vs.divergence(a, b) == [{"first_difference": 1, "gap_a": 0.0002, "gap_b": 0.0002},
                                    {"first_difference": None, "gap_a": None, "gap_b": None}]
+
+
+TINY_DSV2 = dict(vocab_size=300, hidden_size=128, intermediate_size=96, moe_intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=None,
+                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, topk_method="greedy",
+                 n_group=1, topk_group=1, norm_topk_prob=False)
+
+
+def test_block_fp8_deepseek_checkpoint_loads_and_serves_in_keel(tmp_path, monkeypatch):
+    """The DSV2-Lite block-fp8 checkpoint both engines load (same weights, so the same routing): projections in
+    DeepSeek-V3's layout from keel's quantizer, the router and the dense first layer's MLP (not a multiple of the
+    128-row block) in bf16 and named in ignored_layers."""
+    monkeypatch.setattr(vs, "DSV2_LITE", TINY_DSV2)
+    vs.write_config(tmp_path, "dsv2lite", "fp8-block")
+    qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qcfg["weight_block_size"] == [128, 128] and qcfg["ignored_layers"] == ["model.layers.0.mlp"]
+    gen, tensors = torch.Generator().manual_seed(0), {}
+    for name, shape in vs.hub_tensors_dsv2(TINY_DSV2):  # write_checkpoint's tensors, drawn on the CPU
+        tensors.update(vs.checkpoint_tensors(name, shape, gen, "fp8-block", {}, tuple(qcfg["ignored_layers"])))
+    w = "model.layers.1.mlp.experts.3.down_proj"
+    assert tensors[f"{w}.weight"].dtype == torch.float8_e4m3fn and tensors[f"{w}.weight_scale_inv"].shape == (1, 1)
+    assert tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 1)  # 72 rows
+    for bf16 in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.gate.weight", "lm_head.weight"):
+        assert tensors[bf16].dtype == torch.bfloat16 and bf16.removesuffix("weight") + "weight_scale_inv" not in tensors
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+
+    from keel import LLM, SamplingParams
+
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2,
+              seed=0)  # the default profile (every plugin; the suite pins the platform): the DeepSeek plugin
+    assert vs.applied_quantization(llm, "keel") == "fp8"
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0,
+                                                                             ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.shutdown()
