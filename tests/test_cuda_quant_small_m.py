@@ -103,8 +103,9 @@ def test_in_kernel_split_sums_are_the_splits_in_order_every_time(kernel, block_m
     size with 8 splits: 30 launches give the bits of the per-split GEMMs summed in split order, every time (a
     partial read before it is written, or a count not reset, would show), and leave every count at zero."""
     from keel_quantization import fp8_w8a8_small_m_triton as w8a8
-    from keel_quantization import splitk_reduce
     from keel_quantization.small_m_plan import SmallMPlan
+
+    from keel.kernel_counts import kernel_counts
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     m, n, k, splits = 1, 4096, 4096, 8
@@ -117,4 +118,4 @@ def test_in_kernel_split_sums_are_the_splits_in_order_every_time(kernel, block_m
                                            plan=SmallMPlan(kernel, block_m, 64, 128))
     for _ in range(30):
         assert torch.equal(w8a8.fp8_w8a8_small_m_gemm(x, q, s, 1, k, "static", scale, plan=plan), want)
-    assert not splitk_reduce.tile_counts(x.device).any()
+    assert not kernel_counts(x.device, 0).any()

@@ -7,8 +7,8 @@ import math
 import torch
 
 from keel.attention.backend import AttentionLayerConfig
+from keel.kernel_counts import kernel_counts
 from keel_attention_flash import kernels
-from keel_attention_flash.counts import split_counts
 from keel_attention_flash.metadata import FlashAttentionMetadata
 from keel_attention_flash.pdl import pdl_kwargs
 
@@ -173,7 +173,8 @@ uniform speculative verify step), else the varlen kernel over
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse, out, out.stride(0), out.stride(1),
-            split_counts(q.device, b * self.num_kv_heads), common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
+            kernel_counts(q.device, b * self.num_kv_heads), common.query_start_loc, common.seq_lens,
+            common.block_table, common.block_table.stride(0),
             q.stride(0), q.stride(1), self.sm_scale_log2, *self._scales(q),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,

@@ -180,7 +180,7 @@ def split_decode_kernel(
     part_out_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads, HEAD] float32, normalized per split
     part_lse_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads] float32, log2-sum-exp2 (-inf: empty split)
     out_ptr, stride_ot, stride_oh,  # the attention output [num_tokens, num_heads, HEAD]
-    count_ptr,  # int32 [>= num_reqs * NUM_KV_HEADS] zeros (split_counts): splits done per (request, KV head)
+    count_ptr,  # int32 [>= num_reqs * NUM_KV_HEADS] zeros (keel.kernel_counts): splits done per (request, KV head)
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qt, stride_qh,
     sm_scale_log2,

@@ -79,7 +79,8 @@ class Fp8MoEMethod:
             self._quant = FusedMoEQuantConfig("fp8_block", getattr(layer, f"w13_{self.scale_name}"),
                                               getattr(layer, f"w2_{self.scale_name}"), block_shape=self.block,
                                               quantize_input=input_quantizer(layer.w13_weight),
-                                              quantize_gated_input=gated_input_quantizer(layer.w13_weight, self.block[1]))
+                                              quantize_gated_input=gated_input_quantizer(layer.w13_weight,
+                                                                                         self.block[1]))
         return self._quant
 
     def apply(

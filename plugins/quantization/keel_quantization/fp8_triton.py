@@ -127,14 +127,15 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
         return y
     if plan.kernel == "gemv_fold":
         raise ValueError("fp8_gemm: the gemv_fold kernel is int4 only")
-    dst = SplitKOutput(y, k, bk, plan.split_k, in_kernel=plan.kernel == "gemv")  # the GEMV sums its own splits
+    # the GEMV sums its own splits (store_tile: a count per output tile)
+    gemv_tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm) if plan.kernel == "gemv" else 0
+    dst = SplitKOutput(y, k, bk, plan.split_k, out_tiles=gemv_tiles)
     (scs, scm, scn), options = dst.strides, plan.launch_options()
     if plan.kernel == "gemv":
         if a_s is not None:
             raise ValueError("fp8_gemm: the gemv kernel is weight-only (no activation scales)")
         from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
 
-        dst.check_tiles(triton.cdiv(n, bn) * triton.cdiv(m, bm))
         _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
             a, b_q, b_s, dst.buf, y, dst.counts, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0),
             b_q.stride(1), b_s.stride(0), b_s.stride(1), scs, scm, scn, y.stride(0), y.stride(1),

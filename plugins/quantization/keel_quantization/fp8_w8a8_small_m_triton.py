@@ -179,8 +179,7 @@ def fp8_w8a8_small_m_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    dst = SplitKOutput(y, k, bk, plan.split_k, in_kernel=True)
-    dst.check_tiles(triton.cdiv(n, bn) * triton.cdiv(m, bm))
+    dst = SplitKOutput(y, k, bk, plan.split_k, out_tiles=triton.cdiv(n, bn) * triton.cdiv(m, bm))  # store_tile
     scs, scm, scn = dst.strides
     quant_rows = bm if m > bm else triton.next_power_of_2(m)
     # the prologue's chunk: ~4096 elements a load (32 a thread at 4 warps), K's whole row where it fits

@@ -151,7 +151,9 @@ def int4_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    dst = SplitKOutput(y, k, bk, plan.split_k, in_kernel=plan.kernel == "gemv_fold")  # it sums its own splits
+    # gemv_fold sums its own splits (store_tile: a count per output tile)
+    fold_tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm) if plan.kernel == "gemv_fold" else 0
+    dst = SplitKOutput(y, k, bk, plan.split_k, out_tiles=fold_tiles)
     args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
     gemv_grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
@@ -163,7 +165,6 @@ def int4_gemm(
     elif plan.kernel == "gemv_fold":
         from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
 
-        dst.check_tiles(gemv_grid[0] * gemv_grid[2])
         _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
                                           out_ptr=y, count_ptr=dst.counts, stride_om=y.stride(0),

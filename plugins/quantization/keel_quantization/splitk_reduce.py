@@ -3,11 +3,10 @@
 The GEMM kernels write each split's partial product in full into `workspace` [splits, M, N] (float32), and the
 splits are summed in split order, so the result does not depend on scheduling. Two ways:
 - a second launch (`splitk_reduce`), nothing to zero;
-- in the GEMM's own launch (`store_tile`): the program that finishes a tile's last split, counted in a per-device
-  int32 array (`tile_counts`, zeros; the count returns to 0 as the tile's sum is written, so a CUDA graph
+- in the GEMM's own launch (`store_tile`): the program that finishes a tile's last split, counted in the core's
+  per-device counters (`keel.kernel_counts`; the count returns to 0 as the tile's sum is written, so a CUDA graph
   replays it as is), sums the tile's partials. The same numbers without a launch: at batch 1 every decode GEMM
-  of a split plan paid one (128 a Llama-8B step, `_splitk_reduce_kernel`). Kernels sharing the counts run on one
-  stream, one after another (keel runs its forward on one stream).
+  of a split plan paid one (128 a Llama-8B step, `_splitk_reduce_kernel`).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from keel.kernel_counts import kernel_counts
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 
 
@@ -51,23 +51,6 @@ def store_tile(acc, c_ptr, c_offs, y_ptr, y_offs, mask, stride_cs, count_ptr):
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-MAX_TILES = 1 << 16
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counts(device: torch.device) -> torch.Tensor:
-    """The device's int32 [MAX_TILES] zeros for `store_tile`, allocated on first use: outside a CUDA graph's
-    capture (the engine's warm-up runs every shape before it captures), which an allocation inside would tie to
-    the graph's memory pool."""
-    counts = _COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K tile counts first needed inside a CUDA graph capture: run the shape eagerly "
-                               "first (the engine's warm-up does)")
-        counts = _COUNTS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counts
-
-
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, SPLITS, stride_ws, stride_wm, stride_ym, stride_yn,
                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -101,25 +84,19 @@ def splitk_reduce(
 
 class SplitKOutput:
     """Where a (possibly split) GEMM launch writes: y itself for one split, else a fresh workspace that
-    `finish` reduces into y -- or, for a kernel that sums in its own launch (`in_kernel`: `store_tile`, given
-    `counts` and y), nothing left to do. `strides` are (split, m, n) for the kernel's output pointer."""
+    `finish` reduces into y -- or, for a kernel that sums in its own launch (`store_tile`) over `out_tiles` output
+    tiles, given y and `counts`, nothing left to do. `strides` are (split, m, n) for the kernel's output pointer."""
 
-    def __init__(self, y: torch.Tensor, k: int, block_k: int, split_k: int, in_kernel: bool = False) -> None:
-        tiles = -(-k // block_k)  # y: [M, N]
-        self.k_per_split = -(-tiles // split_k) * block_k  # a multiple of BLOCK_K: tiles stay on the group grid
+    def __init__(self, y: torch.Tensor, k: int, block_k: int, split_k: int, out_tiles: int = 0) -> None:
+        k_tiles = -(-k // block_k)  # y: [M, N]; out_tiles 0: the kernel leaves the sum to `finish`'s launch
+        self.k_per_split = -(-k_tiles // split_k) * block_k  # a multiple of BLOCK_K: tiles stay on the group grid
         self.splits = max(1, -(-k // self.k_per_split))
         self.y = y
-        self.in_kernel = in_kernel
         m, n = y.shape
         self.buf = y if self.splits == 1 else splitk_workspace(self.splits, m, n, y.device)
         self.strides = ((0, y.stride(0), y.stride(1)) if self.splits == 1
                         else (self.buf.stride(0), self.buf.stride(1), self.buf.stride(2)))
-        self.counts = tile_counts(y.device) if in_kernel else None
-
-    def check_tiles(self, tiles: int) -> None:
-        """A kernel summing in its own launch has a count per output tile: at most MAX_TILES."""
-        if tiles > MAX_TILES:
-            raise ValueError(f"split-K GEMM: {tiles} output tiles, more than the {MAX_TILES} counts")
+        self.counts = kernel_counts(y.device, out_tiles) if out_tiles else None  # one per output tile
 
     def finish(self) -> torch.Tensor:  # [M, N]
-        return self.y if self.splits == 1 or self.in_kernel else splitk_reduce(self.buf, self.y)
+        return self.y if self.splits == 1 or self.counts is not None else splitk_reduce(self.buf, self.y)
