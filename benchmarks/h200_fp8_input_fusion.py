@@ -39,9 +39,7 @@ def group_rows(gen, norm, silu, fused, graph_us, same) -> list[dict]:
     rows = []
     for m in (256, 8192):
         for hidden in GROUP_WIDTHS:
-            x = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
-            r = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
-            w = torch.rand(hidden, device="cuda", generator=gen).to(torch.bfloat16)
+            x, r, w = norm_inputs(m, hidden, gen)
 
             def unfused(i):
                 out, res = norm(x, r, w, 1e-5)
@@ -69,6 +67,13 @@ def group_rows(gen, norm, silu, fused, graph_us, same) -> list[dict]:
         rows.append(row)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return rows
+
+
+def norm_inputs(m: int, width: int, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A norm's input, residual and weight (bf16 on the GPU), drawn from `gen`."""
+    x = torch.randn(m, width, device="cuda", generator=gen, dtype=torch.bfloat16)
+    r = torch.randn(m, width, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return x, r, torch.rand(width, device="cuda", generator=gen).to(torch.bfloat16)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -99,9 +104,7 @@ def main() -> None:
     rows = []
     norm, silu = TritonFusedAddRMSNorm(), TritonSiluAndMul()
     for m in MS:
-        x = torch.randn(m, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
-        r = torch.randn(m, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
-        w = torch.rand(HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        x, r, w = norm_inputs(m, HIDDEN, gen)
 
         def unfused_norm(i):
             out, res = norm(x, r, w, 1e-5)
