@@ -95,27 +95,3 @@ def test_gemv_fold_gathers_desc_act_groups_compiled(plan):
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         int4_gemm(x, words, scales, zeros, g_idx, out=out, group_size=0, plan=SmallMPlan(*plan))
         torch.testing.assert_close(out.double(), x.double() @ deq, atol=3e-2, rtol=2e-2, msg=f"M={m} {plan}")
-
-
-@pytest.mark.parametrize("kernel,block_m", [("dot_w8a8", 16), ("gemv", 1)])
-def test_in_kernel_split_sums_are_the_splits_in_order_every_time(kernel, block_m):
-    """The split-K sum in the GEMM's own launch (`splitk_reduce.store_tile`), compiled, at a Llama-8B layer's
-    size with 8 splits: 30 launches give the bits of the per-split GEMMs summed in split order, every time (a
-    partial read before it is written, or a count not reset, would show), and leave every count at zero."""
-    from keel_quantization import fp8_w8a8_small_m_triton as w8a8
-    from keel_quantization.small_m_plan import SmallMPlan
-
-    from keel.kernel_counts import kernel_counts
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    m, n, k, splits = 1, 4096, 4096, 8
-    (q, s), _ = _operands("fp8_row", n, k, gen)
-    x, scale = torch.randn(m, k, device="cuda", generator=gen), torch.tensor([0.02], device="cuda")
-    plan, step = SmallMPlan(kernel, block_m, 64, 128, split_k=splits), k // splits
-    want = torch.zeros(m, n, device="cuda")
-    for k0 in range(0, k, step):  # static activation, per-row weight scales: each split's product is its slice's
-        want += w8a8.fp8_w8a8_small_m_gemm(x[:, k0:k0 + step], q[:, k0:k0 + step], s, 1, step, "static", scale,
-                                           plan=SmallMPlan(kernel, block_m, 64, 128))
-    for _ in range(30):
-        assert torch.equal(w8a8.fp8_w8a8_small_m_gemm(x, q, s, 1, k, "static", scale, plan=plan), want)
-    assert not kernel_counts(x.device, 0).any()

@@ -7,7 +7,6 @@ import math
 import torch
 
 from keel.attention.backend import AttentionLayerConfig
-from keel.kernel_counts import kernel_counts
 from keel_attention_flash import kernels
 from keel_attention_flash.metadata import FlashAttentionMetadata
 from keel_attention_flash.pdl import pdl_kwargs
@@ -147,7 +146,7 @@ uniform speculative verify step), else the varlen kernel over
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
                 out: torch.Tensor, page: int) -> None:
-        """Split-K over each request's context for its `md.query_len` new tokens, merged in the same launch.
+        """Split-K over each request's context for its `md.query_len` new tokens, then the reduce.
         Launch shapes depend only on (num_reqs, query_len, max_seq_len), never on the actual lengths."""
         b = md.num_reqs
         if b == 0:
@@ -173,12 +172,18 @@ uniform speculative verify step), else the varlen kernel over
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse, out, out.stride(0), out.stride(1),
-            kernel_counts(q.device, b * self.num_kv_heads), common.query_start_loc, common.seq_lens,
-            common.block_table, common.block_table.stride(0),
+            common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
             q.stride(0), q.stride(1), self.sm_scale_log2, *self._scales(q),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
             FP8_KV=self.fp8_kv,
             num_warps=warps, num_stages=stages, **pdl_kwargs(q),
+        )
+        if direct:
+            return
+        kernels.split_reduce_kernel[(b * ql, self.num_heads)](
+            part_out, part_lse, out, common.query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD=self.head_size,
+            BLOCK_D=self.block_d, QUERY_LEN=ql, **pdl_kwargs(q),
         )

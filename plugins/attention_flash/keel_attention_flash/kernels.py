@@ -1,5 +1,4 @@
-"""Triton kernels of triton_flash: cache write, varlen paged attention, split-K decode (its splits merged in its
-own launch).
+"""Triton kernels of triton_flash: cache write, varlen paged attention, split-K decode and its reduce.
 
 The KV cache is the standard layout [2, num_blocks, block_size, num_kv_heads, head_size], addressed
 here as slots: slot = block_id * block_size + offset. Key tiles gather their slots through the block
@@ -179,8 +178,7 @@ def split_decode_kernel(
     q_ptr, cache_ptr, cache_kv_stride,
     part_out_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads, HEAD] float32, normalized per split
     part_lse_ptr,  # [num_reqs * QUERY_LEN, NUM_SPLITS, num_heads] float32, log2-sum-exp2 (-inf: empty split)
-    out_ptr, stride_ot, stride_oh,  # the attention output [num_tokens, num_heads, HEAD]
-    count_ptr,  # int32 [>= num_reqs * NUM_KV_HEADS] zeros (keel.kernel_counts): splits done per (request, KV head)
+    out_ptr, stride_ot, stride_oh,  # DIRECT: the attention output [num_tokens, num_heads, HEAD]
     query_start_ptr, seq_lens_ptr, block_table_ptr, stride_bt,
     stride_qt, stride_qh,
     sm_scale_log2,
@@ -196,10 +194,8 @@ def split_decode_kernel(
     Every request has exactly QUERY_LEN new tokens (1: decode; more: a uniform speculative verify step),
     causal among themselves; rows = query token * G_PAD + head in group, Q_PAD = next power of two.
     DIRECT (one split): the program writes the final output itself and the part buffers are unused -- no
-    float32 round trip, which at big batches of short contexts cost as much as the keys and values. Split: each
-    program writes its normalized partial and log-sum-exp, and the last of a (request, KV head)'s splits to
-    finish merges them into the output (`_merge_splits`) -- no second launch (at batch 1 one a layer, 32 a
-    Llama-8B step, each a dependent link in the step's chain).
+    float32 round trip and no reduce launch, which at big batches of short contexts cost as much as the
+    keys and values.
     """
     pdl_enter(PDL)
     req = tl.program_id(0)
@@ -253,40 +249,31 @@ def split_decode_kernel(
         # only its -inf lse; the reduce never reads its partial.
         tl.store(part_out_ptr + base[:, None] * HEAD + d[None, :], out, mask=q_mask & ~empty[:, None])
         tl.store(part_lse_ptr + base, lse, mask=row_ok)
-        # every thread's partial is written before the count moves; the count's release / acquire makes the
-        # partials of the splits counted before visible to the last (CUTLASS's semaphore: barrier, one thread's
-        # release; acquire, barrier)
-        tl.debug_barrier()
-        tile = req * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            first = ((req.to(tl.int64) * QUERY_LEN + j) * NUM_SPLITS) * num_heads + head  # split 0's entry
-            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, num_heads, tok, head, d, row_ok, q_mask,
-                          stride_ot, stride_oh, NUM_SPLITS, HEAD)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, num_heads, tok, head, d, row_ok, q_mask,
-                  stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, HEAD: tl.constexpr):
-    """The output of a tile's rows from every split's partial: log-sum-exp weights relative to the largest,
-    summed in split order; 0 for an empty context. Loads from L2 (.cg): the other splits' partials never were in
-    this SM's L1."""
-    top = tl.full(first.shape, float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(part_lse_ptr + first + s * num_heads, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        top = tl.maximum(top, lse)
+def split_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_D: tl.constexpr, QUERY_LEN: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Combine the splits of one query token x one query head (log-sum-exp weights); 0 for an empty
+    context. Program 0 runs over requests x QUERY_LEN tokens each."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    req = row // QUERY_LEN
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    base = (row.to(tl.int64) * NUM_SPLITS + s) * NUM_HEADS + head
+    lse = tl.load(part_lse_ptr + base, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    acc = tl.zeros([first.shape[0], d.shape[0]], dtype=tl.float32)
-    total = tl.zeros(first.shape, dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        entry = first + s * num_heads
-        lse = tl.load(part_lse_ptr + entry, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - top)  # 0 for an empty split (-inf), whose partial was never written
-        o = tl.load(part_out_ptr + entry[:, None] * HEAD + d[None, :], mask=q_mask & (lse > float("-inf"))[:, None],
-                    other=0.0, cache_modifier=".cg")
-        acc += o * w[:, None]
-        total += w
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    w = tl.exp2(lse - top)
+    o = tl.load(part_out_ptr + base[:, None] * HEAD + d[None, :],
+                mask=(s[:, None] < NUM_SPLITS) & (lse[:, None] > float("-inf")) & (d[None, :] < HEAD), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tok = tl.load(query_start_ptr + req).to(tl.int64) + row % QUERY_LEN
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)

@@ -1,7 +1,7 @@
 """The attention plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, the variants the
 impls launch: the cache writes (bf16 copy; FP8_KV quantizing into a uint8 view of the e4m3 cache) and the
 attention kernels over bf16 and e4m3 caches (the fp8 scales folded out of the tiles): varlen, split-K decode
-(direct, and into partials merged in the same launch); MLA's latent write, decode and prefill tiles and reduce. The
+(direct and into partials) and its reduce; MLA's latent write, decode and prefill tiles and reduce. The
 interpreter accepts code the compiler rejects."""
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ SCRIPT = textwrap.dedent('''
         compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*bf16", "lse_ptr": "*bf16"},
                  {**shape, "BLOCK_H": 16, "BLOCK_Q": 2, "BLOCK_N": 32, "NUM_SPLITS": 1, "TILED": True,
                   "TILE_Q0": True, "SPLIT_OUT": False, "QUERY_LEN": 1}, num_warps=4, num_stages=2)
+    compile_(kernels.split_reduce_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"},
+             {"NUM_HEADS": 32, "NUM_SPLITS": 4, "SPLITS_PAD": 4, "HEAD": 128, "BLOCK_D": 128, "QUERY_LEN": 1})
     compile_(mla_kernels.mla_split_reduce_kernel,
              {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"},
              {"NUM_HEADS": 16, "NUM_SPLITS": 4, "SPLITS_PAD": 4, "LORA": 512, "BLOCK_L": 512, "TILED": True,

@@ -8,8 +8,7 @@ once, after the loop. With one scale group over K (per-tensor / per-channel) the
 sums once after the loop instead of every element (one multiply per weight element fewer: the loop is
 bound by issuing its conversion and multiply-adds as much as by the weight's bytes, 66% of copy
 bandwidth on the H200 at 186f88e; predicted ~8-12% faster at M = 1, unmeasured). The grid is
-(N / BLOCK_N, splits, M / BLOCK_M) and writes y (one split) or float32 partials, which the tile's last split
-to finish sums into y (`splitk_reduce.store_tile`).
+(N / BLOCK_N, splits, M / BLOCK_M) and writes y (one split) or the float32 partials `splitk_reduce` sums.
 Launched through `fp8_triton.fp8_weight_only_gemm` with a "gemv" `SmallMPlan`.
 
 With ACT > 0 it is a W8A8 GEMV (`fp8_w8a8_small_m_triton.fp8_w8a8_small_m_gemm` with a "gemv" plan): the
@@ -27,15 +26,14 @@ import triton.language as tl
 
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
 from keel_quantization.pdl import pdl_enter
-from keel_quantization.splitk_reduce import split_range, store_tile
+from keel_quantization.splitk_reduce import split_range
 
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, b_ptr, bs_ptr, c_ptr, y_ptr, count_ptr,  # c: y, or the splits' partials (store_tile)
+    x_ptr, b_ptr, bs_ptr, c_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_bn, stride_bk, stride_bsn, stride_bsk, stride_cs, stride_cm, stride_cn,
-    stride_ym, stride_yn,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_AFTER: tl.constexpr,  # one scale group over K (per-tensor / per-channel): scaled once, after the loop
@@ -102,6 +100,6 @@ def _fp8_gemv_kernel(
         out = out * a_s[:, None]
     if SCALE_AFTER:
         out = out * tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)[None, :]
-    store_tile(out, c_ptr, offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, y_ptr,
-               offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, mask_m[:, None] & mask_n[None, :],
-               stride_cs, count_ptr)
+    c_ptr += pid_s * stride_cs
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, out.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])

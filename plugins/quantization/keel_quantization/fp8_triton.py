@@ -125,20 +125,18 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
     y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
     if m == 0:
         return y
+    dst = SplitKOutput(y, k, bk, plan.split_k)
+    (scs, scm, scn), options = dst.strides, plan.launch_options()
     if plan.kernel == "gemv_fold":
         raise ValueError("fp8_gemm: the gemv_fold kernel is int4 only")
-    # the GEMV sums its own splits (store_tile: a count per output tile)
-    gemv_tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm) if plan.kernel == "gemv" else 0
-    dst = SplitKOutput(y, k, bk, plan.split_k, out_tiles=gemv_tiles)
-    (scs, scm, scn), options = dst.strides, plan.launch_options()
     if plan.kernel == "gemv":
         if a_s is not None:
             raise ValueError("fp8_gemm: the gemv kernel is weight-only (no activation scales)")
         from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
 
         _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
-            a, b_q, b_s, dst.buf, y, dst.counts, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0),
-            b_q.stride(1), b_s.stride(0), b_s.stride(1), scs, scm, scn, y.stride(0), y.stride(1),
+            a, b_q, b_s, dst.buf, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0), b_q.stride(1),
+            b_s.stride(0), b_s.stride(1), scs, scm, scn,
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
             **options, **pdl_kwargs(a))
         return dst.finish()

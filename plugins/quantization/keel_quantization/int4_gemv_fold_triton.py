@@ -21,8 +21,7 @@ a bf16 -> f32 shift per input, shared over the thread's 4 columns) -- ~4.0 instr
 the 1x128x128 plan's loop (the exponents sit in registers, see below; immediates cost a MOV per LOP3).
 A tile may also span whole groups (BLOCK_K a multiple of GROUP): s and z are then loaded per word row
 (~+0.25 instructions per element) and a program runs fewer, longer tiles, reaching over K without a
-split's second launch. Every output (or split partial) is written; rows past M read row M - 1, unstored. A K
-split's partials are summed by the tile's last split to finish (`splitk_reduce.store_tile`), in split order.
+split's second launch. Every output (or split partial) is written; rows past M read row M - 1, unstored.
 Precision: `a` holds ~2 sum |x_j| per word while it carries (Q - z X) / 256, so float32 rounding costs
 up to ~3.4e-4 sum_k |x_k| s_k (worst case, test_int4_gemv_fold's bound; ~1e-5 of |y| typically), far
 below a bf16 output's rounding.
@@ -44,7 +43,7 @@ import triton
 import triton.language as tl
 
 from keel_quantization.pdl import pdl_enter
-from keel_quantization.splitk_reduce import split_range, store_tile
+from keel_quantization.splitk_reduce import split_range
 
 
 @triton.jit
@@ -111,7 +110,6 @@ def _int4_gemv_fold_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_K divides K and BLOCK_N divides N: no masks in the loop
     PREFETCH: tl.constexpr,  # load each tile's words one iteration ahead (registers; the plan's num_stages 2)
-    out_ptr=None, count_ptr=None, stride_om=0, stride_on=0,  # y_ptr: y or the splits' partials (store_tile)
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -181,6 +179,6 @@ def _int4_gemv_fold_kernel(
                     x = _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN)
                     total += x * ((q - z) * s)
     out = tl.sum(total, axis=1)  # [BM, BN]
-    store_tile(out, y_ptr, offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, out_ptr,
-               offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, (offs_m < M)[:, None] & mask_n[None, :],
-               stride_ys, count_ptr)
+    y_ptr += pid_s * stride_ys
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+             out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])

@@ -151,9 +151,7 @@ def int4_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    # gemv_fold sums its own splits (store_tile: a count per output tile)
-    fold_tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm) if plan.kernel == "gemv_fold" else 0
-    dst = SplitKOutput(y, k, bk, plan.split_k, out_tiles=fold_tiles)
+    dst = SplitKOutput(y, k, bk, plan.split_k)
     args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
     gemv_grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
@@ -167,8 +165,7 @@ def int4_gemm(
 
         _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
-                                          out_ptr=y, count_ptr=dst.counts, stride_om=y.stride(0),
-                                          stride_on=y.stride(1), **plan.launch_options(), **pdl_kwargs(x))
+                                          **plan.launch_options(), **pdl_kwargs(x))
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,

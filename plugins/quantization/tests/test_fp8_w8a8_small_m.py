@@ -174,28 +174,3 @@ def test_the_activations_are_quantize_activations_bit_for_bit(activation, block)
     a_q, a_s = quantize_activations(x, activation, block, input_scale)
     want = dequant_per_token_group(a_q, a_s, gk if activation == "dynamic_group" else k, torch.float64).float()
     assert torch.equal(out, want), int((out != want).sum())
-
-
-@pytest.mark.parametrize("plan", [SmallMPlan("dot_w8a8", 16, 16, 16, split_k=3),
-                                  SmallMPlan("gemv", 4, 16, 32, split_k=2)], ids=lambda p: p.kernel)
-def test_splits_sum_in_the_gemm_launch_in_split_order(plan, monkeypatch):
-    """No second launch (`splitk_reduce`); the tile counts are back at zero for the next launch; the sum is the
-    float32 sum of the per-split products in split order (here each split's product is the unsplit GEMM of its K
-    slice: static activation and per-row weight scales multiply every split alike)."""
-    from keel_quantization import splitk_reduce
-
-    from keel.kernel_counts import kernel_counts
-
-    monkeypatch.setattr(splitk_reduce, "splitk_reduce", lambda *a: pytest.fail("a second launch"))
-    m, n, k = 3, 40, 96
-    q, s, gn, gk, _ = operands(n, k, None, 5)
-    x, scale = activations(m, k, 6), torch.tensor([0.02])
-    got = w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, "static", scale, plan=plan)
-    assert torch.equal(kernel_counts(x.device, 0), torch.zeros_like(kernel_counts(x.device, 0)))
-    step = splitk_reduce.SplitKOutput(got, k, plan.block_k, plan.split_k).k_per_split
-    want = torch.zeros(m, n)
-    for k0 in range(0, k, step):
-        one = SmallMPlan(plan.kernel, plan.block_m, plan.block_n, plan.block_k)
-        want += w8a8.fp8_w8a8_small_m_gemm(x[:, k0:k0 + step], q[:, k0:k0 + step], s, gn, step, "static", scale,
-                                           plan=one)
-    assert torch.equal(got, want)

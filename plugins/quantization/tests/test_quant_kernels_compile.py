@@ -69,9 +69,8 @@ SCRIPT = textwrap.dedent('''
     for c_dt, group_n, group_k, tiles, act in (("*fp32", 1, 4096, (1, 16, 512), 0), ("*bf16", 128, 128, (4, 8, 128), 0),
                                                ("*bf16", 1, 4096, (1, 8, 512), 1), ("*fp32", 128, 128, (1, 32, 128), 2),
                                                ("*bf16", 1, 4096, (2, 8, 512), 3)):
-        sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": c_dt, "y_ptr": "*bf16",
-               "count_ptr": "*i32", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
-               **{s: i32 for s in gemv_strides + ("stride_ym", "stride_yn")}, "static_ptr": "*fp32"}
+        sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": c_dt, "M": i32, "N": i32, "K": i32,
+               "K_PER_SPLIT": i32, **{s: i32 for s in gemv_strides}, "static_ptr": "*fp32"}
         compile_(fp8_gemv_triton._fp8_gemv_kernel, sig, {"GROUP_N": group_n, "GROUP_K": group_k,
                                                          "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
                                                          "SCALE_AFTER": group_k >= 4096, "ACT": act,
@@ -84,8 +83,7 @@ SCRIPT = textwrap.dedent('''
                                                       (0, "*bf16", 0, False, (16, 64, 128), 4),
                                                       (2, "*fp32", 128, True, (16, 64, 128), 2)):
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "static_ptr": "*fp32", "c_ptr": c_dt,
-               "y_ptr": "*bf16", "count_ptr": "*i32", "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32,
-               **{s: i32 for s in w8a8_strides + ("stride_ym", "stride_yn")}}
+               "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in w8a8_strides}}
         compile_(fp8_w8a8_small_m_triton._fp8_w8a8_small_m_kernel, sig,
                  {"ACT": act, "GROUP_N": 128 if per_tile else 1, "GROUP_K": group_k, "W_PER_TILE": per_tile,
                   "UPCAST_DOT": False, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
