@@ -66,7 +66,8 @@ CASES = {
     "llama8b-fp8-block": ("llama", LLAMA3_8B, FP8_BLOCK, True, 1.3),
     # Layer 0's dense MLP (intermediate 10944, not a multiple of the 128-row block) stays bf16, as a
     # block-FP8 checkpoint of this shape would have to leave it (vLLM refuses the split too).
-    "dsv2lite-fp8-block": ("deepseek_v2", DSV2_LITE, {**FP8_BLOCK, "ignored_layers": ["model.layers.0.mlp"]},
+    "dsv2lite-fp8-block": ("deepseek_v2", DSV2_LITE, {**FP8_BLOCK, "ignored_layers": [
+        f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]},
                            True, None),
     "llama8b-gptq": ("llama", LLAMA3_8B, GPTQ, True, 1.5),
     # fp8 weights and an fp8 KV cache, as TensorRT-LLM's published fp8 figures run: the batch-256 decode

@@ -7,7 +7,7 @@
 #   wheels    the xgrammar wheels carried in .whl/ (the device has no network) into /tmp/site; fetch them here
 #             first with benchmarks/device_wheels.sh (xgrammar alone fails there: it needs pydantic too)
 #   install   keel and every plugin, editable, no dependencies
-#   ckpt keel-dsv2 keel-llama vllm-*   see benchmarks/h200_vs_vllm.sh (vLLM needs one call per chunk)
+#   ckpt keel-dsv2 keel-llama vllm-* ref-*   see benchmarks/h200_vs_vllm.sh (vLLM needs one call per chunk)
 #   bitmask   h200_bitmask.py with the BPE vocabulary (BPE_FILE, default dev/bpe128k.json: train one with
 #             h200_bitmask.bpe_tokenizer_info, or leave it absent and the part trains it, ~1-2 min), then
 #             bitmask_gil.py (the fill thread's GIL cost to a busy loop, host only, ~20 s; with the backend's
@@ -109,7 +109,7 @@ for part in "$@"; do
   case $part in
     wheels) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
               .whl/*.whl && export PYTHONPATH=/tmp/site;;
-    install|ckpt|ckpt-*|keel-*|vllm-*|diag-*) OUT=$W bash benchmarks/h200_vs_vllm.sh "$part";;
+    install|ckpt|ckpt-*|keel-*|vllm-*|diag-*|ref-*) OUT=$W bash benchmarks/h200_vs_vllm.sh "$part";;
     swept-gptq-ckpt|swept-gptq-act-ckpt)  # keel on the GPTQ checkpoint with this call's int4-mma sweep's plans
       mkdir -p "$W/swept"; KEEL_INT4_MMA_CONFIG_DIR=$W/int4-mma OUT=$W/swept bash benchmarks/h200_vs_vllm.sh "keel-${part#swept-}";;
     profile-dsv2) timeout 100 python3 benchmarks/h200_step_profile.py --arch dsv2lite --model-dir /tmp/dsv2ckpt \

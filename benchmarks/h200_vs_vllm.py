@@ -13,6 +13,8 @@ batch-1 decode ms per output token ((t(257 tokens) - t(1 token)) / 256, best of 
 tokens of 4 round-2 prompts (`first_tokens`, from the big batch) and the same prompts alone with their top-2
 logprobs (`top2`); with both engines in one run, `greedy_divergence` names the first position each prompt's
 tokens part and both engines' top-1 minus top-2 gap there (`divergence()`: for runs in separate calls too).
+Engine `hf` is the reference for those rows: transformers on the checkpoint's weights, dequantized, the same 4
+prompts alone (`reference_rows`; `vs_reference` reads each engine's rows against it, `reference_gap()`).
 
 Same weights: with `load_format="dummy"` each engine draws its own random weights, and for an MoE model the
 router then decides how many experts a step reads. `--write-checkpoint DIR` writes one seeded random
@@ -239,10 +241,13 @@ def write_config(out: Path, arch: str, quantization: str | None = None) -> None:
 def quantization_config(arch: str, quantization: str) -> dict:
     """QUANTIZATION[quantization] for `arch`: DSV2-Lite's dense first layers' MLP (intermediate 10944, not a
     multiple of the 128-row block) stays bf16 in block fp8, as a checkpoint of this shape would have to leave it
-    (vLLM refuses the split; `h200_quant.py`'s case does the same)."""
+    (vLLM refuses the split; `h200_quant.py`'s case does the same). The modules are named one by one: vLLM
+    matches `ignored_layers` by exact module name, so "model.layers.0.mlp" alone left its down_proj quantized
+    there (and its activation quantization asserted on the 10944-wide input)."""
     cfg = dict(QUANTIZATION[quantization])
     if arch == "dsv2lite" and "weight_block_size" in cfg and DSV2_LITE["intermediate_size"] % 128:
-        cfg["ignored_layers"] = [f"model.layers.{i}.mlp" for i in range(DSV2_LITE["first_k_dense_replace"])]
+        cfg["ignored_layers"] = [f"model.layers.{i}.mlp.{p}" for i in range(DSV2_LITE["first_k_dense_replace"])
+                                 for p in ("gate_proj", "up_proj", "down_proj")]
     return cfg
 
 
@@ -364,8 +369,86 @@ def divergence(a: dict, b: dict) -> list[dict]:
     return out
 
 
+def reference_gap(row: dict, ref: dict) -> list[dict]:
+    """Per prompt of an engine's `top2` rows against the reference's (engine "hf"): the first position its greedy
+    tokens part from the reference's (None: equal throughout), the reference's top-1 minus top-2 logprob there, and
+    the largest difference of the chosen token's logprob before it."""
+    out = []
+    for ra, rb in zip(row.get("top2", []), ref.get("top2", [])):
+        i = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x[0] != y[0]), None)
+        same = ra[:i] if i is not None else ra
+        out.append({"first_difference": i,
+                    "reference_gap": None if i is None or rb[i][3] is None else round(rb[i][1] - rb[i][3], 5),
+                    "max_logprob_diff": round(max((abs(x[1] - y[1]) for x, y in zip(same, rb)), default=0.0), 5)})
+    return out
+
+
+def reference_rows(model_dir: str, ps: list[list[int]], steps: int = 8) -> dict:
+    """transformers on `model_dir`'s weights (fp8 ones dequantized: weight x its scale; activations not quantized),
+    each prompt alone, greedy `steps` tokens with the top-2 logprobs per position: the reference keel's and vLLM's
+    `top2` rows are read against (`reference_gap`). The dequantized copy is written in bf16 (transformers converts
+    the hub layout, e.g. its fused experts, only in from_pretrained) and run in float32 where the device holds it."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    raw = json.loads(Path(model_dir, "config.json").read_text())
+    q = raw.pop("quantization_config", None)
+    if q and q.get("quant_method") != "fp8":
+        raise SystemExit(f"engine hf: fp8 or unquantized checkpoints only, not {q.get('quant_method')!r}")
+    block = tuple(q["weight_block_size"]) if q and q.get("weight_block_size") else None
+    scale_suffix = "weight_scale_inv" if block else "weight_scale"
+    work = Path(tempfile.mkdtemp(prefix="hf-reference-", dir=os.environ.get("HF_REFERENCE_DIR")))
+    try:
+        (work / "config.json").write_text(json.dumps(raw))
+        weight_map, params = {}, 0
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            out = {}
+            with safe_open(str(f), "pt", device=dev) as fh:
+                for k in fh.keys():
+                    if k.endswith((".weight_scale_inv", ".weight_scale", ".input_scale")):
+                        continue
+                    t = fh.get_tensor(k)
+                    if t.dtype == torch.float8_e4m3fn:  # write_checkpoint keeps a weight's scale in its shard
+                        from keel_quantization.fp8_math import dequantize
+
+                        t = dequantize(t, fh.get_tensor(k.removesuffix("weight") + scale_suffix), block, torch.float32)
+                    out[k] = t.to(torch.bfloat16).cpu().contiguous()
+                    params += t.numel()
+            save_file(out, str(work / f.name), metadata={"format": "pt"})
+            weight_map.update({k: f.name for k in out})
+        (work / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        fits = dev == "cpu" or torch.cuda.mem_get_info()[0] > params * 4 * 1.1 + (4 << 30)
+        dtype = torch.float32 if fits else torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(str(work), dtype=dtype).to(dev).eval()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    with torch.no_grad():
+        for p in ps:
+            ids, r = torch.tensor([p], device=dev), []
+            for _ in range(steps):  # no KV cache: `steps` forwards of a short prompt
+                lp = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+                v, i = lp.topk(2)
+                r.append([int(i[0]), round(float(v[0]), 5), int(i[1]), round(float(v[1]), 5)])
+                ids = torch.cat([ids, i[:1].view(1, 1)], dim=1)
+            rows.append(r)
+    return {"engine": "hf", "quantization_applied": f"{q['quant_method']}, dequantized" if q else None,
+            "dtype": str(dtype).removeprefix("torch."), "top2": rows}
+
+
 def run_one(engine: str, model_dir: str, num_prompts: int, dummy: bool, diagnose: bool) -> None:
     load_format = "dummy" if dummy else "auto"
+    if engine == "hf":  # the reference rows only (no throughput): the same 4 prompts as the engines' `top2`
+        vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
+        t0 = time.perf_counter()
+        row = reference_rows(model_dir, prompts(num_prompts, vocab, seed=1)[:4])
+        print(json.dumps({**row, "run_s": round(time.perf_counter() - t0, 1)}), flush=True)
+        return
     t0 = time.perf_counter()
     if engine == "vllm":
         from vllm import LLM, SamplingParams
@@ -469,7 +552,8 @@ def versions(engine: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", choices=["llama8b", "dsv2lite"], default="llama8b")
-    ap.add_argument("--engines", default="keel,vllm")
+    ap.add_argument("--engines", default="keel,vllm", help="keel, vllm, hf (transformers on the checkpoint's "
+                    "weights, dequantized: the reference top-2 rows only; needs --model-dir)")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--model-dir", default=None, help="a checkpoint with weights both engines load")
     ap.add_argument("--write-checkpoint", default=None, help="write a seeded random checkpoint here first")
@@ -486,6 +570,8 @@ def main() -> None:
         run_one(a.one, a.model_dir, a.num_prompts, a.dummy, a.diagnose)
         return
     dummy = a.model_dir is None and a.write_checkpoint is None
+    if dummy and "hf" in a.engines.split(","):
+        ap.error("engine hf reads a checkpoint's weights: name --model-dir or --write-checkpoint")
     if a.write_checkpoint:
         t = time.perf_counter()
         write_checkpoint(Path(a.write_checkpoint), a.arch, quantization=a.quantization)
@@ -538,6 +624,8 @@ def main() -> None:
     eng = result["engines"]
     if "top2" in eng.get("keel", {}) and "top2" in eng.get("vllm", {}):  # a = keel, b = vLLM
         result["greedy_divergence"] = divergence(eng["keel"], eng["vllm"])
+    if "top2" in eng.get("hf", {}):
+        result["vs_reference"] = {e: reference_gap(r, eng["hf"]) for e, r in eng.items() if e != "hf" and "top2" in r}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

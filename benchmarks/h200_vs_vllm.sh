@@ -19,6 +19,8 @@
 #   ckpt-dsv2-fp8  write the seeded DSV2-Lite checkpoint in DeepSeek-V3's block-fp8 layout (/tmp/dsv2fp8; keel's
 #                  quantizer, layer 0's MLP bf16 and in ignored_layers), so both engines route alike (~16 GB)
 #   keel-dsv2-fp8-ckpt vllm-dsv2-fp8-ckpt       one engine on that checkpoint
+#   ref-dsv2-fp8-ckpt  transformers on that checkpoint's weights, dequantized (bf16 copy in /tmp, run in float32
+#                  where it fits): the reference top-2 rows both engines' `top2` are read against (~3 min)
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
 #   keel-dsv2-Q vllm-dsv2-Q                     DSV2-Lite the same way (each engine draws its own weights: routing differs)
@@ -72,6 +74,8 @@ print('dsv2lite fp8-block checkpoint written', round(time.perf_counter() - t, 1)
     keel-dsv2-fp8-ckpt|vllm-dsv2-fp8-ckpt)  # before keel-dsv2-*: the checkpoint, not dummy weights
       timeout 480 $B --arch dsv2lite --engines ${part%%-*} --model-dir $DSV2_FP8_CKPT --vllm-site $VSITE \
         --timeout 460 --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
+    ref-dsv2-fp8-ckpt) timeout 420 $B --arch dsv2lite --engines hf --model-dir $DSV2_FP8_CKPT --timeout 400 \
+        --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
     keel-gptq-ckpt|vllm-gptq-ckpt|keel-gptq-act-ckpt|vllm-gptq-act-ckpt)
       d=$(case $part in *-act-*) echo $GPTQ_ACT_CKPT;; *) echo $GPTQ_CKPT;; esac)
       timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $d --vllm-site $VSITE \
