@@ -53,6 +53,14 @@ import torch
 _here = Path(__file__).resolve().parent
 MS = (1, 2, 4, 8, 16, 32, 64)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# --shapes dsv2lite: DeepSeek-V2-Lite's dense decode projections (block fp8 quantizes them; the routed experts
+# run the fused MoE): MLA's fused q / kv_a (3072 + 576 rows), o_proj, the shared experts' gate_up and down.
+# The tables are tuned on Llama-8B's K of 4096-14336; these have K 2048-2816, where the M = 1 W8A8 plan's 8
+# splits leave 2-3 K tiles a split (its DSV2 block-fp8 batch-1 step ran 133 such launches, 1.17 of 3.89 GPU ms
+# on an H100 at 006b5ec, and the step was slower than bf16's).
+ARCH_SHAPES = {"llama8b": SHAPES,
+               "dsv2lite": {"qkv_a": (3648, 2048), "o": (2048, 2048), "shared_gate_up": (5632, 2048),
+                            "shared_down": (2048, 2816)}}
 FAMILIES = ("fp8_row", "fp8_block", "int4_g128", "fp8_row_w8a8", "fp8_block_w8a8")
 W8A8_SUFFIX = "_w8a8"
 W8A8_MS = (1, 2, 4, 8, 16, 32)  # the W8A8 small-M path serves M <= fp8_native.SMALL_M_MAX_M
@@ -314,10 +322,13 @@ def main() -> None:
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--ms", help="comma-separated M to sweep (default: all of MS / W8A8_MS)")
+    ap.add_argument("--shapes", choices=sorted(ARCH_SHAPES), default="llama8b",
+                    help="whose layer shapes (the shipped tables are Llama-8B's)")
     ap.add_argument("--print-tables", metavar="RESULT_JSON",
                     help="no GPU: print small_m_plan.TABLES for a sweep's result (this script's or h200_quant's)")
     ns = ap.parse_args()
-    global MS_SWEPT
+    global MS_SWEPT, SHAPES
+    SHAPES = ARCH_SHAPES[ns.shapes]
     MS_SWEPT = tuple(int(m) for m in ns.ms.split(",")) if ns.ms else None
     if ns.print_tables:
         r = json.loads(Path(ns.print_tables).read_text())
@@ -327,7 +338,7 @@ def main() -> None:
 
     copy_bw = _sibling("h200_llama8b").ceilings()["copy_bw_GBps"]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bw_GBps": copy_bw, **sweep(expand_families(ns.families), copy_bw, ns.budget_s)}
+              "copy_bw_GBps": copy_bw, "shapes": ns.shapes, **sweep(expand_families(ns.families), copy_bw, ns.budget_s)}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=1, default=float))
     print(json.dumps(result["best_per_bucket"], indent=1, default=float))

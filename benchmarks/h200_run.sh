@@ -36,7 +36,7 @@
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150;
-#             SMALLM_MS: only these M, e.g. 1,2)
+#             SMALLM_MS: only these M, e.g. 1,2; SMALLM_SHAPES=dsv2lite: DeepSeek-V2-Lite's dense projections)
 #   quant     h200_quant.py's engine cases (QUANT_CASES; QUANT_INT4_MIN_M: int4's dequantize + cuBLAS threshold;
 #             QUANT_TAG: a suffix for its files, to run it twice in a call); QUANT_PLANS=$W/h200-quant-small-m.json: with the plans
 #             of a small-m part run before it in the same call, over the shipped tables
@@ -180,7 +180,7 @@ for part in "$@"; do
                 >"$W/kv-write.log" 2>&1; tail -n 20 "$W/kv-write.log" | cut -c1-400;;
     small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
                --families ${SMALLM_FAMILIES:-fp8_row fp8_block int4_g128} --budget-s "${SMALLM_BUDGET_S:-150}" \
-               $([ -n "${SMALLM_MS:-}" ] && echo --ms "$SMALLM_MS") \
+               $([ -n "${SMALLM_MS:-}" ] && echo --ms "$SMALLM_MS") --shapes "${SMALLM_SHAPES:-llama8b}" \
                --out "$W/h200-quant-small-m.json" >"$W/small-m.log" 2>&1; tail -n 30 "$W/small-m.log" | cut -c1-400;;
     moe-w2) timeout $(( ${MOE_BUDGET_S:-75} + 90 )) python3 benchmarks/h200_moe_decode_sweep.py --focus w2 \
               --budget-s "${MOE_BUDGET_S:-75}" --out "$W/moe-w2" >"$W/moe-w2.log" 2>&1
