@@ -58,6 +58,15 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line under each pointer (no value; the pointers must be valid). Called before
+    `pdl_enter` on a GEMM's weight only -- no kernel of the step writes it -- so its first DRAM reads run
+    while the previous kernel finishes (how much: `keel.weight_prefetch`)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of a kernel: wait for the previous kernel's writes, then let the next one launch."""
     if PDL:

@@ -55,6 +55,16 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line under each pointer (no value, no fault semantics to honour: the pointers
+    must still be valid). Called before `pdl_enter` on a GEMM's weights only -- they are not written by the
+    kernel this launch overlaps -- so the weight's first DRAM reads run while the previous kernel finishes
+    (how much: `keel.weight_prefetch`)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of a kernel: wait for the previous kernel's writes, then let the next one launch."""
     if PDL:
