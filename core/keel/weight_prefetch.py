@@ -15,6 +15,10 @@ from __future__ import annotations
 # Weight bytes a program asks for before the wait: the start of its K range, all of it where the range is
 # shorter (Llama-8B's fp8 W8A8 programs at batch 1 cover 64 rows x 1024 inputs: 64 KB).
 WEIGHT_PREFETCH_BYTES = 64 << 10
+# Programs (in launch order: program id 0 fastest) that prefetch: those that can be resident while the previous
+# kernel runs. Later ones start after the wait has long returned, where a prefetch would only double their own
+# loads' requests (a batch-1 gate_up GEMM has 1792 programs; an H200 holds a few per SM of 132).
+WEIGHT_PREFETCH_PROGRAMS = 1024
 
 
 def weight_prefetch_k(pdl: dict, k_per_split: int, bytes_per_input: float, granule: int) -> int:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from keel.weight_prefetch import WEIGHT_PREFETCH_PROGRAMS
+
 # KEEL_QUANT_PDL=0 turns it off for a process (to measure the difference); anything but unset, 0 or 1 is
 # refused, so a misspelt value never measures the wrong thing
 _ENV = os.environ.get("KEEL_QUANT_PDL", "1").strip()
@@ -54,14 +56,19 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {}
 
 
+_PREFETCH_PROGRAMS = tl.constexpr(WEIGHT_PREFETCH_PROGRAMS)  # a jitted function reads constexpr globals only
+
+
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte line under each pointer (no value, no fault semantics to honour: the pointers
     must still be valid). Called before `pdl_enter` on a GEMM's weights only -- they are not written by the
     kernel this launch overlaps -- so the weight's first DRAM reads run while the previous kernel finishes
     (how much: `keel.weight_prefetch`)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    if program < _PREFETCH_PROGRAMS:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
