@@ -48,11 +48,14 @@ def candidates(n: int, k: int, smoke: bool) -> list[dict]:
         return [{"block_n": 8, "block_k": 32, "splits": s, "num_warps": 4} for s in (1, 2)]
     out = []
     # HBM wants ~32 KB in flight per SM (bandwidth x latency / SMs): wide tiles, or several programs an SM
-    for bn, bk, splits, warps in itertools.product((4, 8, 16, 32), (256, 512), (1, 2, 4, 8), (4, 8)):
+    for bn, bk, splits, warps, ahead in itertools.product((4, 8, 16, 32), (256, 512), (1, 2, 4, 8), (4, 8),
+                                                          (False, True)):
         programs = -(-n // bn) * splits
         if splits > 1 and (k // splits < 512 or programs > 4096):
             continue  # a slice of under 512 inputs, or far more programs than the SMs hold at once
-        out.append({"block_n": bn, "block_k": bk, "splits": splits, "num_warps": warps})
+        if ahead and (splits > 2 or bn * bk > 8192):
+            continue  # a tile ahead doubles the registers it holds: long slices of moderate tiles only
+        out.append({"block_n": bn, "block_k": bk, "splits": splits, "num_warps": warps, "ahead": ahead})
     return out
 
 

@@ -53,6 +53,7 @@ class LinearPlan:
     block_k: int
     splits: int = 1
     num_warps: int = 4
+    ahead: bool = False  # load each weight tile one K step ahead (registers): twice the bytes in flight
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_m <= MAX_M:
@@ -100,6 +101,7 @@ def _linear_gemv_kernel(
     PARTIALS: tl.constexpr, HAS_BIAS: tl.constexpr,  # PARTIALS: K is split (one compile for any count)
     PDL: tl.constexpr = False,
     PREFETCH_K: tl.constexpr = 0,  # with PDL: the first inputs of each weight row asked of L2 before the wait
+    AHEAD: tl.constexpr = False,  # the next K step's weight tile loads before this one's multiply-adds
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -120,11 +122,20 @@ def _linear_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if AHEAD:  # the first tile; each step then loads the next before using this one (past k_end: masked, 0)
+        nxt = tl.load(w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :],
+                      mask=mask_n[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < k_end
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)  # [BN, BK]
+        if AHEAD:
+            w = nxt.to(tl.float32)  # [BN, BK]
+            kn = k + BLOCK_K
+            nxt = tl.load(w_ptr + rows[:, None] * stride_wn + kn[None, :], mask=mask_n[:, None] & (kn < k_end)[None, :],
+                          other=0.0)
+        else:
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                        other=0.0).to(tl.float32)  # [BN, BK]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0).to(tl.float32)  # [BM, BK]
         if BLOCK_M == 1:
@@ -181,7 +192,8 @@ def linear_small_m(
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
         PARTIALS=splits > 1, HAS_BIAS=bias is not None, num_warps=plan.num_warps,
-        PREFETCH_K=weight_prefetch_k(pdl, k_per_split, plan.block_n * weight.element_size(), 64), **pdl,
+        PREFETCH_K=weight_prefetch_k(pdl, k_per_split, plan.block_n * weight.element_size(), 64),
+        AHEAD=plan.ahead, **pdl,
     )
     if splits > 1:
         moe_sum(dest.unsqueeze(2), out)  # [splits, M, 1, N] -> [M, N], slice order, rounded once

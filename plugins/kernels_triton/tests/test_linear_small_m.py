@@ -50,6 +50,17 @@ def test_matches_float64_reference(interpret, m, splits, dtype):
     _check(L.linear_small_m(x, w, b, plan), x, w, b)
 
 
+@pytest.mark.parametrize("m, splits", [(1, 1), (3, 3), (8, 2)])
+def test_tiles_loaded_a_step_ahead_give_the_same_numbers(interpret, m, splits):
+    """`ahead`: the next K step's weight tile loads before this one's multiply-adds, the last one masked past
+    the slice (300 inputs: a partial last tile), bit for bit the plain loop's sums."""
+    x, w, b = _inputs(m, 37, 300, torch.bfloat16, seed=7 + m, bias=True)
+    plain = L.linear_small_m(x, w, b, L.LinearPlan(max_m=8, block_n=16, block_k=64, splits=splits))
+    ahead = L.linear_small_m(x, w, b, L.LinearPlan(max_m=8, block_n=16, block_k=64, splits=splits, ahead=True))
+    _check(ahead, x, w, b)
+    assert torch.equal(plain, ahead)
+
+
 def test_strided_rows_and_refusals(interpret):
     x, w, b = _inputs(4, 20, 128, torch.bfloat16, seed=1)
     wide = torch.cat([x, x], dim=1)[:, 128:]  # row stride 256
@@ -117,13 +128,15 @@ def test_compiles_for_sm90():
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
                "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
                "stride_om": "i32"}
-        names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PARTIALS", "HAS_BIAS", "PDL", "PREFETCH_K")
-        for bm, bn, bk, partials, bias, prefetch in ((1, 16, 256, False, False, 2048), (2, 16, 128, True, True, 0),
-                                                     (8, 8, 64, False, True, 64), (1, 32, 512, True, False, 1024)):
+        names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PARTIALS", "HAS_BIAS", "PDL", "PREFETCH_K", "AHEAD")
+        for bm, bn, bk, partials, bias, prefetch, ahead in ((1, 16, 256, False, False, 2048, True),
+                                                            (2, 16, 128, True, True, 0, False),
+                                                            (8, 8, 64, False, True, 64, True),
+                                                            (1, 32, 512, True, False, 1024, False)):
             s = {**sig, **{k: "constexpr" for k in names}}
             if partials:
                 s["out_ptr"] = "*fp32"
-            consts = dict(zip(names, (bm, bn, bk, partials, bias, True, prefetch)))
+            consts = dict(zip(names, (bm, bn, bk, partials, bias, True, prefetch, ahead)))
             out = triton.compile(ASTSource(fn=L._jitted(False), signature=s, constexprs=consts),
                                  target=GPUTarget("cuda", 90, 32))
             assert "cubin" in out.asm
