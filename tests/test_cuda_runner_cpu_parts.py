@@ -473,3 +473,44 @@ def test_ngram_engine_through_the_graph_runner_equals_non_speculative(tmp_path):
     assert tokens == base
     torch.testing.assert_close(torch.tensor(lp), torch.tensor(base_lp), atol=1e-4, rtol=0)
     assert runner.cuda_graphs.replays_by_query_len[4] > 0
+
+
+class _Capturer:
+    """A stand-in capturer (GraphCaptureSpec.capturer names it): records the batch sizes it was given."""
+
+    sizes: list = []
+
+    def __init__(self, model, builders, layer_builder, kv_caches, device, block_size, sizes, max_model_len):
+        _Capturer.sizes = list(sizes)
+
+    def capture(self):
+        pass
+
+
+def _capture(max_num_seqs, batch_sizes, caplog):
+    import types
+
+    from keel.platform import GraphCaptureSpec
+    from keel.worker.model_runner import ModelRunner
+
+    runner = types.SimpleNamespace(pipeline=None, dp_lockstep=False, attn_layers=[], model=None, _builders=None,
+                                   _layer_builder=None, kv_caches=[], device="cpu", block_size=16,
+                                   num_speculative_tokens=0, proposer=None)
+    spec = GraphCaptureSpec(supported=True, batch_sizes=batch_sizes, capturer=f"{__name__}:_Capturer")
+    with caplog.at_level("WARNING", logger="keel.worker"):
+        assert ModelRunner.capture_cuda_graphs(runner, spec, max_num_seqs, 64)
+    return _Capturer.sizes
+
+
+def test_graphs_cover_max_num_seqs_or_say_where_they_stop(caplog):
+    """The buckets up to max_num_seqs are captured (to 1024 on CUDA); decode steps above the largest run eagerly,
+    and startup says which (a throughput cliff under load is not left to be found in a profile)."""
+    from keel_platform_cuda.platform import CAPTURE_SIZES
+
+    for seqs in (1, 256, 512, 1024):  # the harness's 256, and vLLM's largest default bucket and past it
+        assert _capture(seqs, CAPTURE_SIZES, caplog)[-1] == seqs and not caplog.records
+    assert _capture(250, CAPTURE_SIZES, caplog)[-1] == 240
+    assert "decode steps of 241-250 requests run eagerly" in caplog.text
+    caplog.clear()
+    assert _capture(2048, CAPTURE_SIZES, caplog)[-1] == 1024
+    assert "1025-2048 requests run eagerly" in caplog.text

@@ -172,7 +172,14 @@ class ModelRunner:
         if refusing:
             logger.info("decode CUDA graphs off: attention backend(s) %s cannot be captured", refusing)
             return False
+        # Buckets up to max_num_seqs only: a padded batch never holds more rows than the engine sized for. Where
+        # max_num_seqs is not a bucket, the decode steps above the largest one run eagerly; startup says so, once,
+        # rather than leaving a throughput cliff under load to be found in a profile.
         sizes = [b for b in spec.batch_sizes if b <= max_num_seqs] or [min(spec.batch_sizes)]
+        if max_num_seqs > sizes[-1]:
+            logger.warning("decode CUDA graphs cover batches up to %d of max_num_seqs %d: decode steps of %d-%d "
+                           "requests run eagerly (a max_num_seqs among the platform's buckets avoids it)",
+                           sizes[-1], max_num_seqs, sizes[-1] + 1, max_num_seqs)
         module, _, attr = spec.capturer.partition(":")
         capturer = getattr(importlib.import_module(module), attr)
         from keel.worker.cuda_graph import graph_query_lens
