@@ -555,6 +555,9 @@ def main() -> None:
     ap.add_argument("--engines", default="keel,vllm", help="keel, vllm, hf (transformers on the checkpoint's "
                     "weights, dequantized: the reference top-2 rows only; needs --model-dir)")
     ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=LIMITS["max_num_seqs"],
+                    help="both engines' max_num_seqs (default: issue 11's 256; larger batches for issue 12's fp8 "
+                         "throughput, recorded in the result's limits)")
     ap.add_argument("--model-dir", default=None, help="a checkpoint with weights both engines load")
     ap.add_argument("--write-checkpoint", default=None, help="write a seeded random checkpoint here first")
     ap.add_argument("--vllm-site", default=None, help="PYTHONPATH for the vLLM process only")
@@ -566,6 +569,7 @@ def main() -> None:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    LIMITS["max_num_seqs"] = a.max_num_seqs
     if a.one:
         run_one(a.one, a.model_dir, a.num_prompts, a.dummy, a.diagnose)
         return
@@ -595,7 +599,8 @@ def main() -> None:
             if a.vllm_site:
                 env["PYTHONPATH"] = a.vllm_site
         cmd = [sys.executable, __file__, "--one", engine, "--model-dir", model_dir,
-               "--num-prompts", str(a.num_prompts)] + (["--dummy"] if dummy else []) + \
+               "--num-prompts", str(a.num_prompts), "--max-num-seqs", str(a.max_num_seqs)] + \
+              (["--dummy"] if dummy else []) + \
               (["--diagnose"] if a.diagnose else [])
         t = time.perf_counter()
         try:

@@ -30,7 +30,7 @@ set -u
 OUT=${OUT:-/tmp/keel-h200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-B="python3 benchmarks/h200_vs_vllm.py"
+B="python3 benchmarks/h200_vs_vllm.py --max-num-seqs ${MAX_NUM_SEQS:-256}"  # MAX_NUM_SEQS: both engines' (default issue 11's)
 VSITE=/tmp/vsite
 CKPT=/tmp/dsv2ckpt
 GPTQ_CKPT=/tmp/llamagptq
