@@ -15,7 +15,9 @@ then 128 decode steps of 256 requests. Floors per step:
 - decode at batch 256: GEMM time (the larger of its FLOPs at the M-256 GEMM rate and its weight bytes at
   copy bandwidth) plus attention's KV bytes at copy bandwidth (separate kernels: the two do not overlap).
   Routed experts: every expert is read at batch 256 (1536 picks over 64 experts leave none idle).
-Also Llama-8B in fp8 (issue 12's 30,000 out tok/s), with a bf16 and with an fp8 KV cache.
+Also Llama-8B in fp8 (issue 12's 30,000 out tok/s), with a bf16 and with an fp8 KV cache. `--max-num-seqs 1024`
+(`throughput-floor-seqs1024.json`): the same workload with every request decoding at once, at the GEMM rates
+measured at M = 1024 -- the batch TensorRT-LLM's published figure runs at, not issue 11's harness.
 Attention FLOPs of 128-token prompts, norms and rope are left out (under 3% of a prefill step).
 """
 
@@ -66,12 +68,19 @@ def measured_rates() -> dict:
         flops = [2 * m * r["n"] * r["k"] for r in sel]
         return sum(flops) / sum(f / r[f"{path}_TFLOPS"] for f, r in zip(flops, sel, strict=True))
 
-    return {"copy_GBps": llama["copy_bw_GBps"], "matmul_8192cubed_TFLOPs": llama["bf16_matmul_TFLOPs"],
-            "gemm_M8192_TFLOPs": rate(8192, "bf16_cublas"), "gemm_M256_TFLOPs": rate(256, "bf16_cublas"),
-            # fp8 weights and activations, the faster of cuBLAS's row-wise and block-scaled GEMMs
-            "fp8_gemm_M8192_TFLOPs": max(rate(8192, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block")),
-            "fp8_gemm_M256_TFLOPs": max(rate(256, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block")),
-            "gemm_file": Path(gemm_file).name}
+    out = {"copy_GBps": llama["copy_bw_GBps"], "matmul_8192cubed_TFLOPs": llama["bf16_matmul_TFLOPs"],
+           "gemm_M8192_TFLOPs": rate(8192, "bf16_cublas"), "gemm_M256_TFLOPs": rate(256, "bf16_cublas"),
+           # fp8 weights and activations, the faster of cuBLAS's row-wise and block-scaled GEMMs
+           "fp8_gemm_M8192_TFLOPs": max(rate(8192, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block")),
+           "fp8_gemm_M256_TFLOPs": max(rate(256, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block")),
+           "gemm_file": Path(gemm_file).name}
+    if SEQS not in (256, 8192):  # --max-num-seqs: the decode GEMMs' rate at that M, where the file measured it
+        if not any(r["m"] == SEQS for r in rows):
+            raise SystemExit(f"--max-num-seqs {SEQS}: {Path(gemm_file).name} measured M in "
+                             f"{sorted({r['m'] for r in rows})} only")
+        out[f"gemm_M{SEQS}_TFLOPs"] = rate(SEQS, "bf16_cublas")
+        out[f"fp8_gemm_M{SEQS}_TFLOPs"] = max(rate(SEQS, p) for p in ("fp8_rowwise_scaled_mm", "cublas_block"))
+    return out
 
 
 def floor(shape: dict, rates: dict, ctx_tokens: float, fp8: bool = False, fp8_kv: bool = False) -> dict:
@@ -79,11 +88,12 @@ def floor(shape: dict, rates: dict, ctx_tokens: float, fp8: bool = False, fp8_kv
     bw = rates["copy_GBps"] * 1e9
     pre = "fp8_" if fp8 else ""
     prefill_ms = 2 * BATCHED * shape["prefill_params"] / (rates[f"{pre}gemm_M8192_TFLOPs"] * 1e12) * 1e3
-    gemm_ms = max(2 * SEQS * shape["decode_params"] / (rates[f"{pre}gemm_M256_TFLOPs"] * 1e12),
+    batch = min(SEQS, NUM_PROMPTS)  # requests decoding together (all of them when max_num_seqs holds them)
+    gemm_ms = max(2 * batch * shape["decode_params"] / (rates[f"{pre}gemm_M{SEQS}_TFLOPs"] * 1e12),
                   (1 if fp8 else 2) * shape["decode_weight_params"] / bw) * 1e3
-    attn_ms = SEQS * ctx_tokens * shape["kv_bytes_per_token"] / (2 if fp8_kv else 1) / bw * 1e3
-    waves = NUM_PROMPTS / SEQS
-    prefill_steps = math.ceil(SEQS * PROMPT / BATCHED)
+    attn_ms = batch * ctx_tokens * shape["kv_bytes_per_token"] / (2 if fp8_kv else 1) / bw * 1e3
+    waves = NUM_PROMPTS / batch
+    prefill_steps = math.ceil(batch * PROMPT / BATCHED)
     total_s = waves * (prefill_steps * prefill_ms + OUTPUT * (gemm_ms + attn_ms)) / 1e3
     return {"prefill_step_ms": prefill_ms, "decode_step_ms": gemm_ms + attn_ms, "decode_gemm_ms": gemm_ms,
             "decode_attention_ms": attn_ms, "workload_s": total_s, "out_tok_s": NUM_PROMPTS * OUTPUT / total_s}
@@ -103,16 +113,22 @@ def keel_steps(arch: str, f: dict) -> dict:
 
 
 def main() -> None:
+    global SEQS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(RESULTS / "throughput-floor.json"))
+    ap.add_argument("--max-num-seqs", type=int, default=SEQS,
+                    help="requests decoding together (an M the GEMM file measured, e.g. 1024: issue 12's fp8 target "
+                         "beside TensorRT-LLM's large-batch figure); keel's measured steps only at 256")
     ns = ap.parse_args()
+    SEQS = ns.max_num_seqs
     rates = measured_rates()
     out = {"workload": {"num_prompts": NUM_PROMPTS, "prompt": PROMPT, "output": OUTPUT, "max_num_seqs": SEQS,
                         "max_num_batched_tokens": BATCHED}, "rates": rates, "models": {}}
     # mean context of a decoding request over its 128 steps: the prompt plus half the output
     for name, shape in (("llama8b", llama_shape()), ("dsv2lite", dsv2lite_shape())):
         f = floor(shape, rates, PROMPT + OUTPUT / 2)
-        f["keel_measured_steps"] = keel_steps(name, f)
+        if SEQS == 256:  # the profiles ran batch-256 decode steps
+            f["keel_measured_steps"] = keel_steps(name, f)
         out["models"][name] = f
         print(name, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()}))
     # issue 12's fp8 target (30,000 out tok/s) on the same workload
