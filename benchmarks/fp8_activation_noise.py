@@ -34,23 +34,10 @@ def shape(experts: int) -> dict:
     return dict(vs.DSV2_LITE, n_routed_experts=experts, num_experts_per_tok=min(2, experts), n_shared_experts=1)
 
 
-def write(out: Path, cfg: dict, shard_bytes: int = 2 << 30) -> None:
-    import torch
-    from safetensors.torch import save_file
-
+def write(out: Path, cfg: dict) -> None:
+    """`h200_vs_vllm.write_checkpoint`'s block-fp8 DSV2-Lite checkpoint at `cfg`'s shape, drawn on the CPU."""
     vs.DSV2_LITE = cfg
-    vs.write_config(out, "dsv2lite", "fp8-block")
-    ignored = tuple(json.loads((out / "config.json").read_text())["quantization_config"]["ignored_layers"])
-    gen, shard, index, n = torch.Generator().manual_seed(0), {}, {}, 0
-    for name, shp in vs.hub_tensors_dsv2(cfg):
-        shard.update(vs.checkpoint_tensors(name, shp, gen, "fp8-block", {}, ignored))
-        if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
-            save_file(shard, str(out / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
-            index.update({k: f"model-{n:05d}.safetensors" for k in shard})
-            shard, n = {}, n + 1
-    save_file(shard, str(out / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
-    index.update({k: f"model-{n:05d}.safetensors" for k in shard})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    vs.write_checkpoint(out, "dsv2lite", quantization="fp8-block", shard_bytes=2 << 30, device="cpu")
 
 
 def run(mode: str, model_dir: str, steps: int) -> dict:

@@ -166,11 +166,12 @@ def checkpoint_tensors(name: str, shape: tuple[int, ...], gen, quantization: str
 
 
 def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 << 30,
-                     quantization: str | None = None) -> None:
+                     quantization: str | None = None, device: str = "cuda") -> None:
     """Seeded random weights (norms 1, matrices N(0, 1/fan_in), like keel's dummy init), bf16 shards; with
     quantization "gptq" / "gptq-act" (Llama-8B only) the projections in GPTQ's layout (`gptq_tensors`; -act:
     desc_act's shuffled groups), "fp8-block" (DSV2-Lite only: its routing then is the same in both engines) in
-    DeepSeek-V3's block-fp8 layout."""
+    DeepSeek-V3's block-fp8 layout. `device`: where the draws are made (the CPU's generator draws other
+    numbers than the GPU's for the same seed)."""
     import torch
     from safetensors.torch import save_file
 
@@ -180,7 +181,7 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
                          "models compare fine on dummy weights)")
     write_config(out, arch, quantization)
     ignored = tuple(quantization_config(arch, quantization).get("ignored_layers", ())) if quantization else ()
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     shard, size, index, n = {}, 0, {}, 0
     g_idx_of: dict = {}  # shared_input(name) -> the g_idx its first projection drew
 
@@ -201,7 +202,8 @@ def write_checkpoint(out: Path, arch: str, seed: int = 0, shard_bytes: int = 4 <
             flush()
     flush()
     del gen
-    torch.cuda.empty_cache()  # the engines' processes measure free device memory at start
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engines' processes measure free device memory at start
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
@@ -357,15 +359,24 @@ def top2(completion) -> list[list]:
     return rows
 
 
+def _first_difference(ra: list, rb: list) -> int | None:
+    """The first position two `top2` rows' greedy tokens part (None: equal throughout)."""
+    return next((j for j, (x, y) in enumerate(zip(ra, rb)) if x[0] != y[0]), None)
+
+
+def _gap(r: list, i: int | None) -> float | None:
+    """A `top2` row's top-1 minus top-2 logprob at position i (None where there is no position or runner-up)."""
+    return None if i is None or r[i][3] is None else round(r[i][1] - r[i][3], 5)
+
+
 def divergence(a: dict, b: dict) -> list[dict]:
     """Per prompt of two engines' `top2` rows: the first position their greedy tokens part (None: equal
     throughout) and each engine's top-1 minus top-2 logprob there -- a gap of ~1e-3 or less on either side is a
     near-tie that summation order decides, not a wrong kernel."""
     out = []
     for ra, rb in zip(a.get("top2", []), b.get("top2", [])):
-        i = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x[0] != y[0]), None)
-        gap = lambda r: None if i is None or r[i][3] is None else round(r[i][1] - r[i][3], 5)  # noqa: E731
-        out.append({"first_difference": i, "gap_a": gap(ra), "gap_b": gap(rb)})
+        i = _first_difference(ra, rb)
+        out.append({"first_difference": i, "gap_a": _gap(ra, i), "gap_b": _gap(rb, i)})
     return out
 
 
@@ -375,10 +386,9 @@ def reference_gap(row: dict, ref: dict) -> list[dict]:
     the largest difference of the chosen token's logprob before it."""
     out = []
     for ra, rb in zip(row.get("top2", []), ref.get("top2", [])):
-        i = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x[0] != y[0]), None)
+        i = _first_difference(ra, rb)
         same = ra[:i] if i is not None else ra
-        out.append({"first_difference": i,
-                    "reference_gap": None if i is None or rb[i][3] is None else round(rb[i][1] - rb[i][3], 5),
+        out.append({"first_difference": i, "reference_gap": _gap(rb, i),
                     "max_logprob_diff": round(max((abs(x[1] - y[1]) for x, y in zip(same, rb)), default=0.0), 5)})
     return out
 
