@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
-from keel_quantization.pdl import pdl_enter, prefetch_l2
+from keel_quantization.pdl import pdl_enter, prefetch_weight_rows
 from keel_quantization.splitk_reduce import split_range
 
 
@@ -49,8 +49,7 @@ def _fp8_gemv_kernel(
     mask_n = offs_n < N
     k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
     if PDL and PREFETCH_K > 0:  # the weight is not the previous kernel's output: fetch it while that one ends
-        lines = tl.minimum(k_start + tl.arange(0, PREFETCH_K // 128) * 128, k_end - 1)  # a 128-byte line each
-        prefetch_l2(b_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_bn + lines[None, :] * stride_bk)
+        prefetch_weight_rows(b_ptr, offs_n, N, stride_bn, stride_bk, k_start, k_end, PREFETCH_K)
     pdl_enter(PDL)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M 1: [1], broadcast over K
     offs_k = tl.arange(0, BLOCK_K)

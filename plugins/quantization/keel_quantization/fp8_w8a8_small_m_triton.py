@@ -31,7 +31,7 @@ import triton.language as tl
 
 from keel.weight_prefetch import weight_prefetch_k
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
-from keel_quantization.pdl import pdl_enter, pdl_kwargs, prefetch_l2
+from keel_quantization.pdl import pdl_enter, pdl_kwargs, prefetch_weight_rows
 from keel_quantization.small_m_plan import SmallMPlan, w8a8_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
@@ -86,8 +86,7 @@ def _fp8_w8a8_small_m_kernel(
     mask_n = offs_n < N
     k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
     if PDL and PREFETCH_K > 0:  # the weight is not the previous kernel's output: fetch it while that one ends
-        lines = tl.minimum(k_start + tl.arange(0, PREFETCH_K // 128) * 128, k_end - 1)  # a 128-byte line each
-        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + lines[None, :] * stride_wk)
+        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, stride_wk, k_start, k_end, PREFETCH_K)
     pdl_enter(PDL)
     offs_q = tl.program_id(2) * BLOCK_M + tl.arange(0, QUANT_ROWS)  # [QR] the tokens that exist (and a few)
     mask_q = offs_q < M

@@ -72,6 +72,14 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
+def prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, stride_wk, k_start, k_end, PREFETCH_K: tl.constexpr):
+    """prefetch_l2 over the first PREFETCH_K inputs of an fp8 weight's rows offs_n in [k_start, k_end): one
+    128-byte line (128 inputs) a prefetch, rows and inputs clamped into the weight."""
+    lines = tl.minimum(k_start + tl.arange(0, PREFETCH_K // 128) * 128, k_end - 1)
+    prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + lines[None, :] * stride_wk)
+
+
+@triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of a kernel: wait for the previous kernel's writes, then let the next one launch."""
     if PDL:

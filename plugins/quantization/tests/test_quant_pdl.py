@@ -31,9 +31,9 @@ MODULES = (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_trito
            int4_gemv_fold_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
 
-# What a kernel may do before its wait: index arithmetic, and prefetch_l2 on its weight (a model parameter:
+# What a kernel may do before its wait: index arithmetic, and L2 prefetches of its weight (a model parameter:
 # no kernel of the step writes it, so there is nothing to wait for)
-PRE_WAIT_CALLS = {"program_id", "arange", "minimum", "split_range", "prefetch_l2"}
+PRE_WAIT_CALLS = {"program_id", "arange", "minimum", "split_range", "prefetch_l2", "prefetch_weight_rows"}
 WEIGHT_POINTERS = {"w_ptr", "b_ptr", "qw_ptr"}
 
 
