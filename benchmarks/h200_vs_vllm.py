@@ -568,6 +568,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=LIMITS["max_num_seqs"],
                     help="both engines' max_num_seqs (default: issue 11's 256; larger batches for issue 12's fp8 "
                          "throughput, recorded in the result's limits)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="both engines' KV cache dtype (fp8: e4m3, unit scales; recorded in the result's limits)")
     ap.add_argument("--model-dir", default=None, help="a checkpoint with weights both engines load")
     ap.add_argument("--write-checkpoint", default=None, help="write a seeded random checkpoint here first")
     ap.add_argument("--vllm-site", default=None, help="PYTHONPATH for the vLLM process only")
@@ -580,6 +582,8 @@ def main() -> None:
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     LIMITS["max_num_seqs"] = a.max_num_seqs
+    if a.kv_cache_dtype != "auto":  # only when asked, so earlier result files' limits read the same
+        LIMITS["kv_cache_dtype"] = a.kv_cache_dtype
     if a.one:
         run_one(a.one, a.model_dir, a.num_prompts, a.dummy, a.diagnose)
         return
@@ -609,7 +613,8 @@ def main() -> None:
             if a.vllm_site:
                 env["PYTHONPATH"] = a.vllm_site
         cmd = [sys.executable, __file__, "--one", engine, "--model-dir", model_dir,
-               "--num-prompts", str(a.num_prompts), "--max-num-seqs", str(a.max_num_seqs)] + \
+               "--num-prompts", str(a.num_prompts), "--max-num-seqs", str(a.max_num_seqs),
+               "--kv-cache-dtype", a.kv_cache_dtype] + \
               (["--dummy"] if dummy else []) + \
               (["--diagnose"] if a.diagnose else [])
         t = time.perf_counter()

@@ -30,7 +30,8 @@ set -u
 OUT=${OUT:-/tmp/keel-h200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-B="python3 benchmarks/h200_vs_vllm.py --max-num-seqs ${MAX_NUM_SEQS:-256}"  # MAX_NUM_SEQS: both engines' (default issue 11's)
+# MAX_NUM_SEQS: both engines' (default issue 11's); KV_CACHE_DTYPE: both engines' (auto, fp8)
+B="python3 benchmarks/h200_vs_vllm.py --max-num-seqs ${MAX_NUM_SEQS:-256} --kv-cache-dtype ${KV_CACHE_DTYPE:-auto}"
 VSITE=/tmp/vsite
 CKPT=/tmp/dsv2ckpt
 GPTQ_CKPT=/tmp/llamagptq
