@@ -32,9 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.weight_prefetch import weight_prefetch_k
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
-from keel_kernels_triton.pdl import pdl_enter, pdl_kwargs, prefetch_l2
+from keel_kernels_triton.pdl import pdl_enter, pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
 logger = logging.getLogger(__name__)
@@ -100,23 +99,19 @@ def _linear_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIALS: tl.constexpr, HAS_BIAS: tl.constexpr,  # PARTIALS: K is split (one compile for any count)
     PDL: tl.constexpr = False,
-    PREFETCH_K: tl.constexpr = 0,  # with PDL: the first inputs of each weight row asked of L2 before the wait
     AHEAD: tl.constexpr = False,  # the next K step's weight tile loads before this one's multiply-adds
 ):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if PDL and PREFETCH_K > 0:  # the weight is not the previous kernel's output: fetch it while that one ends
-        lines = tl.minimum(k_start + tl.arange(0, PREFETCH_K // 64) * 64, k_end - 1)  # 64 16-bit inputs a line
-        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + lines[None, :])
     pdl_enter(PDL)
     # Reductions through tl.reduce with the standard combine (not tl.sum): see fused_moe/routing.py.
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     rows = tl.where(mask_n, offs_n, 0).to(tl.int64)
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -186,14 +181,12 @@ def linear_small_m(
     block_m = max(1, triton.next_power_of_2(m))
     # BLOCK_M rows share the registers one row's [BLOCK_N, BLOCK_K] accumulator takes: K steps shrink with M
     block_k = max(16, plan.block_k // block_m)
-    pdl = pdl_kwargs(dest)
     _jitted(interpreter_enabled())[grid](
         x, weight, bias if bias is not None else weight, dest, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
-        PARTIALS=splits > 1, HAS_BIAS=bias is not None, num_warps=plan.num_warps,
-        PREFETCH_K=weight_prefetch_k(pdl, k_per_split, plan.block_n * weight.element_size(), 64),
-        AHEAD=plan.ahead, **pdl,
+        PARTIALS=splits > 1, HAS_BIAS=bias is not None, num_warps=plan.num_warps, AHEAD=plan.ahead,
+        **pdl_kwargs(dest),
     )
     if splits > 1:
         moe_sum(dest.unsqueeze(2), out)  # [splits, M, 1, N] -> [M, N], slice order, rounded once

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.weight_prefetch import WEIGHT_PREFETCH_PROGRAMS
 from keel_kernels_triton.support import interpreter_enabled
 
 ENABLED = True
@@ -56,20 +55,6 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel whose tensors live on `t`'s device: PDL on where `launch_pdl` says, else
     none (the kernel's `PDL` defaults to False)."""
     return {"PDL": True, "launch_pdl": True} if launch_pdl(t.device) else {}
-
-
-_PREFETCH_PROGRAMS = tl.constexpr(WEIGHT_PREFETCH_PROGRAMS)  # a jitted function reads constexpr globals only
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line under each pointer (no value; the pointers must be valid). Called before
-    `pdl_enter` on a GEMM's weight only -- no kernel of the step writes it -- so its first DRAM reads run
-    while the previous kernel finishes (how much: `keel.weight_prefetch`)."""
-    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    if program < _PREFETCH_PROGRAMS:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit

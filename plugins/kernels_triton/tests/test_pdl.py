@@ -1,6 +1,6 @@
 """Programmatic dependent launch (keel_kernels_triton.pdl): a kernel launched with it may run before the
 kernel ahead of it has finished, so every kernel that takes `PDL` must wait before its first load or store
-(checked here on the source: before the wait only index arithmetic and L2 prefetches of its weight); and the launch keywords are PDL only on CUDA
+(checked here on the source: its first statement is the wait); and the launch keywords are PDL only on CUDA
 sm_90+, with the module switch on, outside the interpreter."""
 
 from __future__ import annotations
@@ -16,35 +16,15 @@ from keel_kernels_triton.fused_moe import align, grouped_gemm, moe_sum, router_g
 MODULES = (kernels, linear_small_m, align, grouped_gemm, moe_sum, router_gemm, routing)
 
 
-# Before its wait a kernel may do index arithmetic and prefetch_l2 on its weight (a model parameter: no kernel
-# of the step writes it, so there is nothing to wait for)
-PRE_WAIT_CALLS = {"program_id", "arange", "minimum", "to", "prefetch_l2"}
-WEIGHT_POINTERS = {"w_ptr"}
-
-
-def _is_wait(stmt: ast.stmt) -> bool:
-    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # pdl_enter(PDL)
-        return getattr(stmt.value.func, "id", None) == "pdl_enter"
-    if isinstance(stmt, ast.If) and getattr(stmt.test, "id", None) == "PDL":  # if PDL: gdc_wait() ...
-        call = getattr(stmt.body[0], "value", None)
-        return isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "gdc_wait"
-    return False
-
-
 def _waits_first(fn: ast.FunctionDef) -> bool:
     body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
-    waits = [i for i, stmt in enumerate(body) if _is_wait(stmt)]
-    if not waits:
-        return False
-    pointers = {a.arg for a in fn.args.args if a.arg.endswith("_ptr")}
-    for stmt in body[:waits[0]]:
-        for sub in ast.walk(stmt):
-            if isinstance(sub, ast.Call) and (getattr(sub.func, "attr", None) or getattr(sub.func, "id", None)) \
-                    not in PRE_WAIT_CALLS:
-                return False
-            if isinstance(sub, ast.Name) and sub.id in pointers and sub.id not in WEIGHT_POINTERS:
-                return False
-    return True
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Call):  # pdl_enter(PDL)
+        return getattr(first.value.func, "id", None) == "pdl_enter"
+    if isinstance(first, ast.If) and getattr(first.test, "id", None) == "PDL":  # if PDL: gdc_wait() ...
+        call = first.body[0].value
+        return isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "gdc_wait"
+    return False
 
 
 def test_every_pdl_kernel_waits_before_touching_memory():

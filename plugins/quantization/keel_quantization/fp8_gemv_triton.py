@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
-from keel_quantization.pdl import pdl_enter, prefetch_weight_rows
+from keel_quantization.pdl import pdl_enter
 from keel_quantization.splitk_reduce import split_range
 
 
@@ -41,19 +41,16 @@ def _fp8_gemv_kernel(
     ACT: tl.constexpr = 0,  # 0 weight-only; activations quantized: 1 per token, 2 per token and group, 3 static
     AMAX_K: tl.constexpr = 1,  # inputs a row per load of the per-token amax prologue (ACT 1)
     PDL: tl.constexpr = False,
-    PREFETCH_K: tl.constexpr = 0,  # with PDL: the first inputs of each weight row asked of L2 before the wait
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
-    if PDL and PREFETCH_K > 0:  # the weight is not the previous kernel's output: fetch it while that one ends
-        prefetch_weight_rows(b_ptr, offs_n, N, stride_bn, stride_bk, k_start, k_end, PREFETCH_K)
-    pdl_enter(PDL)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M 1: [1], broadcast over K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
     if ACT == 1:  # the whole row's amax, whatever this program's split: the scale quant_fp8 takes
         offs_a = tl.arange(0, AMAX_K)
         amax = tl.zeros((BLOCK_M, AMAX_K), dtype=tl.float32)

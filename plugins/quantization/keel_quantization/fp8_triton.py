@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.weight_prefetch import weight_prefetch_k
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, fp8_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
@@ -135,12 +134,11 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
             raise ValueError("fp8_gemm: the gemv kernel is weight-only (no activation scales)")
         from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
 
-        pdl = pdl_kwargs(a)
         _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
             a, b_q, b_s, dst.buf, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0), b_q.stride(1),
             b_s.stride(0), b_s.stride(1), scs, scm, scn,
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
-            PREFETCH_K=weight_prefetch_k(pdl, dst.k_per_split, bn, 128), **options, **pdl)
+            **options, **pdl_kwargs(a))
         return dst.finish()
     has_a_scale = a_s is not None
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE

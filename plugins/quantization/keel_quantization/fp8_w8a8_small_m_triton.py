@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.weight_prefetch import weight_prefetch_k
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
-from keel_quantization.pdl import pdl_enter, pdl_kwargs, prefetch_weight_rows
+from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, w8a8_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
@@ -78,19 +77,16 @@ def _fp8_w8a8_small_m_kernel(
     AMAX_K: tl.constexpr,  # inputs a row per load of the per-token amax prologue (ACT 1)
     PROMOTE_K: tl.constexpr,  # the fp8 MMA's sums move to float32 every PROMOTE_K inputs (<= BLOCK_K)
     PDL: tl.constexpr = False,
-    PREFETCH_K: tl.constexpr = 0,  # with PDL: the first inputs of each weight row asked of L2 before the wait
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
-    if PDL and PREFETCH_K > 0:  # the weight is not the previous kernel's output: fetch it while that one ends
-        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, stride_wk, k_start, k_end, PREFETCH_K)
-    pdl_enter(PDL)
     offs_q = tl.program_id(2) * BLOCK_M + tl.arange(0, QUANT_ROWS)  # [QR] the tokens that exist (and a few)
     mask_q = offs_q < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
     if ACT == 0:
         a_s = tl.load(static_ptr + offs_q * 0).to(tl.float32)  # [QR], the one static scale
     elif ACT == 1:  # the whole row's amax, whatever this program's split: the scale quant_fp8 takes
@@ -188,7 +184,6 @@ def fp8_w8a8_small_m_gemm(
     # the prologue's chunk: ~4096 elements a load (32 a thread at 4 warps), K's whole row where it fits
     amax_k = max(bk, min(triton.next_power_of_2(k), AMAX_ELEMENTS // quant_rows))
     static = input_scale.float().reshape(1) if act == 0 else w_s  # unread unless static
-    pdl = pdl_kwargs(x)
     if plan.kernel == "gemv":  # no MMA: the weight-only GEMV's loop on the quantized activations
         from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
 
@@ -197,8 +192,7 @@ def fp8_w8a8_small_m_gemm(
             x, w_q, w_s, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1), w_q.stride(0),
             w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn, GROUP_N=group_n, GROUP_K=group_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=not w_per_tile, static_ptr=static,
-            ACT=GEMV_ACT[act], AMAX_K=amax_k, PREFETCH_K=weight_prefetch_k(pdl, dst.k_per_split, bn, 128),
-            **plan.launch_options(), **pdl)
+            ACT=GEMV_ACT[act], AMAX_K=amax_k, **plan.launch_options(), **pdl_kwargs(x))
         return dst.finish()
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = x.device.type == "cpu" or bk < 32
@@ -207,6 +201,5 @@ def fp8_w8a8_small_m_gemm(
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn,
         ACT=act, GROUP_N=group_n, GROUP_K=group_k if act == 2 or w_per_tile else 0, W_PER_TILE=w_per_tile,
         UPCAST_DOT=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QUANT_ROWS=quant_rows, AMAX_K=amax_k,
-        PROMOTE_K=min(PROMOTE_K, bk), PREFETCH_K=weight_prefetch_k(pdl, dst.k_per_split, bn, 128),
-        **plan.launch_options(), **pdl)
+        PROMOTE_K=min(PROMOTE_K, bk), **plan.launch_options(), **pdl_kwargs(x))
     return dst.finish()

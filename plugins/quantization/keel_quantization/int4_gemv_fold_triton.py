@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from keel_quantization.pdl import pdl_enter, prefetch_l2
+from keel_quantization.pdl import pdl_enter
 from keel_quantization.splitk_reduce import split_range
 
 
@@ -111,19 +111,14 @@ def _int4_gemv_fold_kernel(
     EVEN: tl.constexpr,  # BLOCK_K divides K and BLOCK_N divides N: no masks in the loop
     PREFETCH: tl.constexpr,  # load each tile's words one iteration ahead (registers; the plan's num_stages 2)
     PDL: tl.constexpr = False,
-    PREFETCH_K: tl.constexpr = 0,  # with PDL: the first inputs' word rows asked of L2 before the wait
 ):
-    pid_s = tl.program_id(1)
-    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
-    if PDL and PREFETCH_K > 0:  # the weight is not the previous kernel's output: fetch it while that one ends
-        word_rows = tl.minimum(k_start // 8 + tl.arange(0, PREFETCH_K // 8), k_end // 8 - 1)
-        cols = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, (BLOCK_N + 31) // 32) * 32, N - 1)  # 128 B each
-        prefetch_l2(qw_ptr + word_rows[:, None] * stride_qk + cols[None, :] * stride_qn)
     pdl_enter(PDL)
+    pid_s = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_m, M - 1)  # [BM] rows past M read row M - 1: no mask per load
     mask_n = offs_n < N
+    k_start, k_end = split_range(pid_s, K, K_PER_SPLIT)
     # the exponents as values the compiler cannot fold (K_PER_SPLIT > 0, so the shift is 0): a mask-or
     # then takes its mask as the immediate and the exponent from a register held across the loop --
     # with both immediates ptxas re-materializes a constant register before ~every LOP3 (sm_90 SASS)

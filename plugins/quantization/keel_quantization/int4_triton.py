@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.weight_prefetch import weight_prefetch_k
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, int4_plan
 from keel_quantization.splitk_reduce import SplitKOutput, split_range
@@ -164,11 +163,9 @@ def int4_gemm(
     elif plan.kernel == "gemv_fold":
         from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
 
-        pdl = pdl_kwargs(x)
         _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
-                                          PREFETCH_K=weight_prefetch_k(pdl, dst.k_per_split, bn / 2, 8),
-                                          **plan.launch_options(), **pdl)
+                                          **plan.launch_options(), **pdl_kwargs(x))
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
             *args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=x.dtype == torch.float32,

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from keel.weight_prefetch import WEIGHT_PREFETCH_PROGRAMS
-
 # KEEL_QUANT_PDL=0 turns it off for a process (to measure the difference); anything but unset, 0 or 1 is
 # refused, so a misspelt value never measures the wrong thing
 _ENV = os.environ.get("KEEL_QUANT_PDL", "1").strip()
@@ -54,29 +52,6 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
         return {}
     on = _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"PDL": True, "launch_pdl": True} if on else {}
-
-
-_PREFETCH_PROGRAMS = tl.constexpr(WEIGHT_PREFETCH_PROGRAMS)  # a jitted function reads constexpr globals only
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line under each pointer (no value, no fault semantics to honour: the pointers
-    must still be valid). Called before `pdl_enter` on a GEMM's weights only -- they are not written by the
-    kernel this launch overlaps -- so the weight's first DRAM reads run while the previous kernel finishes
-    (how much: `keel.weight_prefetch`)."""
-    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    if program < _PREFETCH_PROGRAMS:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, stride_wk, k_start, k_end, PREFETCH_K: tl.constexpr):
-    """prefetch_l2 over the first PREFETCH_K inputs of an fp8 weight's rows offs_n in [k_start, k_end): one
-    128-byte line (128 inputs) a prefetch, rows and inputs clamped into the weight."""
-    lines = tl.minimum(k_start + tl.arange(0, PREFETCH_K // 128) * 128, k_end - 1)
-    prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + lines[None, :] * stride_wk)
 
 
 @triton.jit

@@ -27,12 +27,9 @@ SCRIPT = textwrap.dedent('''
     def compile_(fn, sig, consts, **options):
         if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
             consts = {**consts, "PDL": True}
-        if "PREFETCH_K" in fn.arg_names:  # every argument is named (a default left out fails to lower)
-            consts = {"PREFETCH_K": 0, **consts}
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
         assert "cubin" in out.asm
-        return out
 
     i32 = "i32"
     for dt, statics in (("*bf16", (False, True)), ("*fp32", (False,))):
@@ -126,34 +123,6 @@ SCRIPT = textwrap.dedent('''
     half = {**sig, "x_ptr": "*fp16", "s_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}
     compile_(int4_triton._int4_gemm_kernel, half, {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
                                                    "DOT_F32": False, "MAGIC": 0x6400, "OFFSET": 1024.0})
-    # with PDL, the decode GEMVs ask L2 for their weight before the wait (PREFETCH_K inputs a row)
-    def prefetches_before_the_wait(out):
-        ptx = out.asm["ptx"]
-        assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "no weight prefetch before the wait"
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "static_ptr": "*fp32", "c_ptr": "*fp32",
-           "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in w8a8_strides}}
-    prefetches_before_the_wait(compile_(
-        fp8_w8a8_small_m_triton._fp8_w8a8_small_m_kernel, sig,
-        {"ACT": 2, "GROUP_N": 128, "GROUP_K": 128, "W_PER_TILE": True, "UPCAST_DOT": False, "BLOCK_M": 16,
-         "BLOCK_N": 64, "BLOCK_K": 128, "QUANT_ROWS": 1, "AMAX_K": 4096, "PROMOTE_K": 32, "PREFETCH_K": 1024},
-        num_stages=4))
-    sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "M": i32, "N": i32, "K": i32,
-           "K_PER_SPLIT": i32, **{s: i32 for s in gemv_strides}, "static_ptr": "*fp32"}
-    prefetches_before_the_wait(compile_(
-        fp8_gemv_triton._fp8_gemv_kernel, sig,
-        {"GROUP_N": 1, "GROUP_K": 4096, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SCALE_AFTER": True, "ACT": 0,
-         "AMAX_K": 4096, "PREFETCH_K": 4096}))
-    from keel_quantization import int4_gemv_fold_triton
-    sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
-           "y_ptr": "*bf16", "N": i32, "K": i32, "K_PER_SPLIT": i32,
-           **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn",
-                               "stride_ys", "stride_ym", "stride_yn")}}
-    for bn in (16, 128):  # one 128-byte column of words a row, and four
-        prefetches_before_the_wait(compile_(
-            int4_gemv_fold_triton._int4_gemv_fold_kernel, sig,
-            {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": 1024 if bn == 16 else 128, "EVEN": True,
-             "PREFETCH": False, "PREFETCH_K": 4096}))
     print("compiled")
 ''')
 

@@ -1,8 +1,8 @@
 """Programmatic dependent launch for the quantization kernels (keel_quantization.pdl): every kernel that
-takes `PDL` waits before its first load or store (checked on the source: before `pdl_enter(PDL)` only index
-arithmetic and L2 prefetches of the weight, which no earlier kernel writes); the launch keywords are PDL only
-with the module switch on (on by default, KEEL_QUANT_PDL=0 turns it off), on CUDA sm_90+, outside the
-interpreter."""
+takes `PDL` waits before its first load or store (its first statement is `pdl_enter(PDL)`, checked on the
+source); the launch keywords are PDL only with the module switch on (on by default,
+KEEL_QUANT_PDL=0 turns it off), on CUDA
+sm_90+, outside the interpreter."""
 
 from __future__ import annotations
 
@@ -31,17 +31,6 @@ MODULES = (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_trito
            int4_gemv_fold_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
 
-# What a kernel may do before its wait: index arithmetic, and L2 prefetches of its weight (a model parameter:
-# no kernel of the step writes it, so there is nothing to wait for)
-PRE_WAIT_CALLS = {"program_id", "arange", "minimum", "split_range", "prefetch_l2", "prefetch_weight_rows"}
-WEIGHT_POINTERS = {"w_ptr", "b_ptr", "qw_ptr"}
-
-
-def _is_pdl_enter(stmt: ast.stmt) -> bool:
-    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-            and getattr(stmt.value.func, "id", None) == "pdl_enter")
-
-
 def test_every_pdl_kernel_waits_before_touching_memory():
     seen = []
     for module in MODULES:
@@ -51,16 +40,9 @@ def test_every_pdl_kernel_waits_before_touching_memory():
                 body = node.body
                 if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                     body = body[1:]  # the docstring
-                waits = [i for i, stmt in enumerate(body) if _is_pdl_enter(stmt)]
-                assert waits, f"{node.name}: no pdl_enter at its top level"
-                pointers = {a.arg for a in node.args.args if a.arg.endswith("_ptr")}
-                for stmt in body[:waits[0]]:
-                    for sub in ast.walk(stmt):
-                        if isinstance(sub, ast.Call):
-                            name = getattr(sub.func, "attr", None) or getattr(sub.func, "id", None)
-                            assert name in PRE_WAIT_CALLS, f"{node.name}: {name}() before pdl_enter"
-                        if isinstance(sub, ast.Name) and sub.id in pointers:
-                            assert sub.id in WEIGHT_POINTERS, f"{node.name}: {sub.id} read before pdl_enter"
+                first = body[0]
+                assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                        and getattr(first.value.func, "id", None) == "pdl_enter"), node.name
     assert {"_fp8_gemv_kernel", "_quant_fp8_kernel", "_quant_fp8_row_loop_kernel", "_fp8_gemm_kernel",
             "_fp8_w8a8_small_m_kernel", "_int4_dequant_kernel", "_int4_gemv_fold_kernel", "_int4_gemv_kernel",
             "_int4_gemm_kernel", "_splitk_reduce_kernel"} <= set(seen)
