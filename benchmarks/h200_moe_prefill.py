@@ -131,6 +131,8 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
         shipped = out[f"w13_ms_even_k_{False}"] + min(out[f"w2_fused_ms_even_k_{False}"],
                                                      out.get("w2_unfused_best_plus_act_ms", float("inf")))
         out["pair_ms"] = {"shipped": round(shipped, 4), "epilogue": round(best_epi + plain_w2["ms"], 4)}
+        out["epilogue_pair_tiles"] = {"w13": min((u for u in epilogue if "ms" in u), key=lambda u: u["ms"])["tile"],
+                                      "w2": plain_w2["tile"]}
     a13 = torch.randn(rows, h, device=device, dtype=dtype, generator=gen)
     b13 = torch.randn(h, 2 * inter, device=device, dtype=dtype, generator=gen)
     b2 = torch.randn(inter, h, device=device, dtype=dtype, generator=gen)
@@ -141,11 +143,37 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
     return out
 
 
+def write_configs(results: list[dict], shape: dict, device_name: str, folder: Path) -> dict[str, list[int]]:
+    """Copies of this device's shipped w13 / w2 tile files into `folder` (a KEEL_MOE_TILE_CONFIG_DIR for the engine
+    A/B), with the epilogue pair's tiles at each token count where the pair beat the shipped path. Returns
+    {file name: token counts changed}. Both tiles share the token count's BLOCK_SIZE_M (the sorted rows are padded
+    to it), since the sweep keeps the shipped w13 tile's."""
+    from keel_kernels_triton.fused_moe.tile_config import (CONFIG_DIR, MoETileConfig, config_file_name,
+                                                           read_tile_config_file, write_tile_config_file)
+
+    e, h, inter = shape["e"], shape["h"], shape["inter"]
+    folder.mkdir(parents=True, exist_ok=True)
+    changed: dict[str, list[int]] = {}
+    for which, n, k in (("w13", 2 * inter, h), ("w2", h, inter)):
+        name = config_file_name(e, n, k, device_name)
+        configs = read_tile_config_file(CONFIG_DIR / name) if (CONFIG_DIR / name).exists() else {}
+        for r in results:
+            pair = r.get("pair_ms")
+            if pair and pair["epilogue"] < pair["shipped"]:
+                configs[r["tokens"]] = MoETileConfig.from_json(r["epilogue_pair_tiles"][which])
+                changed.setdefault(name, []).append(r["tokens"])
+        write_tile_config_file(folder / name, configs)
+    return changed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreted, tiny shapes")
+    ap.add_argument("--write-configs", default=None, metavar="DIR",
+                    help="this device's shipped tile files with the epilogue pair's tiles where it won, into DIR "
+                         "(KEEL_MOE_TILE_CONFIG_DIR for an engine A/B before they replace the shipped entries)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -165,6 +193,10 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
         "commit": os.environ.get("KEEL_COMMIT", "unknown")}
+    if a.write_configs:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        doc["configs_written"] = write_configs(results, shape, name, Path(a.write_configs))
+        print(json.dumps({"configs_written": doc["configs_written"]}), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1))
     if a.smoke:

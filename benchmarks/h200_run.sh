@@ -59,7 +59,10 @@
 #   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line, e.g.
 #             AB_SETS=$'ab-splitk|llama8b|1,256|--quantization-case llama8b-fp8-tensor\nab-dsv2|dsv2lite||--quantization-case dsv2lite-fp8-block'
 #   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (1024-8192 tokens) against dense cuBLAS,
-#             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size)
+#             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size);
+#             the shipped tile files with the epilogue pair's tiles where it won, into $W/moe-prefill-configs
+#   moe-prefill-ab  (after moe-prefill) DSV2-Lite's step profile with the shipped tiles, then with those: the
+#             8192-token prefill step and the batch-256 step, before the new entries replace the shipped ones
 #   host-dsv2 host-llama  h200_step_profile.py --host-prefill (dummy weights, batch 1): the prefill step's CPU vs wall
 #             time, each engine.step's wall in it and a cProfile top list (DSV2-Lite's prefill wall ran ~35 ms past
 #             its GPU time on the H200 at d646db6, Llama-8B's ~0; the MLA tile tables' torch CPU ops, numpy since 3adf255)
@@ -101,7 +104,7 @@ profile_ab() {
 }
 for part in "$@"; do
   start=$(date +%s)
-  case $part in keel-*|diag*|swept-*|profile-*|host-*|quant|spec|bitmask|gc)
+  case $part in keel-*|diag*|swept-*|profile-*|host-*|quant|spec|bitmask|gc|moe-prefill-ab)
     [ -n "$xgrammar_ok" ] || { python3 -c 'import xgrammar' 2>/dev/null && xgrammar_ok=1; }
     [ -n "$xgrammar_ok" ] || { echo "== $part: skipped: xgrammar does not import (carry .whl, run part wheels first)"
                                continue; };;
@@ -217,8 +220,19 @@ for part in "$@"; do
       while IFS='|' read -r d a b x; do
         [ -n "$d" ] && profile_ab "$d" "$a" "${b:-1,256}" "$x" "-$(basename "$d")-$a"
       done <<<"${AB_SETS:-}";;
-    moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" >"$W/moe-prefill.log" 2>&1
-                 grep -o '"tokens": [0-9]*\|"pair_ms": {[^}]*}' "$W/moe-prefill.log" | paste -sd' ';;
+    moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" \
+                   --write-configs "$W/moe-prefill-configs" >"$W/moe-prefill.log" 2>&1
+                 grep -o '"tokens": [0-9]*\|"pair_ms": {[^}]*}\|"configs_written": {[^}]*}' "$W/moe-prefill.log" | paste -sd' ';;
+    moe-prefill-ab)  # after moe-prefill: the DSV2-Lite step profile (8192-token prefill step, batch-256 decode) with
+      # the shipped tiles, then with the epilogue pair's where it won ($W/moe-prefill-configs searched first)
+      for t in shipped epilogue; do
+        KEEL_MOE_TILE_CONFIG_DIR=$([ $t = epilogue ] && echo "$W/moe-prefill-configs") timeout 110 python3 \
+          benchmarks/h200_step_profile.py --arch dsv2lite --batch 256 --mixed "" \
+          --out "$W/step-profile-dsv2lite-moe-prefill-$t.json" >"$W/moe-prefill-ab-$t.log" 2>&1
+        echo "$t: $(python3 -c "import json; d = json.load(open('$W/step-profile-dsv2lite-moe-prefill-$t.json'))
+print('prefill wall', d['prefill']['wall_ms_median'], 'gpu', round(d['prefill']['total_gpu_ms'], 2),
+      'b256', d['decode'][0]['step_wall_ms_median'])" 2>&1 | tail -1)"
+      done;;
     host-dsv2|host-llama) arch=$([ $part = host-dsv2 ] && echo dsv2lite || echo llama8b)
                   timeout 150 python3 benchmarks/h200_step_profile.py --arch $arch --batch 1 --mixed "" --host-prefill \
                     --out "$W/h200-step-profile-host-$arch.json" >"$W/$part.log" 2>&1; tail -c 600 "$W/$part.log";;
