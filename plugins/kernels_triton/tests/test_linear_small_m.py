@@ -89,8 +89,10 @@ def test_op_binds_only_where_a_plan_exists(interpret, tmp_path, monkeypatch):
         assert "linear_small_m" not in bind_custom_ops(model, registry, "cpu", torch.bfloat16)  # no plan file
         _plan_file(tmp_path, [(24, 64)])
         L.load_plans.cache_clear()
-        for layer in model:
+        for layer in model:  # the layers allocate their parameters with torch.empty: garbage, NaN at times
             torch.nn.init.normal_(layer.weight, std=0.1)
+            if layer.bias is not None:
+                torch.nn.init.normal_(layer.bias, std=0.1)
             layer.bound_ops = {}
         assert bind_custom_ops(model, registry, "cpu", torch.bfloat16).get("linear_small_m") == 1
         first, second = model
