@@ -25,9 +25,9 @@ import random
 import sys
 from pathlib import Path
 
-_here = Path(__file__).resolve().parent
-RESULTS = _here / "results"
-NUM_PROMPTS, PROMPT, OUTPUT, SEQS, BATCHED = 1000, 128, 128, 256, 8192
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the workload, as the floors describe it (one definition of the harness's numbers)
+from throughput_floor import BATCHED, NUM_PROMPTS, OUTPUT, PROMPT, RESULTS, SEQS  # noqa: E402
 
 # name -> the step profile, its prefill figure (wall where the host was hidden, else GPU time), the harness's
 # keel and vLLM rounds (out tok/s) from a session near the profile's commit, the target ratio, and the model
@@ -100,13 +100,14 @@ def main() -> None:
     steps = census()
     pure = [b for b, p in steps if not p]
     with_prefill = [(b, p) for b, p in steps if p]
+    prefill_steps = sum(p for _, p in with_prefill) / BATCHED  # the prompt tokens in 8192-token steps' worth
     out = {"workload": {"num_prompts": NUM_PROMPTS, "prompt": PROMPT, "output": OUTPUT, "max_num_seqs": SEQS,
                         "max_num_batched_tokens": BATCHED},
            "census": {"steps": len(steps), "decode_steps": len(pure),
                       "decode_steps_at_256": sum(1 for b in pure if b == SEQS),
                       "decode_steps_under_224": sum(1 for b in pure if b < 224),
                       "steps_with_prefill": len(with_prefill),
-                      "prefill_tokens": sum(p for _, p in with_prefill),
+                      "prefill_tokens": round(prefill_steps * BATCHED),
                       "ideal_steps": -(-NUM_PROMPTS // SEQS) * OUTPUT},
            "cases": {}}
     print(json.dumps(out["census"]))
@@ -119,11 +120,9 @@ def main() -> None:
         prof = json.loads((RESULTS / c["profile"]).read_text())
         prof = prof.get("new", prof)  # an A/B file: its "new" side
         walls = {d["batch"]: d["step_wall_ms_median"] for d in prof["decode"]}
-        b1 = walls.get(1, walls[min(walls)])  # Llama's profile has 64 and 256: the line through them
-        lo = 1 if 1 in walls else min(walls)
-        b256 = walls[256]
-        if lo != 1:  # extend the line through (lo, wall) and (256, wall) down to batch 1
-            b1 = walls[lo] - (b256 - walls[lo]) * (lo - 1) / (256 - lo)
+        lo, b256 = min(walls), walls[256]
+        # the line through the smallest batch's wall and batch 256's, at batch 1 (Llama's profile has 64 and 256)
+        b1 = walls[lo] - (b256 - walls[lo]) * (lo - 1) / (256 - lo)
         prefill = prof["prefill"][c["prefill"]]
         p = price(steps, b1, b256, prefill)
         predicted = gen / p["round_s"]
@@ -132,7 +131,7 @@ def main() -> None:
         # seconds are scaled by the measured / priced ratio, so the step times asked for are the engine's walls
         calib = max(c["keel"]) / predicted
         target_s = gen / target * calib
-        share_prefill = prefill * sum(pp for _, pp in with_prefill) / BATCHED / 1e3  # the prefill tokens' seconds
+        share_prefill = prefill * prefill_steps / 1e3  # the prefill tokens' seconds
 
         def decode_needed(prefill_s: float) -> float:
             """The batch-256 decode wall the target asks for (batch-1 wall kept) beside `prefill_s` of prefill."""
@@ -148,7 +147,7 @@ def main() -> None:
                "target": f"{c['target']}x vLLM's faster round, {round(target)} out tok/s, {round(target_s, 2)} s",
                "b256_decode_ms_needed_prefill_as_measured": round(decode_needed(share_prefill), 2)}
         if fl:
-            floor_prefill_s = fl["prefill_step_ms"] * sum(pp for _, pp in with_prefill) / BATCHED / 1e3
+            floor_prefill_s = fl["prefill_step_ms"] * prefill_steps / 1e3
             row.update({"b256_decode_ms_needed_prefill_at_floor": round(decode_needed(floor_prefill_s), 2),
                         "b256_decode_floor_ms": round(fl["decode_step_ms"], 2),
                         "prefill_8192_floor_ms": round(fl["prefill_step_ms"], 2)})
