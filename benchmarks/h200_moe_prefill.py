@@ -52,16 +52,6 @@ def _events_ms(fn) -> float:
     return (time.perf_counter() - t) * 1000
 
 
-def _timed(cfg, flops: float, fn) -> dict:
-    """One tile's row: its time and rate, or the error of a tile the device cannot hold (shared memory) --
-    recorded, not fatal."""
-    try:
-        ms = _events_ms(fn)
-    except Exception as exc:
-        return {"tile": cfg.to_json(), "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-    return {"tile": cfg.to_json(), "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
-
-
 def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int, top_k: int) -> dict:
     from keel_kernels_triton.fused_moe.align import moe_align_block_size
     from keel_kernels_triton.fused_moe.grouped_gemm import invoke_fused_moe_kernel
@@ -109,7 +99,12 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
     for cfg in candidates:
         if cfg.block_m != c13.block_m:
             continue
-        unfused.append(_timed(cfg, flops2, lambda: invoke_fused_moe_kernel(act, w2, down, weights, *s13, 1, cfg)))
+        try:
+            ms = _events_ms(lambda: invoke_fused_moe_kernel(act, w2, down, weights, *s13, 1, cfg))
+        except Exception as exc:  # a tile the device cannot hold (shared memory): recorded, not fatal
+            unfused.append({"tile": cfg.to_json(), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        unfused.append({"tile": cfg.to_json(), "ms": round(ms, 4), "tflops": tflops(flops2, ms)})
     out["w2_unfused"] = unfused
     best = min((u["ms"] for u in unfused if "ms" in u), default=None)
     if best is not None:
@@ -123,8 +118,12 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
                                 (64, 128, 8, 3, 8, False), (64, 64, 4, 4, 8, True), (128, 64, 8, 3, 8, True)):
         cfg = MoETileConfig(c13.block_m, n, k, w, st, 1, g, weight_tma=tma and device == "cuda",
                             act_epilogue=True)
-        epilogue.append(_timed(cfg, flops13, lambda: invoke_fused_moe_kernel(x, w13, act, None, *s13, top_k, cfg,
-                                                                             gated=True)))
+        try:
+            ms = _events_ms(lambda: invoke_fused_moe_kernel(x, w13, act, None, *s13, top_k, cfg, gated=True))
+        except Exception as exc:  # a tile the device cannot hold: recorded, not fatal
+            epilogue.append({"tile": cfg.to_json(), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        epilogue.append({"tile": cfg.to_json(), "ms": round(ms, 4), "tflops": tflops(flops13, ms)})
     out["w13_epilogue"] = epilogue
     best_epi = min((u for u in epilogue if "ms" in u), key=lambda u: u["ms"], default=None)
     if best_epi is not None and plain_w2 is not None:
@@ -133,12 +132,6 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
                                                      out.get("w2_unfused_best_plus_act_ms", float("inf")))
         out["pair_ms"] = {"shipped": round(shipped, 4), "epilogue": round(best_epi["ms"] + plain_w2["ms"], 4)}
         out["epilogue_pair_tiles"] = {"w13": best_epi["tile"], "w2": plain_w2["tile"]}
-    if best_epi is not None and plain_w2 is not None:
-        out.update(_sorted_pair(x, w13, w2, weights, ids, e, top_k, MoETileConfig.from_json(best_epi["tile"]),
-                                [MoETileConfig.from_json(u["tile"]) for u in unfused if "ms" in u], flops13, flops2,
-                                device))
-        if "sorted_pair_ms" in out:
-            out["pair_ms"]["sorted"] = out.pop("sorted_pair_ms")
     a13 = torch.randn(rows, h, device=device, dtype=dtype, generator=gen)
     b13 = torch.randn(h, 2 * inter, device=device, dtype=dtype, generator=gen)
     b2 = torch.randn(inter, h, device=device, dtype=dtype, generator=gen)
@@ -149,57 +142,11 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
     return out
 
 
-def _sorted_pair(x, w13, w2, weights, ids, e: int, top_k: int, epi, plain_tiles: list, flops13: float,
-                 flops2: float, device: str) -> dict:
-    """The epilogue pair with its activation rows in sorted order (SORTED_A): w13 storing silu(gate) * up at the
-    sorted positions, on the token-ordered hidden rows or on a copy gathered into sorted order first (the
-    gather timed with it), then the down GEMM reading that order through a TMA descriptor, for the plain
-    down GEMM's tiles with and without TMA weights. Prediction (2026-12-07, before any run): on an H100 at
-    8192 tokens the w13 GEMM ran at 434 TFLOPS and the down GEMM at 369 against cuBLAS's 760 / 685 on the
-    same FLOPs; TMA activation tiles lift each to ~450-550, the pair -0.15 to -0.35 ms a layer of ~1.96."""
-    import dataclasses
-
-    from keel_kernels_triton.fused_moe.align import moe_align_block_size
-    from keel_kernels_triton.fused_moe.grouped_gemm import invoke_fused_moe_kernel
-
-    tokens, rows = x.shape[0], ids.numel()
-    s13 = moe_align_block_size(ids, e, epi.block_m)
-    sorted_ids = s13[0]
-    act = torch.empty(sorted_ids.numel(), w2.shape[2], device=x.device, dtype=x.dtype)
-    down = torch.empty(rows, w2.shape[1], device=x.device, dtype=x.dtype)
-    out: dict = {}
-    w13_rows = []
-    for gather in (False, True):
-        cfg = dataclasses.replace(epi, sorted_a=gather)
-
-        def w13_call(cfg=cfg, gather=gather):
-            a = x.index_select(0, torch.clamp(sorted_ids // top_k, max=tokens - 1)) if gather else x
-            invoke_fused_moe_kernel(a, w13, act, None, *s13, top_k, cfg, gated=True, sorted_c=True, pairs=rows)
-        w13_rows.append({**_timed(cfg, flops13, w13_call), "gathered": gather})
-    out["w13_sorted_c"] = w13_rows
-    w2_rows = []
-    seen = set()
-    for base in plain_tiles:
-        for tma in (False, True):
-            cfg = dataclasses.replace(base, sorted_a=True, weight_tma=tma and device == "cuda", fused_act=True)
-            if cfg in seen or cfg.block_m != epi.block_m or max(cfg.block_n, cfg.block_k) > 256:
-                continue
-            seen.add(cfg)
-            w2_rows.append(_timed(cfg, flops2, lambda: invoke_fused_moe_kernel(act, w2, down, weights, *s13, 1, cfg)))
-    out["w2_sorted_a"] = w2_rows
-    best13 = min((r for r in w13_rows if "ms" in r), key=lambda r: r["ms"], default=None)
-    best2 = min((r for r in w2_rows if "ms" in r), key=lambda r: r["ms"], default=None)
-    if best13 is not None and best2 is not None:
-        out["sorted_pair_ms"] = round(best13["ms"] + best2["ms"], 4)
-        out["sorted_pair_tiles"] = {"w13": best13["tile"], "w2": best2["tile"]}
-    return out
-
-
 def write_configs(results: list[dict], shape: dict, device_name: str, folder: Path) -> dict[str, list[int]]:
     """Copies of this device's shipped w13 / w2 tile files into `folder` (a KEEL_MOE_TILE_CONFIG_DIR for the engine
-    A/B), with the tiles of the fastest pair (epilogue or sorted) at each token count where it beat the shipped
-    path. Returns {file name: token counts changed}. Both tiles share the token count's BLOCK_SIZE_M (the sorted
-    rows are padded to it), since the sweep keeps the shipped w13 tile's."""
+    A/B), with the epilogue pair's tiles at each token count where the pair beat the shipped path. Returns
+    {file name: token counts changed}. Both tiles share the token count's BLOCK_SIZE_M (the sorted rows are padded
+    to it), since the sweep keeps the shipped w13 tile's."""
     from keel_kernels_triton.fused_moe.tile_config import (CONFIG_DIR, MoETileConfig, config_file_name,
                                                            read_tile_config_file, write_tile_config_file)
 
@@ -211,9 +158,8 @@ def write_configs(results: list[dict], shape: dict, device_name: str, folder: Pa
         configs = read_tile_config_file(CONFIG_DIR / name) if (CONFIG_DIR / name).exists() else {}
         for r in results:
             pair = r.get("pair_ms")
-            best = min(pair, key=pair.get) if pair else "shipped"
-            if best != "shipped":
-                configs[r["tokens"]] = MoETileConfig.from_json(r[f"{best}_pair_tiles"][which])
+            if pair and pair["epilogue"] < pair["shipped"]:
+                configs[r["tokens"]] = MoETileConfig.from_json(r["epilogue_pair_tiles"][which])
                 changed.setdefault(name, []).append(r["tokens"])
         write_tile_config_file(folder / name, configs)
     return changed

@@ -59,9 +59,9 @@
 #   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line, e.g.
 #             AB_SETS=$'ab-splitk|llama8b|1,256|--quantization-case llama8b-fp8-tensor\nab-dsv2|dsv2lite||--quantization-case dsv2lite-fp8-block'
 #   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (MOE_PREFILL_TOKENS, default 1024-8192)
-#             against dense cuBLAS, silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue,
-#             and the epilogue pair with its activation rows in sorted order (SORTED_A; pair_ms per size); the
-#             shipped tile files with the fastest pair's tiles where it won, into $W/moe-prefill-configs
+#             against dense cuBLAS,
+#             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size);
+#             the shipped tile files with the epilogue pair's tiles where it won, into $W/moe-prefill-configs
 #   moe-prefill-ab  (after moe-prefill) DSV2-Lite's step profile with the shipped tiles, then with those: the
 #             8192-token prefill step and the batch-256 step, before the new entries replace the shipped ones
 #   host-dsv2 host-llama  h200_step_profile.py --host-prefill (dummy weights, batch 1): the prefill step's CPU vs wall
@@ -221,7 +221,7 @@ for part in "$@"; do
       while IFS='|' read -r d a b x; do
         [ -n "$d" ] && profile_ab "$d" "$a" "${b:-1,256}" "$x" "-$(basename "$d")-$a"
       done <<<"${AB_SETS:-}";;
-    moe-prefill) timeout 300 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" \
+    moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" \
                    --tokens ${MOE_PREFILL_TOKENS:-1024 2048 4096 8192} \
                    --write-configs "$W/moe-prefill-configs" >"$W/moe-prefill.log" 2>&1
                  grep -o '"tokens": [0-9]*\|"pair_ms": {[^}]*}\|"configs_written": {[^}]*}' "$W/moe-prefill.log" | paste -sd' ';;

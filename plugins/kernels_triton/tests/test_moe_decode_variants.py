@@ -15,7 +15,7 @@ from keel_kernels_triton.fused_moe import tile_config as tc
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
 from keel_kernels_triton.fused_moe.grouped_gemm import fused_experts_triton, invoke_fused_moe_kernel
 from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, MoETileConfigError
-from triton_test_utils import random_moe, skewed_moe
+from triton_test_utils import random_moe
 
 from keel.layers.fused_moe import fused_experts_torch
 
@@ -28,11 +28,19 @@ VARIANTS = {
 }
 
 
+def _skewed_moe(seed: int, tokens: int, hidden: int, inter: int, dtype=torch.float32):
+    """8 experts: 2 and 6 idle, expert 0 in every token (many rows), 7 in exactly one token, the rest random."""
+    x, w13, w2, w, ids = random_moe(seed, tokens, hidden, inter, 8, 3, dtype, used=[1, 3, 4, 5])
+    ids[:, 0] = 0
+    ids[0, 1] = 7
+    return x, w13, w2, w, ids
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_variant_matches_torch(interpret, name, tokens):
     # hidden 40, intermediate 24: neither whole block_k tiles nor whole block_n tiles
-    x, w13, w2, w, ids = skewed_moe(tokens, tokens, 40, 24)
+    x, w13, w2, w, ids = _skewed_moe(tokens, tokens, 40, 24)
     res = torch.randn(tokens, 40)
     cfg = VARIANTS[name]
     out = fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=(cfg, cfg))
@@ -41,7 +49,7 @@ def test_variant_matches_torch(interpret, name, tokens):
 
 @pytest.mark.parametrize("name", ["gemv_m1", "gemv_m4_tma", "dot_tma"])
 def test_variant_bf16_rounds_like_the_dot_path(interpret, name):
-    x, w13, w2, w, ids = skewed_moe(11, 5, 48, 32, torch.bfloat16)
+    x, w13, w2, w, ids = _skewed_moe(11, 5, 48, 32, torch.bfloat16)
     cfg = VARIANTS[name]
     base = MoETileConfig(16, cfg.block_n, cfg.block_k, 4, 1)
     out = fused_experts_triton(x, w13, w2, w, ids, tile_configs=(cfg, cfg))
@@ -55,7 +63,7 @@ def test_variant_bf16_rounds_like_the_dot_path(interpret, name):
 
 @pytest.mark.parametrize("name", ["gemv_m1", "gemv_m4_tma", "dot_tma"])
 def test_variant_writes_every_row_and_nothing_else(interpret, name):
-    x, w13, w2, w, ids = skewed_moe(5, 4, 40, 24)
+    x, w13, w2, w, ids = _skewed_moe(5, 4, 40, 24)
     cfg = VARIANTS[name]
     sorted_ids, expert_ids, total = moe_align_block_size(ids, 8, cfg.block_m)
     rows = ids.numel()
@@ -168,7 +176,7 @@ EPILOGUE = {
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_act_epilogue_matches_torch(interpret, name, tokens):
     # hidden 40, intermediate 24: K not whole tiles, the gate / up halves not whole N-blocks
-    x, w13, w2, w, ids = skewed_moe(20 + tokens, tokens, 40, 24)
+    x, w13, w2, w, ids = _skewed_moe(20 + tokens, tokens, 40, 24)
     res = torch.randn(tokens, 40)
     c13 = EPILOGUE[name]
     c2 = dataclasses.replace(c13, act_epilogue=False)
@@ -182,7 +190,7 @@ def test_act_epilogue_rounds_like_the_a_load_path_in_bf16(interpret, name):
     the plain GEMM stores them (bit-equal here), silu rounded, the product rounded. The interpreter's
     float32 -> bf16 casts truncate where torch (and compiled Triton) round to nearest, so here the product
     is within two bf16 steps; the GPU test holds it to torch's bits."""
-    x, w13, w2, w, ids = skewed_moe(13, 5, 48, 32, torch.bfloat16)
+    x, w13, w2, w, ids = _skewed_moe(13, 5, 48, 32, torch.bfloat16)
     c13 = EPILOGUE[name]
     base13 = dataclasses.replace(c13, act_epilogue=False)
     sorted_ids, expert_ids, total = moe_align_block_size(ids, 8, c13.block_m)
@@ -204,7 +212,7 @@ def test_act_epilogue_config_and_refusals(interpret):
                                     "ACT_EPILOGUE": True}).split_k is None
     with pytest.raises(MoETileConfigError, match="one K slice"):
         MoETileConfig(16, 64, 128, split_k=2, act_epilogue=True)
-    x, w13, w2, w, ids = skewed_moe(3, 2, 40, 24)
+    x, w13, w2, w, ids = _skewed_moe(3, 2, 40, 24)
     sorted_ids, expert_ids, total = moe_align_block_size(ids, 8, 16)
     with pytest.raises(ValueError, match="silu epilogue"):
         invoke_fused_moe_kernel(x, w13, torch.empty(ids.numel(), 48), None, sorted_ids, expert_ids, total, 3,

@@ -40,15 +40,14 @@ COMPILE_PRELUDE = textwrap.dedent('''
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
              "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA",
-             "GATED", "SORTED_A", "SORTED_C")
-    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, gated=False, sorted_c=False):
+             "GATED")
+    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, gated=False):
         c_ty = "fp32" if c.split_k > 1 else ty
         sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
                "b_desc": f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
                "c_ptr": f"*{c_ty}", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
                "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "N": "i32", "K": "constexpr",
-               "num_valid_tokens": "i32", "num_m_blocks": "i32",
-               "a_desc": f"tensordesc<{ty}[{c.block_m}, {c.block_k}]>" if c.sorted_a else "constexpr"}
+               "num_valid_tokens": "i32", "num_m_blocks": "i32"}
         sig.update({s: "i32" for s in ("stride_am", "stride_ak", "stride_as", "stride_be", "stride_bn",
                                        "stride_bk", "stride_cm", "stride_cn", "stride_cs")})
         sig.update({name: "constexpr" for name in names})
@@ -60,13 +59,11 @@ COMPILE_PRELUDE = textwrap.dedent('''
                       UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=group_m,
                       EVEN_K=c.split_k == 1 and k % c.block_k == 0, USE_DOT=c.kernel == "dot",
-                      WEIGHT_TMA=c.weight_tma, GATED=gated, SORTED_A=c.sorted_a, SORTED_C=sorted_c)
+                      WEIGHT_TMA=c.weight_tma, GATED=gated)
         if gated:
             consts["ACT_SILU"] = False
         if not c.weight_tma:
             consts["b_desc"] = None
-        if not c.sorted_a:
-            consts["a_desc"] = None
         compile_(M._jitted(False), sig, consts, c.num_warps, c.num_stages)
 ''')
 
@@ -113,13 +110,6 @@ DECODE_COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
     for c in variants[:4] + variants[5:]:  # w13 GEMMs with the silu epilogue ("ACT_EPILOGUE"): N is the
         compile_gemm(c, 1408, 2048, True, 1, "bf16", gated=True)  # intermediate, two accumulators
         compile_gemm(c, 2048, 1408, False, 1, "bf16", act_silu=False)  # and the plain down GEMM after it
-    # prefill sizes' sorted pair ("SORTED_A"): w13 on gathered hidden rows storing its epilogue in sorted
-    # order, the down GEMM reading that order, activation and weight tiles through TMA or only the activation
-    for m, n, k, w, st, tma in ((128, 64, 64, 4, 3, False), (128, 128, 64, 8, 3, True), (64, 128, 64, 8, 3, True),
-                                (128, 128, 128, 8, 2, False)):
-        c = MoETileConfig(m, n, k, w, st, weight_tma=tma, sorted_a=True)
-        compile_gemm(c, 1408, 2048, True, 1, "bf16", gated=True, sorted_c=True)
-        compile_gemm(c, 2048, 1408, False, 1, "bf16", act_silu=False)
     print("compiled")
 ''')
 
@@ -225,31 +215,11 @@ def test_cuda_act_epilogue_rounds_like_torch(cfg):
 
 
 @needs_cuda
-@pytest.mark.parametrize("tokens", [5, 300, 2048])
-def test_cuda_sorted_pair_equals_the_gathered_pair(tokens):
-    """The sorted pair (w13 on gathered hidden rows, its epilogue stored in sorted order, the down GEMM reading
-    that order, both through TMA) runs the gathered pair's products in the same order."""
-    x, w13, w2, w, ids = _inputs(tokens, seed=tokens)
-    res = torch.randn_like(x)
-    for m, n, k, warps, tma in ((16, 64, 128, 4, False), (64, 128, 64, 8, True), (128, 64, 64, 4, False)):
-        epi = MoETileConfig(m, n, k, warps, 3, weight_tma=tma, act_epilogue=True)
-        plain = dataclasses.replace(epi, act_epilogue=False)
-        ref = fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=(epi, plain))
-        out = fused_experts_triton(x, w13, w2, w, ids, "silu", res, tile_configs=(
-            dataclasses.replace(epi, sorted_a=True), dataclasses.replace(plain, sorted_a=True)))
-        # one ulp apart at most where the A operand's path into the MMA (shared memory by TMA, or registers)
-        # changes the instruction mix
-        torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
-        assert (out == ref).float().mean() > 0.99, (m, n, k)
-
-
-@needs_cuda
 @pytest.mark.parametrize("tile", [MoETileConfig(16, 64, 64, 4, 4, 1), MoETileConfig(16, 64, 64, 4, 4, 4),
                                   MoETileConfig(1, 16, 128, 4, 3, kernel="gemv"),
                                   MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, fused_act=False),
-                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, act_epilogue=True),
-                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, act_epilogue=True, sorted_a=True)],
-                         ids=["split1", "split4", "gemv", "tma_unfused", "tma_epilogue", "sorted"])
+                                  MoETileConfig(16, 128, 128, 4, 3, weight_tma=True, act_epilogue=True)],
+                         ids=["split1", "split4", "gemv", "tma_unfused", "tma_epilogue"])
 def test_cuda_graph_replay_with_fresh_routing(tile):
     x, w13, w2, w, ids = _inputs(4)
     res = torch.randn_like(x)

@@ -28,15 +28,6 @@ def random_moe(seed, tokens, hidden, inter, experts, top_k, dtype=torch.float32,
     return x, w13, w2, w, ids
 
 
-def skewed_moe(seed, tokens, hidden, inter, dtype=torch.float32):
-    """8 experts, top 3: 2 and 6 idle, expert 0 in every token (many rows), 7 in exactly one token, the rest
-    random."""
-    x, w13, w2, w, ids = random_moe(seed, tokens, hidden, inter, 8, 3, dtype, used=[1, 3, 4, 5])
-    ids[:, 0] = 0
-    ids[0, 1] = 7
-    return x, w13, w2, w, ids
-
-
 def bind_moe_ops(layer: torch.nn.Module, device_type: str = "cpu") -> dict[str, int]:
     """Bind kernels-triton's providers into `layer` (and its children) through the core's binding step."""
     registry = load_plugins(["kernels-triton"]).registry("custom_op")

@@ -29,7 +29,6 @@ decoration time whether a function is compiled or interpreted.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -40,7 +39,7 @@ import triton.language as tl
 from keel.layers.activation import get_act_and_mul_fn
 from keel_kernels_triton.fused_moe.align import moe_align_block_size
 from keel_kernels_triton.fused_moe.moe_sum import moe_sum
-from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, MoETileConfigError, get_moe_tile_configs
+from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
 from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
 
@@ -88,10 +87,6 @@ def _fused_moe_kernel(
     WEIGHT_TMA: tl.constexpr,  # weight tiles through b_desc (zero past K) instead of pointer loads
     GATED: tl.constexpr = False,  # w13 with the silu epilogue: b holds 2 * N rows per expert (gate, then up);
     # C [rows, N] = silu(A @ gate.T) * (A @ up.T), each rounded as torch's F.silu(gate) * up rounds
-    a_desc=None,  # SORTED_A: a TMA descriptor over A [sorted rows, K] with [BLOCK_M, BLOCK_K] boxes
-    SORTED_A: tl.constexpr = False,  # A's rows are in sorted order: this block's are rows pid_m * BLOCK_M + r,
-    # contiguous, so they come through a_desc (no gather through the sorted ids)
-    SORTED_C: tl.constexpr = False,  # C's rows are the sorted positions too (the next GEMM's SORTED_A input)
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
@@ -140,30 +135,27 @@ def _fused_moe_kernel(
             a_mask = token_mask[:, None]
         else:
             a_mask = token_mask[:, None] & (offs_k[None, :] < k_left)
-        if SORTED_A:  # one K slice, no activation in the load (the host checks): the tile as stored
-            a = a_desc.load([pid_m * BLOCK_M, k_start + k * BLOCK_K])
-        else:
-            if A_SPLITS > 1:
-                # float32 partials of the previous GEMM, summed in a fixed order and rounded once to the
-                # activation dtype, as the one-slice path stores them
-                gate = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
-                up = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
-                for s in tl.static_range(A_SPLITS):
-                    gate += tl.load(a_ptrs + s * stride_as, mask=a_mask, other=0.0)
-                    if ACT_SILU:
-                        up += tl.load(a_ptrs + s * stride_as + K * stride_ak, mask=a_mask, other=0.0)
-                gate = gate.to(b_ptr.dtype.element_ty).to(tl.float32)
-                up = up.to(b_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+        if A_SPLITS > 1:
+            # float32 partials of the previous GEMM, summed in a fixed order and rounded once to the
+            # activation dtype, as the one-slice path stores them
+            gate = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
+            up = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
+            for s in tl.static_range(A_SPLITS):
+                gate += tl.load(a_ptrs + s * stride_as, mask=a_mask, other=0.0)
                 if ACT_SILU:
-                    up = tl.load(a_ptrs + K * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+                    up += tl.load(a_ptrs + s * stride_as + K * stride_ak, mask=a_mask, other=0.0)
+            gate = gate.to(b_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(b_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
             if ACT_SILU:
-                # Rounded twice to B's (the activation) dtype, as torch's F.silu(gate) * up rounds each result.
-                act = (gate / (1.0 + tl.exp(-gate))).to(b_ptr.dtype.element_ty).to(tl.float32)
-                a = (act * up).to(b_ptr.dtype.element_ty)
-            else:
-                a = gate.to(b_ptr.dtype.element_ty)
+                up = tl.load(a_ptrs + K * stride_ak, mask=a_mask, other=0.0).to(tl.float32)
+        if ACT_SILU:
+            # Rounded twice to B's (the activation) dtype, as torch's F.silu(gate) * up rounds each result.
+            act = (gate / (1.0 + tl.exp(-gate))).to(b_ptr.dtype.element_ty).to(tl.float32)
+            a = (act * up).to(b_ptr.dtype.element_ty)
+        else:
+            a = gate.to(b_ptr.dtype.element_ty)
         if WEIGHT_TMA:
             # rows past this half (the up half, the next expert) fill a ragged last N-block; never stored
             row0 = (expert * b_rows).to(tl.int32) + pid_n * BLOCK_N
@@ -208,10 +200,7 @@ def _fused_moe_kernel(
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + tl.where(token_mask, offs_token, 0), mask=token_mask, other=0.0)
         acc = acc * w[:, None]
-    if SORTED_C:
-        c_rows = offs_token_id.to(tl.int64)
-    else:
-        c_rows = tl.where(token_mask, offs_token, 0).to(tl.int64)
+    c_rows = tl.where(token_mask, offs_token, 0).to(tl.int64)
     c_ptrs = c_ptr + pid_s * stride_cs + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_n[None, :] < N))
 
@@ -249,26 +238,15 @@ def invoke_fused_moe_kernel(
     act_silu: bool = False,
     even_k: bool | None = None,  # None: whenever K is whole BLOCK_K tiles and not split (benchmarks pass False)
     gated: bool = False,  # w13 with the silu epilogue: c is [rows, N / 2] = silu(gate) * up
-    sorted_c: bool = False,  # c's rows are the sorted positions, [sorted_ids.numel(), N]: a sorted_a GEMM's input
-    pairs: int | None = None,  # the (token, slot) pairs; None: c's rows (token order)
 ) -> None:
     """One grouped GEMM launch. `config.split_k` > 1 takes the small-M path: program_id(2) splits K and each
     slice writes its float32 partial of `c` ([split_k, rows, N]); a 3-D float32 `a` holds the previous
     GEMM's partials, summed in the A load. `gated`: b's rows per expert are gate then up, and `c` gets
-    silu(gate) * up (one K slice only). `config.sorted_a`: `a` holds one row per sorted position
-    ([sorted_ids.numel(), K]: gathered hidden rows, or a `sorted_c` GEMM's output), read through a TMA
-    descriptor; its padding rows are never stored from. `sorted_c` stores only the pairs' rows, so a
-    padding row of `c` keeps whatever it held."""
+    silu(gate) * up (one K slice only)."""
     interpret = interpreter_enabled()
     kernel = _jitted(interpret)
     n, k = b.shape[1], b.shape[2]
     split = config.split_k or 1
-    if config.sorted_a and (act_silu or a.dim() != 2 or a.shape != (sorted_ids.numel(), k) or a.stride(1) != 1):
-        raise ValueError(f"a sorted-A GEMM reads a plain [sorted rows {sorted_ids.numel()}, K {k}] activation "
-                         f"with K contiguous; got a {tuple(a.shape)} (strides {a.stride()}), act_silu={act_silu}")
-    if sorted_c and (pairs is None or c.dim() != 2 or c.shape[0] != sorted_ids.numel()):
-        raise ValueError(f"a sorted-C GEMM writes [sorted rows {sorted_ids.numel()}, N] and needs the pair count; "
-                         f"got c {tuple(c.shape)}, pairs={pairs}")
     if gated:
         if split > 1 or act_silu or topk_weights is not None or n % 2 or c.dim() != 2 or c.shape[1] != n // 2:
             raise ValueError(f"the silu epilogue takes one K slice, no routing weights, c [rows, {n // 2}]; "
@@ -283,7 +261,7 @@ def invoke_fused_moe_kernel(
                          f"{a.dtype}, c {tuple(c.shape)} {c.dtype} for split_k={split}")
     a2 = a[0] if a.dim() == 3 else a
     c2 = c[0] if c.dim() == 3 else c
-    rows = c2.shape[0] if pairs is None else pairs
+    rows = c2.shape[0]
     grid_m = min(expert_ids.numel(), live_block_bound(rows, b.shape[0], config.block_m))
     per_split = -(-k // split)
     k_slice = -(-per_split // config.block_k) * config.block_k  # whole BLOCK_K tiles per slice
@@ -313,9 +291,6 @@ def invoke_fused_moe_kernel(
         USE_DOT=config.kernel == "dot",
         WEIGHT_TMA=config.weight_tma,
         GATED=gated,
-        a_desc=_row_block_descriptor(a, config) if config.sorted_a else None,
-        SORTED_A=config.sorted_a,
-        SORTED_C=sorted_c,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(c),
@@ -329,12 +304,6 @@ def _weight_descriptor(b: torch.Tensor, config: MoETileConfig) -> Any:  # b: [E,
     if b.stride(2) != 1 or b.stride(0) != n * b.stride(1):
         raise ValueError(f"weight TMA needs [E, N, K] weights with rows packed, got strides {b.stride()}")
     return TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [config.block_n, config.block_k])
-
-
-def _row_block_descriptor(a: torch.Tensor, config: MoETileConfig) -> Any:  # a: [sorted rows, K], K contiguous
-    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
-
-    return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [config.block_m, config.block_k])
 
 
 def fused_experts_triton(
@@ -362,25 +331,15 @@ def fused_experts_triton(
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
     silu = activation.lower() in FUSED_ACTIVATIONS
-    # w2's sorted A is the w13 epilogue's output stored in sorted order; another activation runs in torch
-    # between token-ordered GEMMs, where neither tile flag applies (like ACT_EPILOGUE)
-    sorted2 = c2.sorted_a and silu
-    if sorted2 and not c13.act_epilogue:
-        raise MoETileConfigError(f"the down GEMM's tile reads a sorted activation (SORTED_A) only the w13 GEMM's "
-                                 f"silu epilogue (ACT_EPILOGUE) writes; the w13 tile has none: {c13}, {c2}")
-    a13 = hidden
-    if c13.sorted_a:  # hidden's rows in sorted order; a padding position (id = rows) reads the last token
-        a13 = hidden.index_select(0, torch.clamp(sorted_ids // top_k, max=num_tokens - 1))  # [sorted rows, H]
     if c13.act_epilogue and silu:  # [rows, I] = silu(gate) * up straight from the w13 GEMM (one K slice:
         # the config refuses another split, and a lookup resolves an unset one to 1)
-        gate_up = torch.empty(sorted_ids.numel() if sorted2 else rows, w13.shape[1] // 2, dtype=hidden.dtype,
-                              device=hidden.device)
-        invoke_fused_moe_kernel(a13, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13,
-                                gated=True, sorted_c=sorted2, pairs=rows)
+        gate_up = torch.empty(rows, w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
+        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13,
+                                gated=True)
         fuse = False
     else:
         gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2I] or [split, rows, 2I] float32
-        invoke_fused_moe_kernel(a13, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
+        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
         fuse = silu and c2.fused_act
         if not fuse:
             if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
@@ -388,8 +347,6 @@ def fused_experts_triton(
             gate_up = act_and_mul(gate_up, activation)  # [rows, intermediate]
     down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    if c2.sorted_a and not sorted2:
-        c2 = dataclasses.replace(c2, sorted_a=False)
     invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
     return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
 

@@ -50,7 +50,6 @@ _FUSED_ACT_KEY = "FUSED_ACT"  # optional, w2 files: false runs silu_and_mul as i
 _KERNEL_KEY = "KERNEL"  # optional: the main loop's form, one of KERNELS; absent means "dot"
 _WEIGHT_TMA_KEY = "WEIGHT_TMA"  # optional: true loads weight tiles through a Hopper TMA descriptor
 _ACT_EPILOGUE_KEY = "ACT_EPILOGUE"  # optional, w13 files: true stores silu(gate) * up from the w13 GEMM
-_SORTED_A_KEY = "SORTED_A"  # optional: true reads the activation rows in sorted order through a TMA descriptor
 # "dot": tensor-core tiles (BLOCK_M >= 16); "gemv": rows times weight tiles summed over K on CUDA cores,
 # for 1-2 rows per expert, where BLOCK_M 1-8 pads no rows and many short-N programs stream the weights.
 KERNELS = ("dot", "gemv")
@@ -78,11 +77,7 @@ class MoETileConfig:
     come through a TMA descriptor (Hopper and newer; block_n and block_k of at most 256). `act_epilogue`
     (w13 GEMMs, silu): each program computes a gate tile and its up tile and stores silu(gate) * up, so
     the down GEMM reads a plain activation (no silu recomputed per N-block, no separate kernel); one K
-    slice only (`split_k` 1, or None: the lookup then resolves 1). `sorted_a`: the GEMM reads its activation
-    rows in sorted (expert-grouped) order, each block's rows contiguous, through a TMA descriptor instead of
-    gathering them through the sorted ids -- w13 from a copy of the hidden rows gathered into that order
-    first, w2 (silu only) from the w13 epilogue's output, which the w13 GEMM then stores in that order
-    (needs the w13 tile's `act_epilogue`); dot tiles of one K slice, boxes at most 256 wide."""
+    slice only (`split_k` 1, or None: the lookup then resolves 1)."""
 
     block_m: int
     block_n: int
@@ -95,7 +90,6 @@ class MoETileConfig:
     kernel: str = "dot"
     weight_tma: bool = False
     act_epilogue: bool = False
-    sorted_a: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -122,10 +116,6 @@ class MoETileConfig:
         if not isinstance(self.act_epilogue, bool) or (self.act_epilogue and self.split_k not in (None, 1)):
             raise MoETileConfigError(f"act_epilogue ({_ACT_EPILOGUE_KEY}) must be a bool and takes one K "
                                      f"slice (SPLIT_K 1), got {self}")
-        if not isinstance(self.sorted_a, bool) or (self.sorted_a and (
-                self.kernel != "dot" or self.split_k not in (None, 1) or max(self.block_m, self.block_k) > 256)):
-            raise MoETileConfigError(f"sorted_a ({_SORTED_A_KEY}) must be a bool and takes dot tiles of one K "
-                                     f"slice (SPLIT_K 1) with TMA boxes at most 256 wide, got {self}")
 
     def to_json(self) -> dict[str, int]:
         body = {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
@@ -141,8 +131,6 @@ class MoETileConfig:
             body[_WEIGHT_TMA_KEY] = True
         if self.act_epilogue:
             body[_ACT_EPILOGUE_KEY] = True
-        if self.sorted_a:
-            body[_SORTED_A_KEY] = True
         return body
 
     @classmethod
@@ -150,15 +138,14 @@ class MoETileConfig:
         missing = [k for k in _JSON_KEYS.values() if k not in entry]
         if missing:
             raise MoETileConfigError(f"tile config {entry} lacks {missing}")
-        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY, _ACT_EPILOGUE_KEY,
-                    _SORTED_A_KEY}
+        optional = {_SPLIT_KEY, _GROUP_KEY, _FUSED_ACT_KEY, _KERNEL_KEY, _WEIGHT_TMA_KEY, _ACT_EPILOGUE_KEY}
         unknown = sorted(set(entry) - set(_JSON_KEYS.values()) - optional)
         if unknown:
             raise MoETileConfigError(f"tile config {entry} has unknown keys {unknown}")
         return cls(**{field: entry[key] for field, key in _JSON_KEYS.items()}, split_k=entry.get(_SPLIT_KEY),
                    group_m=entry.get(_GROUP_KEY, 1), fused_act=entry.get(_FUSED_ACT_KEY, True),
                    kernel=entry.get(_KERNEL_KEY, "dot"), weight_tma=entry.get(_WEIGHT_TMA_KEY, False),
-                   act_epilogue=entry.get(_ACT_EPILOGUE_KEY, False), sorted_a=entry.get(_SORTED_A_KEY, False))
+                   act_epilogue=entry.get(_ACT_EPILOGUE_KEY, False))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device_name: str) -> str:
@@ -303,7 +290,7 @@ def _lookup(
         if tuned:
             cfg = pick_for_tokens(tuned, num_tokens)
             if cfg.split_k is None:
-                split = 1 if cfg.act_epilogue or cfg.sorted_a else default_split_k(num_tokens, k, dtype, interpret)
+                split = 1 if cfg.act_epilogue else default_split_k(num_tokens, k, dtype, interpret)
                 cfg = dataclasses.replace(cfg, split_k=split)
             return cfg
     return default_moe_tile_config(num_tokens, num_experts, n, k, top_k, dtype, interpret)
@@ -324,9 +311,7 @@ def get_moe_tile_configs(
     c13 = get_moe_tile_config(num_tokens, e, n13, k13, top_k, dtype, device, interpret)
     c2 = get_moe_tile_config(num_tokens, e, w2_shape[1], w2_shape[2], top_k, dtype, device, interpret)
     if c2.block_m != c13.block_m:  # below 16 rows only the gemv loop runs
-        small = c13.block_m < 16
-        c2 = dataclasses.replace(c2, block_m=c13.block_m, kernel="gemv" if small else c2.kernel,
-                                 sorted_a=c2.sorted_a and not small)
+        c2 = dataclasses.replace(c2, block_m=c13.block_m, kernel="gemv" if c13.block_m < 16 else c2.kernel)
     return c13, c2
 
 
