@@ -140,6 +140,10 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
                                                          out.get("w2_unfused_best_plus_act_ms", float("inf")))
         out["pair_ms"] = {"shipped": round(shipped, 4), "epilogue": round(best_epi["ms"] + plain_w2["ms"], 4)}
         out["epilogue_pair_tiles"] = {"w13": best_epi["tile"], "w2": plain_w2["tile"]}
+    grouped = _grouped_mm_pair(x, w13, w2, ids, e, top_k, c13.block_m, silu_and_mul, flops13, flops2)
+    out["grouped_mm"] = grouped
+    if "pair_ms" in out and "pair_ms" in grouped:
+        out["pair_ms"]["grouped_mm"] = grouped["pair_ms"]
     a13 = torch.randn(rows, h, device=device, dtype=dtype, generator=gen)
     b13 = torch.randn(h, 2 * inter, device=device, dtype=dtype, generator=gen)
     b2 = torch.randn(inter, h, device=device, dtype=dtype, generator=gen)
@@ -147,6 +151,53 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
     out["dense_w13_ms"], out["dense_w13_tflops"] = round(ms, 4), tflops(flops13, ms)
     ms = _events_ms(lambda: torch.mm(act, b2))
     out["dense_w2_ms"], out["dense_w2_tflops"] = round(ms, 4), tflops(flops2, ms)
+    return out
+
+
+def _grouped_mm_pair(x, w13, w2, ids, e: int, top_k: int, block_m: int, silu_and_mul, flops13: float,
+                     flops2: float) -> dict:
+    """The same MoE GEMM pair through torch's grouped GEMM (`torch._grouped_mm`, CUTLASS on sm_90): the hidden rows
+    gathered into expert order (each expert's run padded to block_m, as the align kernel lays them out), w13,
+    silu_and_mul, w2, each timed, and the gather back to (token, slot) order that a combine would fold in.
+    Whether a library grouped GEMM beats the Triton one at prefill sizes before any engine path is built on it.
+    Prediction (2026-12-07, before any run; H100, 8192 tokens): the GEMMs at ~600-700 TFLOPS (cuBLAS dense 774 /
+    666 on the same FLOPs, the Triton pair 480 / 385), w13 + w2 ~1.3 ms against the epilogue pair's 1.92, plus
+    ~0.25 ms of gather and silu_and_mul the epilogue pair does not pay."""
+    if not hasattr(torch, "_grouped_mm"):
+        return {"error": "this torch has no _grouped_mm"}
+    from keel_kernels_triton.fused_moe.align import moe_align_block_size
+
+    tokens, rows = x.shape[0], ids.numel()
+    sorted_ids, _, _ = moe_align_block_size(ids, e, block_m)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=e)
+    offs = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0).to(torch.int32)  # [E] padded run ends
+    idx = torch.clamp(sorted_ids // top_k, max=tokens - 1)
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] views of the [E, N, K] weights
+    out: dict = {}
+    try:
+        a = x.index_select(0, idx)
+        gate_up = torch._grouped_mm(a, w13t, offs=offs)  # [padded rows, 2I]
+        act = silu_and_mul(gate_up)
+        down = torch._grouped_mm(act, w2t, offs=offs)  # [padded rows, H]
+        inv = torch.empty(rows + 1, dtype=torch.int64, device=x.device)
+        inv.scatter_(0, sorted_ids.long(), torch.arange(sorted_ids.numel(), device=x.device))  # pair -> position
+        inv = inv[:rows]
+        got = down.index_select(0, inv)  # [rows, H], (token, slot) order
+        ref = torch.stack([x[p // top_k].float() @ w13[ids.reshape(-1)[p]].float().T for p in range(0, rows,
+                                                                                                    max(1, rows // 8))])
+        mid = gate_up.index_select(0, inv[::max(1, rows // 8)]).float()
+        out["w13_max_abs_diff_vs_float32"] = round((mid - ref).abs().max().item(), 4)
+        out["down_rows"] = list(got.shape)
+        timings = {"gather": lambda: x.index_select(0, idx), "w13": lambda: torch._grouped_mm(a, w13t, offs=offs),
+                   "silu_and_mul": lambda: silu_and_mul(gate_up), "w2": lambda: torch._grouped_mm(act, w2t, offs=offs),
+                   "unpermute": lambda: down.index_select(0, inv)}
+        ms = {k: round(_events_ms(fn), 4) for k, fn in timings.items()}
+    except Exception as exc:  # an unsupported layout or device: recorded, not fatal
+        return {**out, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    out["ms"] = ms
+    out["w13_tflops"] = round(flops13 / ms["w13"] / 1e9, 1)
+    out["w2_tflops"] = round(flops2 / ms["w2"] / 1e9, 1)
+    out["pair_ms"] = round(ms["gather"] + ms["w13"] + ms["silu_and_mul"] + ms["w2"], 4)
     return out
 
 
