@@ -16,7 +16,8 @@ token count this times, with CUDA events (median of 20):
 - `w13_epilogue`: the gate_up GEMM storing silu(gate) * up itself (ACT_EPILOGUE, a few tiles, TMA weights or
   not), and `pair_ms`: the two GEMMs (+ silu_and_mul) each way, shipped against epilogue + plain down GEMM
   (where the shipped w13 tile has the epilogue, "shipped" times that pair as the engine runs it; runs up to
-  f6440a3 timed the shipped tile without its epilogue there and overstated the shipped path);
+  f6440a3 timed the shipped tile without its epilogue there and overstated the shipped path), and the pair through
+  `torch._grouped_mm` (rows gathered into expert order, w13, silu_and_mul, w2: `_grouped_mm_pair`);
 - `dense_*`: torch.mm of [pairs, K] x [K, N] (cuBLAS) -- the rate a GEMM of these FLOPs reaches without
   gathers, and the floor this compares against.
 
@@ -140,7 +141,7 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
                                                          out.get("w2_unfused_best_plus_act_ms", float("inf")))
         out["pair_ms"] = {"shipped": round(shipped, 4), "epilogue": round(best_epi["ms"] + plain_w2["ms"], 4)}
         out["epilogue_pair_tiles"] = {"w13": best_epi["tile"], "w2": plain_w2["tile"]}
-    grouped = _grouped_mm_pair(x, w13, w2, ids, e, top_k, c13.block_m, silu_and_mul, flops13, flops2)
+    grouped = _grouped_mm_pair(x, w13, w2, ids, s13[0], e, top_k, c13.block_m, silu_and_mul, flops13, flops2)
     out["grouped_mm"] = grouped
     if "pair_ms" in out and "pair_ms" in grouped:
         out["pair_ms"]["grouped_mm"] = grouped["pair_ms"]
@@ -154,10 +155,10 @@ def run(tokens: int, device: str, dtype: torch.dtype, e: int, h: int, inter: int
     return out
 
 
-def _grouped_mm_pair(x, w13, w2, ids, e: int, top_k: int, block_m: int, silu_and_mul, flops13: float,
+def _grouped_mm_pair(x, w13, w2, ids, sorted_ids, e: int, top_k: int, block_m: int, silu_and_mul, flops13: float,
                      flops2: float) -> dict:
     """The same MoE GEMM pair through torch's grouped GEMM (`torch._grouped_mm`, CUTLASS on sm_90): the hidden rows
-    gathered into expert order (each expert's run padded to block_m, as the align kernel lays them out), w13,
+    gathered into expert order (`sorted_ids`: the align kernel's layout, each expert's run padded to block_m), w13,
     silu_and_mul, w2, each timed, and the gather back to (token, slot) order that a combine would fold in.
     Whether a library grouped GEMM beats the Triton one at prefill sizes before any engine path is built on it.
     Prediction (2026-12-07, before any run; H100, 8192 tokens): the GEMMs at ~600-700 TFLOPS (cuBLAS dense 774 /
@@ -165,10 +166,7 @@ def _grouped_mm_pair(x, w13, w2, ids, e: int, top_k: int, block_m: int, silu_and
     ~0.25 ms of gather and silu_and_mul the epilogue pair does not pay."""
     if not hasattr(torch, "_grouped_mm"):
         return {"error": "this torch has no _grouped_mm"}
-    from keel_kernels_triton.fused_moe.align import moe_align_block_size
-
     tokens, rows = x.shape[0], ids.numel()
-    sorted_ids, _, _ = moe_align_block_size(ids, e, block_m)
     counts = torch.bincount(ids.reshape(-1).long(), minlength=e)
     offs = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0).to(torch.int32)  # [E] padded run ends
     idx = torch.clamp(sorted_ids // top_k, max=tokens - 1)

@@ -59,8 +59,8 @@
 #   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line, e.g.
 #             AB_SETS=$'ab-splitk|llama8b|1,256|--quantization-case llama8b-fp8-tensor\nab-dsv2|dsv2lite||--quantization-case dsv2lite-fp8-block'
 #   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (MOE_PREFILL_TOKENS, default 1024-8192)
-#             against dense cuBLAS,
-#             silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue (pair_ms per size);
+#             against dense cuBLAS, silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue,
+#             and the pair through torch._grouped_mm (pair_ms per size);
 #             the shipped tile files with the epilogue pair's tiles where it won, into $W/moe-prefill-configs
 #   moe-prefill-ab  (after moe-prefill) DSV2-Lite's step profile with the shipped tiles, then with those: the
 #             8192-token prefill step and the batch-256 step, before the new entries replace the shipped ones
