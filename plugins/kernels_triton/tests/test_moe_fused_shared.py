@@ -70,15 +70,21 @@ def test_cuda_fused_shared_experts(tokens):
 
 
 @needs_cuda
-def test_cuda_graph_replay_of_fused_shared_experts():
+@pytest.mark.parametrize("tokens", [2, FUSED_SHARED_MAX_TOKENS + 7, 256])
+def test_cuda_graph_replay_of_fused_shared_experts(tokens):
+    """Past FUSED_SHARED_MAX_TOKENS the captured graph runs the dense shared experts on a side stream
+    (`keel.layers.side_stream`): its replays equal the eager forward bit for bit (same kernels, same rounding)."""
     fused, plain, shared_mlp = _pair(64, 2, 512, 256, 6, "cuda", torch.bfloat16)
-    x = torch.randn(2, 512, device="cuda").bfloat16()
-    logits = torch.randn(2, 64, device="cuda")
+    x = torch.randn(tokens, 512, device="cuda").bfloat16()
+    logits = torch.randn(tokens, 64, device="cuda")
     graph, out = capture_cuda_graph(lambda: fused(x, logits))
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(2, 512, device="cuda", generator=gen))
-        logits.copy_(torch.randn(2, 64, device="cuda", generator=gen))
+        x.copy_(torch.randn(tokens, 512, device="cuda", generator=gen))
+        logits.copy_(torch.randn(tokens, 64, device="cuda", generator=gen))
+        out.fill_(float("nan"))
         graph.replay()
         want = plain(x, logits).float() + shared_mlp(x)
         torch.testing.assert_close(out.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+        with torch.no_grad():
+            assert torch.equal(out, fused(x, logits))

@@ -33,6 +33,7 @@ from keel.distributed.communication_op import (
     tensor_model_parallel_all_reduce,
 )
 from keel.forward_context import ForwardContext
+from keel.layers import side_stream
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.fused_moe import FusedMoE, FusedMoEParallelConfig, RoutingConfig
 from keel.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -197,9 +198,19 @@ class DeepseekV2MoE(nn.Module):
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         if self.experts.parallel.dp_size > 1:
             return self._forward_dp(x, ctx)
-        # The shared experts' output rides into the routed experts' combine (one kernel on the Triton path).
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, residual=shared)
+        # The shared experts' output rides into the routed experts' combine (one kernel on the Triton path);
+        # inside a graph capture they run on a side stream beside the router and routed experts instead, joined
+        # before one add (`keel.layers.side_stream`: the same rounding).
+        shared, side = None, None
+        if self.shared_experts is not None:
+            side = side_stream.fork(x)
+            with side_stream.on(side):
+                shared = self.shared_experts(x)
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias,
+                           residual=shared if side is None else None)
+        if side is not None:
+            side_stream.join(side)
+            out += shared
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out, self.tp_size)
         return out

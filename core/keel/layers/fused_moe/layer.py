@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.layers import side_stream
 from keel.layers.activation import get_act_and_mul_fn
 from keel.layers.fused_moe.parallel import FusedMoEParallelConfig
 from keel.layers.fused_moe.router import RoutingConfig, select_experts
@@ -201,6 +202,16 @@ class FusedMoE(nn.Module):
         """`residual` (e.g. shared experts' output) may be added inside a bound kernel's combine step, saving
         a launch; the result equals `forward(hidden, router_logits, bias) + residual` on either path."""
         dense_shared = bool(self.num_fused_shared_experts) and hidden.shape[0] > FUSED_SHARED_MAX_TOKENS
+        side, shared = None, None
+        if dense_shared:
+            # Inside a graph capture the dense shared experts run on a side stream beside routing and the routed
+            # experts and join before the final add (`side_stream`); otherwise they run first and enter the
+            # combine as its residual.
+            side = side_stream.fork(hidden)
+            with side_stream.on(side):
+                shared = self._shared_experts_dense(hidden)
+            if side is None:
+                residual = shared if residual is None else shared + residual
         routing = self.routed_only if dense_shared else self.routing
         route = self.bound_ops.get("select_experts")
         if route is not None:
@@ -210,9 +221,20 @@ class FusedMoE(nn.Module):
         if topk_ids.shape[-1] != routing.num_routes:  # shapes only: no host sync
             raise RuntimeError(f"{self.prefix or 'FusedMoE'}: routing returned {topk_ids.shape[-1]} routes per "
                                f"token, expected top_k + fused shared experts = {routing.num_routes}")
-        if dense_shared:
-            shared = self._shared_experts_dense(hidden)
-            residual = shared if residual is None else shared + residual
+        if side is None:
+            return self._routed(hidden, topk_weights, topk_ids, residual)
+        out = self._routed(hidden, topk_weights, topk_ids, None)
+        side_stream.join(side)
+        out += shared if residual is None else shared + residual  # rounds as the combine adds its residual
+        return out
+
+    def _routed(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        topk_weights: torch.Tensor,  # [num_tokens, num_routes] float32
+        topk_ids: torch.Tensor,  # [num_tokens, num_routes]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
         if self.parallel.use_ep:
             topk_weights, topk_ids = self._keep_local_routes(topk_weights, topk_ids)
         experts = self.bound_ops.get("fused_experts")
