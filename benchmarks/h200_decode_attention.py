@@ -1,7 +1,8 @@
 """Decode attention alone, as the engine's CUDA graphs run it: Llama-3-8B's GQA (triton_flash) and
 DeepSeek-V2-Lite's MLA (triton_mla) over batch x context x split count x launch configuration.
 
-    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8]
+    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8] [--only flash|mla]
+        [--shapes 256x192,...] [--mla-prefill]
 
 The graphs are captured with max_seq_len = max_model_len (4096 here), so the split count a batch size
 gets is fixed at capture while real contexts are often far shorter; this sweep times the kernels in
@@ -9,6 +10,9 @@ that situation (metadata max_seq_len 4096, every request's context `ctx`), as gr
 launch gaps), and reports ms per layer and the fraction of measured copy bandwidth the cached K/V (or
 latent) bytes represent. `default` is the split count the engine would choose. --fp8: over an e4m3 cache
 (kv_cache_dtype fp8, scales != 1 folded out of the tiles), its bytes (half of bf16's) in the fraction.
+--mla-prefill: MLA's causal prefill tiles alone (DeepSeek-V2-Lite's 16 heads; prompts x length, as the
+throughput harness's 8192-token steps of 128-token prompts) per (heads, query tokens, key tile, warps, stages)
+of a program, with their TFLOPS (the absorbed form's 2 * (576 + 512) FLOPs per visible query-key pair and head).
 """
 
 from __future__ import annotations
@@ -116,26 +120,79 @@ def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
     return graph_ms(lambda: impl.forward(q[..., :N], q[..., N:], kv_c, k_pe, cache, md))
 
 
+# (heads, query tokens, key tile, warps, stages) of one prefill program; None: the engine's default.
+MLA_PREFILL_LAUNCHES = [None, (16, 2, 32, 4, 2), (16, 2, 64, 4, 2), (16, 2, 32, 4, 3), (16, 4, 32, 8, 2),
+                        (16, 4, 64, 8, 2), (16, 4, 32, 8, 3), (16, 4, 16, 8, 3), (16, 1, 32, 4, 2), (16, 2, 16, 4, 3),
+                        (8, 4, 32, 4, 2), (16, 8, 32, 8, 2)]
+
+
+def mla_prefill_case(prompts: int, length: int, launch, fp8: bool = False) -> float:
+    """ms of MLA's prefill tiles alone over `prompts` causal prompts of `length` tokens (no cached context)."""
+    from keel_attention_flash.mla_backend import TritonMLABackend
+    from keel_attention_flash.mla_impl import TritonMLAImpl
+
+    from keel.attention.backend import AttentionLayerConfig
+    from keel.attention.metadata import CommonAttentionMetadata
+
+    H, N, R, V, L = 16, 128, 64, 128, 512
+    blocks_per = -(-length // BLOCK)
+    num_blocks = prompts * blocks_per + 1
+    table = (torch.randperm(num_blocks - 1, device="cuda").to(torch.int32) + 1).view(prompts, blocks_per)
+    qsl = torch.arange(0, prompts * length + 1, length, dtype=torch.int32)
+    seq = torch.full((prompts,), length, dtype=torch.int32)
+    pos = torch.arange(length).repeat(prompts)
+    slots = table.long().cpu()[torch.arange(prompts).repeat_interleave(length), pos // BLOCK] * BLOCK + pos % BLOCK
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=seq.cuda(), seq_lens_cpu=seq,
+        block_table=table, slot_mapping=slots.cuda(), num_reqs=prompts, num_actual_tokens=prompts * length,
+        max_query_len=length, max_seq_len=CAPTURE_MAX_SEQ, block_size=BLOCK)
+    cache, k_scale, _ = cache_and_scales((num_blocks, BLOCK, L + R), fp8)
+    layer = AttentionLayerConfig(
+        num_heads=H, num_kv_heads=1, head_size=L + R, scale=(N + R) ** -0.5, dtype=torch.bfloat16,
+        block_size=BLOCK, use_mla=True, kv_cache_dtype=cache.dtype if fp8 else None,
+        extra=(("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)))
+    impl = TritonMLAImpl(layer, prefill_launch=launch)
+    if fp8:
+        impl.set_kv_scales(k_scale, k_scale)
+    md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
+    t = prompts * length
+    q_c = torch.randn(t, H, L, dtype=torch.bfloat16, device="cuda") / 8
+    q_pe = torch.randn(t, H, R, dtype=torch.bfloat16, device="cuda")
+    o_latent = torch.empty(t, H, L, dtype=torch.bfloat16, device="cuda")
+    return _events_ms(lambda: impl._prefill(q_c, q_pe, cache, md, o_latent), iters=20, warmup=3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="an e4m3 KV cache (kv_cache_dtype fp8)")
+    ap.add_argument("--only", choices=("flash", "mla"), default=None, help="decode sweep of one backend only")
+    ap.add_argument("--shapes", default="", help="decode (batch x context) pairs, e.g. 256x192,256x640")
+    ap.add_argument("--mla-prefill", nargs="*", default=None, metavar="PROMPTSxLEN",
+                    type=lambda v: tuple(int(x) for x in v.split("x")),
+                    help="only MLA's prefill tiles, e.g. 64x128 16x512 (no decode sweep)")
     a = ap.parse_args()
     bw = copy_bandwidth_GBps()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     shapes = [(256, 192), (256, 640), (64, 192), (64, 1024), (1, 192), (1, 2048)]
     split_opts = [None, 1, 2, 4, 8, 16]
     flash_launches = [None, (64, 4, 1), (32, 4, 2), (32, 2, 2), (64, 2, 2), (128, 4, 1), (16, 2, 2), (64, 8, 2)]
-    mla_launches = [None, (16, 32, 4, 2), (16, 16, 4, 2), (16, 64, 8, 1), (16, 32, 8, 1), (16, 16, 8, 3)]
+    mla_launches = [None, (16, 32, 4, 2), (16, 16, 4, 2), (16, 64, 8, 1), (16, 32, 8, 1), (16, 16, 8, 3),
+                    (16, 64, 4, 2), (16, 32, 4, 3), (16, 16, 4, 4), (16, 32, 4, 4), (16, 64, 8, 2), (16, 128, 8, 1),
+                    (16, 32, 2, 2), (16, 16, 2, 3)]
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     if a.quick:
         shapes, flash_launches, mla_launches = shapes[:2], flash_launches[:2], mla_launches[:2]
     rows = []
     # Cached bytes per context token and layer: K and V of 8 KV heads x 128; one 576-wide latent (2 bytes
     # an element in bf16, 1 in fp8).
     elem = 1 if a.fp8 else 2
-    for kind, case, launches, per_token in (("flash", flash_case, flash_launches, 8 * 128 * 2 * elem),
-                                            ("mla", mla_case, mla_launches, 576 * elem)):
+    kinds = (("flash", flash_case, flash_launches, 8 * 128 * 2 * elem), ("mla", mla_case, mla_launches, 576 * elem))
+    for kind, case, launches, per_token in kinds if a.mla_prefill is None else ():
+        if a.only and kind != a.only:
+            continue
         for batch, ctx in shapes:
             kv_bytes = batch * (ctx + 1) * per_token
             best = None
@@ -156,6 +213,24 @@ def main() -> None:
                            and r["launch"] is None and r["splits"] is None and "us" in r)
             print(json.dumps({"kind": kind, "batch": batch, "ctx": ctx, "default_us": default["us"],
                               "default_bw": default["bw_frac"], "best": best[1] if best else None}), flush=True)
+    for prompts, length in a.mla_prefill or ():
+        best = None
+        for launch in MLA_PREFILL_LAUNCHES:
+            try:
+                ms = mla_prefill_case(prompts, length, launch, a.fp8)
+            except Exception as exc:  # noqa: BLE001 -- a config that does not fit is a data point
+                rows.append({"kind": "mla-prefill", "prompts": prompts, "len": length, "launch": launch,
+                             "error": repr(exc)[:160]})
+                continue
+            flops = 2 * (576 + 512) * 16 * prompts * length * (length + 1) / 2
+            row = {"kind": "mla-prefill", "prompts": prompts, "len": length, "launch": launch,
+                   "us": round(ms * 1e3, 2), "tflops": round(flops / ms / 1e9, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, row)
+        print(json.dumps({"kind": "mla-prefill", "prompts": prompts, "len": length, "best": best and best[1]}),
+              flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"copy_bw_GBps": bw, "device": torch.cuda.get_device_name(),
                                            "torch": torch.__version__, "fp8": a.fp8, "rows": rows}, indent=1))

@@ -68,6 +68,9 @@
 #             time, each engine.step's wall in it and a cProfile top list (DSV2-Lite's prefill wall ran ~35 ms past
 #             its GPU time on the H200 at d646db6, Llama-8B's ~0; the MLA tile tables' torch CPU ops, numpy since 3adf255)
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
+#   mla-attn  h200_decode_attention.py: MLA's decode kernel per launch and split count (MLA_SHAPES, batch x context,
+#             default 256x192,256x640,64x192,1x192), then its prefill tiles per launch (MLA_PREFILL, prompts x length,
+#             default 64x128 16x512); $W/mla-decode-attention.json, $W/mla-prefill-attention.json
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -221,6 +224,13 @@ for part in "$@"; do
       while IFS='|' read -r d a b x; do
         [ -n "$d" ] && profile_ab "$d" "$a" "${b:-1,256}" "$x" "-$(basename "$d")-$a"
       done <<<"${AB_SETS:-}";;
+    mla-attn) timeout 240 python3 benchmarks/h200_decode_attention.py --only mla \
+                --shapes "${MLA_SHAPES:-256x192,256x640,64x192,1x192}" --out "$W/mla-decode-attention.json" \
+                >"$W/mla-decode-attention.log" 2>&1; grep '"best"' "$W/mla-decode-attention.log" | cut -c1-300
+              # shellcheck disable=SC2086  # several prompts x length pairs
+              timeout 150 python3 benchmarks/h200_decode_attention.py --mla-prefill ${MLA_PREFILL:-64x128 16x512} \
+                --out "$W/mla-prefill-attention.json" >"$W/mla-prefill-attention.log" 2>&1
+              grep -E '"best"|"launch": null' "$W/mla-prefill-attention.log" | cut -c1-300;;
     moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" \
                    --tokens ${MOE_PREFILL_TOKENS:-1024 2048 4096 8192} \
                    --write-configs "$W/moe-prefill-configs" >"$W/moe-prefill.log" 2>&1

@@ -27,11 +27,13 @@ class TritonMLAImpl:
     `process_weights_after_loading` is called once by the layer after weight loading; `forward` every
     step. `decode_splits` fixes the split count of the decode kernel (tests); by default it follows
     `choose_num_splits`. `decode_launch` = (heads per program, key tile, warps, stages) of the decode
-    kernel, for tuning runs.
+    kernel and `prefill_launch` = (heads per program, query tokens per program, key tile, warps, stages) of
+    the prefill tiles, for tuning runs.
     """
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
-                 decode_launch: tuple[int, int, int, int] | None = None) -> None:
+                 decode_launch: tuple[int, int, int, int] | None = None,
+                 prefill_launch: tuple[int, int, int, int, int] | None = None) -> None:
         extra = dict(layer.extra)
         self.num_heads = layer.num_heads
         self.kv_lora_rank: int = extra["kv_lora_rank"]
@@ -57,7 +59,11 @@ class TritonMLAImpl:
         if self.prefill_block_q * self.prefill_block_h < 16:
             self.prefill_block_q = -(-16 // self.prefill_block_h)
         self.prefill_block_n = key_tile
+        self.prefill_warps = 4
         self.prefill_stages = 1 if f32_wide else 2
+        if prefill_launch is not None:
+            (self.prefill_block_h, self.prefill_block_q, self.prefill_block_n, self.prefill_warps,
+             self.prefill_stages) = prefill_launch
         self.w_uk: torch.Tensor | None = None  # [H, N, L]
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V]
         self.fp8_kv = layer.cache_dtype != layer.dtype
@@ -197,7 +203,7 @@ class TritonMLAImpl:
         tile_req, tile_q0 = md.prefill_tiles(self.prefill_block_q)
         grid = (tile_req.numel(), -(-self.num_heads // self.prefill_block_h), 1)
         self._launch(grid, q_c, q_pe, kv_cache, o_latent, None, tile_req, tile_q0, md, self.prefill_block_h,
-                     self.prefill_block_q, self.prefill_block_n, 1, 4, self.prefill_stages)
+                     self.prefill_block_q, self.prefill_block_n, 1, self.prefill_warps, self.prefill_stages)
 
 
 def _refresh(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
