@@ -95,3 +95,46 @@ def test_gemv_fold_gathers_desc_act_groups_compiled(plan):
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         int4_gemm(x, words, scales, zeros, g_idx, out=out, group_size=0, plan=SmallMPlan(*plan))
         torch.testing.assert_close(out.double(), x.double() @ deq, atol=3e-2, rtol=2e-2, msg=f"M={m} {plan}")
+
+
+@pytest.mark.parametrize("m,split_k", [(1, 4), (1, 8), (16, 3), (32, 2)])
+def test_serial_split_k_w8a8_is_the_second_launch_bit_for_bit(m, split_k):
+    """Compiled, K splits summed by each tile's last program (atomic tile counters, splitk_reduce.store_split)
+    equal the two-launch form bit for bit, eagerly and replayed from a CUDA graph with fresh inputs (the counters
+    are back at zero after every launch)."""
+    from keel_quantization import fp8_w8a8_small_m_triton as w8a8
+    from keel_quantization import splitk_reduce
+    from keel_quantization.small_m_plan import SmallMPlan
+
+    class TwoLaunch(splitk_reduce.SplitKOutput):
+        def __init__(self, y, k, block_k, split_k, serial=False, tiles=0):
+            super().__init__(y, k, block_k, split_k)
+
+    gen = torch.Generator(device="cuda").manual_seed(m + split_k)
+    (q, s), _ = _operands("fp8_row", 4096, 4096, gen)
+    plan = SmallMPlan("dot_w8a8", 16 if m <= 16 else 32, 64, 128, split_k=split_k)
+    x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
+
+    def run(out, serial=True):
+        w8a8.SplitKOutput = splitk_reduce.SplitKOutput if serial else TwoLaunch
+        try:
+            return w8a8.fp8_w8a8_small_m_gemm(x, q, s, 1, 4096, "dynamic_token", out=out, plan=plan)
+        finally:
+            w8a8.SplitKOutput = splitk_reduce.SplitKOutput
+
+    def poisoned():
+        return torch.full((m, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    assert torch.equal(run(poisoned()), run(poisoned(), serial=False))
+    out = poisoned()
+    run(out)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    for seed in range(3):
+        x.copy_(torch.randn(m, 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, run(poisoned(), serial=False))
+    torch.cuda.synchronize()
+    assert not any(c.any() for c in splitk_reduce._COUNTERS.values())
