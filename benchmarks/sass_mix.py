@@ -82,8 +82,7 @@ def _int4_cases():
            {"GROUP": 128, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, {"num_warps": 8, "num_stages": 3})
     for bn, bk, w in ((16, 1024, 4), (32, 1024, 8), (32, 512, 4)):
         yield (f"int4 gemv_fold 1x{bn}x{bk} w{w} (M = 1)", int4_gemv_fold_triton._int4_gemv_fold_kernel,
-               {**{k: v for k, v in gemm.items() if k != "M"}, "out_ptr": "*bf16", "stride_om": i32,
-                "stride_on": i32, "cnt_ptr": "*i32"},
+               {k: v for k, v in gemm.items() if k != "M"},
                {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN": True, "PREFETCH": False},
                {"num_warps": w})
     mma = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16", "M": i32,

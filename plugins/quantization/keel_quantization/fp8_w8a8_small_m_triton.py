@@ -17,8 +17,8 @@ math up to float32 summation order -- a request's numbers do not depend on how m
 Only the QUANT_ROWS (>= M, a power of two) token rows that exist are loaded and quantized; the tile is
 padded with zero rows to BLOCK_M only for the MMA. Weight scales: one group over K (per-tensor /
 per-channel, kept per row) multiplies the sums once after the loop; block scales multiply each K tile's
-partial product. The grid is (N / BLOCK_N, splits, M / BLOCK_M); a K split writes float32 partials that the
-tile's last program sums in a fixed order (`splitk_reduce.store_split`, serial: deterministic, no second launch).
+partial product. The grid is (N / BLOCK_N, splits, M / BLOCK_M); a K split writes float32 partials that
+`splitk_reduce` sums in a fixed order (deterministic, nothing to zero: CUDA graphs capture the pair).
 
 On the CPU interpreter (no fp8 dot) the e4m3-valued float32 tiles multiply in float32: the same products.
 """
@@ -32,7 +32,7 @@ import triton.language as tl
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 from keel_quantization.small_m_plan import SmallMPlan, w8a8_plan
-from keel_quantization.splitk_reduce import SplitKOutput, split_range, store_split
+from keel_quantization.splitk_reduce import SplitKOutput, split_range
 
 ACTIVATIONS = {"static": 0, "dynamic_token": 1, "dynamic_group": 2}
 AMAX_ELEMENTS = 4096  # elements of x per load of the per-token amax prologue
@@ -68,7 +68,6 @@ def _fp8_w8a8_small_m_kernel(
     x_ptr, w_ptr, ws_ptr, static_ptr, c_ptr,
     M, N, K, K_PER_SPLIT,  # split s (program_id 1) covers inputs [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_cs, stride_cm, stride_cn,
-    y_ptr, stride_ym, stride_yn, cnt_ptr,  # SERIAL: y [M, N] and the tile counters (splitk_reduce.store_split)
     ACT: tl.constexpr,  # 0 static, 1 per token, 2 per token and GROUP_K inputs
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,  # GROUP_K: the K scale group where ACT 2 or W_PER_TILE
     W_PER_TILE: tl.constexpr,  # block weight scales: one per K tile; else one group over K, after the loop
@@ -77,7 +76,6 @@ def _fp8_w8a8_small_m_kernel(
     QUANT_ROWS: tl.constexpr,  # token rows loaded and quantized: a power of two >= the tile's tokens
     AMAX_K: tl.constexpr,  # inputs a row per load of the per-token amax prologue (ACT 1)
     PROMOTE_K: tl.constexpr,  # the fp8 MMA's sums move to float32 every PROMOTE_K inputs (<= BLOCK_K)
-    SERIAL: tl.constexpr = False,  # K splits summed by the tile's last program, not a second launch
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -137,10 +135,9 @@ def _fp8_w8a8_small_m_kernel(
     if not W_PER_TILE:
         acc = acc * tl.load(ws_ptr + (offs_n // GROUP_N) * stride_wsn, mask=mask_n, other=0.0)[:, None]
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    # one split: y itself; more: this split's float32 partials (SERIAL: and the last one's sum into y)
-    store_split(acc, c_ptr, offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn, stride_cs, y_ptr,
-                offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn, (offs_m < M)[None, :] & mask_n[:, None],
-                cnt_ptr + pid_n + tl.program_id(2) * tl.num_programs(0), SERIAL)
+    c_ptr += pid_s * stride_cs  # one split: y itself; more: this split's float32 partials
+    tl.store(c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(offs_m < M)[None, :] & mask_n[:, None])
 
 
 def misfit(k: int) -> str | None:
@@ -181,8 +178,7 @@ def fp8_w8a8_small_m_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))  # output tiles (N, M); K splits are the grid's middle axis
-    dst = SplitKOutput(y, k, bk, plan.split_k, serial=plan.kernel == "dot_w8a8", tiles=grid[0] * grid[1])
+    dst = SplitKOutput(y, k, bk, plan.split_k)
     scs, scm, scn = dst.strides
     quant_rows = bm if m > bm else triton.next_power_of_2(m)
     # the prologue's chunk: ~4096 elements a load (32 a thread at 4 warps), K's whole row where it fits
@@ -200,10 +196,9 @@ def fp8_w8a8_small_m_gemm(
         return dst.finish()
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = x.device.type == "cpu" or bk < 32
-    _fp8_w8a8_small_m_kernel[(grid[0], dst.splits, grid[1])](
+    _fp8_w8a8_small_m_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
         x, w_q, w_s, static, dst.buf, m, n, k, dst.k_per_split,
         x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn,
-        y, y.stride(0), y.stride(1), dst.counters, SERIAL=dst.serial,
         ACT=act, GROUP_N=group_n, GROUP_K=group_k if act == 2 or w_per_tile else 0, W_PER_TILE=w_per_tile,
         UPCAST_DOT=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QUANT_ROWS=quant_rows, AMAX_K=amax_k,
         PROMOTE_K=min(PROMOTE_K, bk), **plan.launch_options(), **pdl_kwargs(x))

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from keel_quantization.pdl import pdl_enter
-from keel_quantization.splitk_reduce import split_range, store_split
+from keel_quantization.splitk_reduce import split_range
 
 
 @triton.jit
@@ -106,12 +106,10 @@ def _int4_gemv_fold_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_ys, stride_ym, stride_yn,
-    out_ptr, stride_om, stride_on, cnt_ptr,  # SERIAL: y [M, N] and the tile counters (splitk_reduce.store_split)
     GROUP: tl.constexpr,  # > 0: input k in group k // GROUP, a divisor or a multiple of BLOCK_K; 0: g_idx
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_K divides K and BLOCK_N divides N: no masks in the loop
     PREFETCH: tl.constexpr,  # load each tile's words one iteration ahead (registers; the plan's num_stages 2)
-    SERIAL: tl.constexpr = False,  # K splits summed by the tile's last program, not a second launch
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -181,7 +179,6 @@ def _int4_gemv_fold_kernel(
                     x = _x_at(x_ptr, rows, k, mask_w, stride_xm, stride_xk, EVEN)
                     total += x * ((q - z) * s)
     out = tl.sum(total, axis=1)  # [BM, BN]
-    # one split: y itself; more: this split's float32 partials (SERIAL: and the last one's sum into y)
-    store_split(out, y_ptr, offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, stride_ys, out_ptr,
-                offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, (offs_m < M)[:, None] & mask_n[None, :],
-                cnt_ptr + tl.program_id(0) + tl.program_id(2) * tl.num_programs(0), SERIAL)
+    y_ptr += pid_s * stride_ys
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+             out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])

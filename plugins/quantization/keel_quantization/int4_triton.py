@@ -151,11 +151,10 @@ def int4_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    tiles_n, tiles_m = triton.cdiv(n, bn), triton.cdiv(m, bm)  # output tiles; K splits are the GEMV grid's middle axis
-    dst = SplitKOutput(y, k, bk, plan.split_k, serial=plan.kernel == "gemv_fold", tiles=tiles_n * tiles_m)
+    dst = SplitKOutput(y, k, bk, plan.split_k)
     args = (x, qweight, scales, zeros, g_idx, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1),
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), *dst.strides)
-    gemv_grid = (tiles_n, dst.splits, tiles_m)
+    gemv_grid = (triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))
     if plan.kernel == "gemv":
         from keel_quantization.int4_gemv_triton import _int4_gemv_kernel
 
@@ -164,8 +163,7 @@ def int4_gemm(
     elif plan.kernel == "gemv_fold":
         from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
 
-        _int4_gemv_fold_kernel[gemv_grid](*args, y, y.stride(0), y.stride(1), dst.counters, SERIAL=dst.serial,
-                                          GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
                                           **plan.launch_options(), **pdl_kwargs(x))
     else:

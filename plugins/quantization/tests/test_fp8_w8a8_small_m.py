@@ -174,26 +174,3 @@ def test_the_activations_are_quantize_activations_bit_for_bit(activation, block)
     a_q, a_s = quantize_activations(x, activation, block, input_scale)
     want = dequant_per_token_group(a_q, a_s, gk if activation == "dynamic_group" else k, torch.float64).float()
     assert torch.equal(out, want), int((out != want).sum())
-
-
-@pytest.mark.parametrize("m,plan", [(3, SmallMPlan("dot_w8a8", 16, 16, 16, split_k=4)),
-                                    (20, SmallMPlan("dot_w8a8", 16, 16, 32, split_k=3))])
-def test_serial_split_k_is_the_second_launch_bit_for_bit(monkeypatch, m, plan):
-    """K splits summed by each tile's last program (splitk_reduce.store_split) give exactly the two-launch
-    form's result, and leave every tile counter at zero for the next launch."""
-    from keel_quantization import splitk_reduce
-
-    q, s, gn, gk, _ = operands(40, 160, (16, 32), 3)
-    x = activations(m, 160, 4)
-    serial = torch.full((m, 40), float("nan"))
-    w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, "dynamic_group", out=serial, plan=plan)
-    assert not splitk_reduce.tile_counters(torch.device("cpu"), 0).any()
-
-    class TwoLaunch(splitk_reduce.SplitKOutput):
-        def __init__(self, y, k, block_k, split_k, serial=False, tiles=0):
-            super().__init__(y, k, block_k, split_k)
-
-    monkeypatch.setattr(w8a8, "SplitKOutput", TwoLaunch)
-    two = torch.full((m, 40), float("nan"))
-    w8a8.fp8_w8a8_small_m_gemm(x, q, s, gn, gk, "dynamic_group", out=two, plan=plan)
-    assert torch.equal(serial, two)

@@ -121,24 +121,3 @@ def test_long_k_splits_gemv_fold_programs():
     assert small_m_plan.int4_plan(1, 4096, 4096, 128).split_k == 1
     assert small_m_plan.int4_plan(2, 4096, 14336, 128).split_k == 2  # the table's own split fits
     assert small_m_plan.int4_plan(16, 4096, 14336, 128).kernel == "dot"
-
-
-@pytest.mark.parametrize("plan", [PLANS[1], PLANS[4]], ids=_id)
-def test_serial_split_k_is_the_second_launch_bit_for_bit(monkeypatch, plan):
-    """K splits summed by each tile's last program (splitk_reduce.store_split) equal the two-launch form's
-    result exactly, and every tile counter is back at zero."""
-    from keel_quantization import splitk_reduce
-
-    x, qw, s, z, g_idx, _ = _case(3, 192, 40, 64, False, False, seed=5)
-    serial = torch.full((3, 40), float("nan"))
-    int4_triton.int4_gemm(x, qw, s, z, g_idx, out=serial, group_size=64, plan=plan)
-    assert not splitk_reduce.tile_counters(torch.device("cpu"), 0).any()
-
-    class TwoLaunch(splitk_reduce.SplitKOutput):
-        def __init__(self, y, k, block_k, split_k, serial=False, tiles=0):
-            super().__init__(y, k, block_k, split_k)
-
-    monkeypatch.setattr(int4_triton, "SplitKOutput", TwoLaunch)
-    two = torch.full((3, 40), float("nan"))
-    int4_triton.int4_gemm(x, qw, s, z, g_idx, out=two, group_size=64, plan=plan)
-    assert torch.equal(serial, two)

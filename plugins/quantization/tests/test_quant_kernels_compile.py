@@ -77,21 +77,17 @@ SCRIPT = textwrap.dedent('''
                                                          "AMAX_K": 4096 // tiles[0]})
     w8a8_strides = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_wsn", "stride_wsk", "stride_cs",
                     "stride_cm", "stride_cn")
-    # per token over K (one split, bf16 out; 4 splits, fp32 partials, summed serially or by a second launch),
-    # static, block fp8 (a scale per K tile)
-    for act, c_dt, group_k, per_tile, tiles, rows, serial in ((1, "*bf16", 0, False, (16, 64, 128), 1, False),
-                                                              (1, "*fp32", 0, False, (32, 64, 128), 32, True),
-                                                              (1, "*fp32", 0, False, (16, 64, 128), 1, False),
-                                                              (0, "*bf16", 0, False, (16, 64, 128), 4, False),
-                                                              (2, "*fp32", 128, True, (16, 64, 128), 2, True)):
+    # per token over K (one split, bf16 out; 4 splits, fp32 partials), static, block fp8 (a scale per K tile)
+    for act, c_dt, group_k, per_tile, tiles, rows in ((1, "*bf16", 0, False, (16, 64, 128), 1),
+                                                      (1, "*fp32", 0, False, (32, 64, 128), 32),
+                                                      (0, "*bf16", 0, False, (16, 64, 128), 4),
+                                                      (2, "*fp32", 128, True, (16, 64, 128), 2)):
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "static_ptr": "*fp32", "c_ptr": c_dt,
-               "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in w8a8_strides},
-               "y_ptr": "*bf16", "stride_ym": i32, "stride_yn": i32, "cnt_ptr": "*i32"}
+               "M": i32, "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in w8a8_strides}}
         compile_(fp8_w8a8_small_m_triton._fp8_w8a8_small_m_kernel, sig,
                  {"ACT": act, "GROUP_N": 128 if per_tile else 1, "GROUP_K": group_k, "W_PER_TILE": per_tile,
                   "UPCAST_DOT": False, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
-                  "QUANT_ROWS": rows, "AMAX_K": max(tiles[2], 4096 // rows), "PROMOTE_K": 32, "SERIAL": serial},
-                 num_stages=4)
+                  "QUANT_ROWS": rows, "AMAX_K": max(tiles[2], 4096 // rows), "PROMOTE_K": 32}, num_stages=4)
     for y_dt in ("*bf16", "*fp16"):
         sig = {"ws_ptr": "*fp32", "y_ptr": y_dt, "M": i32, "N": i32, "SPLITS": i32,
                **{s: i32 for s in ("stride_ws", "stride_wm", "stride_ym", "stride_yn")}}
