@@ -175,6 +175,11 @@ def main() -> None:
     a = ap.parse_args()
     bw = copy_bandwidth_GBps()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+
+    def save(rows: list) -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps({"copy_bw_GBps": bw, "device": torch.cuda.get_device_name(),
+                                               "torch": torch.__version__, "fp8": a.fp8, "rows": rows}, indent=1))
     shapes = [(256, 192), (256, 640), (64, 192), (64, 1024), (1, 192), (1, 2048)]
     split_opts = [None, 1, 2, 4, 8, 16]
     flash_launches = [None, (64, 4, 1), (32, 4, 2), (32, 2, 2), (64, 2, 2), (128, 4, 1), (16, 2, 2), (64, 8, 2)]
@@ -213,6 +218,7 @@ def main() -> None:
                            and r["launch"] is None and r["splits"] is None and "us" in r)
             print(json.dumps({"kind": kind, "batch": batch, "ctx": ctx, "default_us": default["us"],
                               "default_bw": default["bw_frac"], "best": best[1] if best else None}), flush=True)
+            save(rows)  # after every shape: a cut run keeps what it measured
     for prompts, length in a.mla_prefill or ():
         best = None
         for launch in MLA_PREFILL_LAUNCHES:
@@ -231,9 +237,8 @@ def main() -> None:
                 best = (ms, row)
         print(json.dumps({"kind": "mla-prefill", "prompts": prompts, "len": length, "best": best and best[1]}),
               flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps({"copy_bw_GBps": bw, "device": torch.cuda.get_device_name(),
-                                           "torch": torch.__version__, "fp8": a.fp8, "rows": rows}, indent=1))
+        save(rows)
+    save(rows)
 
 
 if __name__ == "__main__":
