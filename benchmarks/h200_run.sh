@@ -70,7 +70,7 @@
 #   router    h200_router_gemm.py: the router logits, reference (copy + cuBLAS float32) vs the split-weight kernel
 #   mla-attn  h200_decode_attention.py: MLA's decode kernel per launch and split count (MLA_SHAPES, batch x context,
 #             default 256x192,256x640,64x192,1x192), then its prefill tiles per launch (MLA_PREFILL, prompts x length,
-#             default 64x128 16x512); $W/mla-decode-attention.json, $W/mla-prefill-attention.json
+#             default 64x128 16x512; time limits MLA_DECODE_S, MLA_PREFILL_S); $W/mla-decode-attention.json, $W/mla-prefill-attention.json
 #   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -224,11 +224,11 @@ for part in "$@"; do
       while IFS='|' read -r d a b x; do
         [ -n "$d" ] && profile_ab "$d" "$a" "${b:-1,256}" "$x" "-$(basename "$d")-$a"
       done <<<"${AB_SETS:-}";;
-    mla-attn) timeout 240 python3 benchmarks/h200_decode_attention.py --only mla \
+    mla-attn) timeout "${MLA_DECODE_S:-240}" python3 benchmarks/h200_decode_attention.py --only mla \
                 --shapes "${MLA_SHAPES:-256x192,256x640,64x192,1x192}" --out "$W/mla-decode-attention.json" \
                 >"$W/mla-decode-attention.log" 2>&1; grep '"best"' "$W/mla-decode-attention.log" | cut -c1-300
               # shellcheck disable=SC2086  # several prompts x length pairs
-              timeout 150 python3 benchmarks/h200_decode_attention.py --mla-prefill ${MLA_PREFILL:-64x128 16x512} \
+              timeout "${MLA_PREFILL_S:-150}" python3 benchmarks/h200_decode_attention.py --mla-prefill ${MLA_PREFILL:-64x128 16x512} \
                 --out "$W/mla-prefill-attention.json" >"$W/mla-prefill-attention.log" 2>&1
               grep -E '"best"|"launch": null' "$W/mla-prefill-attention.log" | cut -c1-300;;
     moe-prefill) timeout 150 python3 benchmarks/h200_moe_prefill.py --out "$W/h200-moe-prefill.json" \
