@@ -35,6 +35,10 @@ shared key/value "head" of size L + R.
    then computes, for each new token, softmax(s * q . k) v over its request's context (causal within
    the new tokens), where q = cat(q_nope, q_pe), k = cat(W_UK kv_c, k_pe) and v = W_UV kv_c of the
    context tokens.
+   An impl may also offer `fold_query(q_nope [T, H, N]) -> q_c [T, H, L]` (q_nope through W_UK, what its
+   forward would compute first); inside a CUDA graph capture the layer then calls it on a side stream beside
+   the latent's norm and the rope, and passes the result as `forward(..., q_c=q_c)`, which must equal the
+   forward without it.
    Guarantees asked of the impl: the cache only ever holds latents (never expanded K/V); requests
    with one new token (decode) are computed in the absorbed form -- q_nope is folded through W_UK into
    latent space, attention runs over the cached latents as a single shared head, W_UV is applied to
@@ -66,6 +70,7 @@ from torch import nn
 from keel.attention.backend import AttentionLayerConfig
 from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import MLALatentSpec
+from keel.layers import side_stream
 from keel.layers.kv_scales import register_kv_scales
 from keel.layers.rotary import RotaryEmbedding
 from keel.models.interface import ModelBuildContext
@@ -200,15 +205,27 @@ class MLAAttention(nn.Module):
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         q: torch.Tensor,  # [num_tokens, H * (N + R)]: the q projection's output, rope part not rotated
-        kv_c: torch.Tensor,  # [num_tokens, L], normalized
+        kv_c: torch.Tensor,  # [num_tokens, L], normalized -- or raw, with `kv_norm` given
         k_pe: torch.Tensor,  # [num_tokens, R], not rotated (may be a strided view)
         ctx: ForwardContext,
+        kv_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,  # kv_a_layernorm, applied here
     ) -> torch.Tensor:  # [num_tokens, H * V]
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope = q[..., : self.qk_nope_head_dim]
+        # Inside a graph capture an impl that offers `fold_query` folds q_nope through W_UK on a side stream,
+        # beside the latent's norm and the rope (keel.layers.side_stream): at batch 1 each is a few microseconds
+        # of a chain the step waits on. Otherwise the impl folds the query itself.
+        fold = getattr(self.impl, "fold_query", None)
+        side = side_stream.fork(q) if fold is not None else None
+        q_c = None
+        if side is not None:
+            with side_stream.on(side):
+                q_c = fold(q_nope)
+        if kv_norm is not None:
+            kv_c = kv_norm(kv_c)
         q_pe, k_pe = self.rope(positions, q, k_pe)
-        out = self.impl.forward(
-            q[..., : self.qk_nope_head_dim], q_pe, kv_c, k_pe, ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata[self.layer_idx],
-        )
+        side_stream.join(side)
+        args = (q_nope, q_pe, kv_c, k_pe, ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx])
+        out = self.impl.forward(*args) if q_c is None else self.impl.forward(*args, q_c=q_c)
         return out.reshape(n, self.num_heads * self.v_head_dim)

@@ -81,6 +81,16 @@ class TritonMLAImpl:
         self.w_uk = _refresh(self.w_uk, w_uk)
         self.w_uv_t = _refresh(self.w_uv_t, w_uv.transpose(1, 2))
 
+    def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:  # [T, H, N] -> [T, H, L]
+        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides. Called by
+        `forward`, or by the MLA layer beforehand on a side stream (`keel.layers.mla_attention`)."""
+        if self.w_uk is None:
+            raise RuntimeError(
+                "triton_mla: process_weights_after_loading was never called; the model must hand over "
+                "kv_b_proj's W_UK/W_UV after loading its weights"
+            )
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
     def forward(
         self,
         q_nope: torch.Tensor,  # [T, H, N] (a strided view of the q projection)
@@ -89,6 +99,7 @@ class TritonMLAImpl:
         k_pe: torch.Tensor,  # [T, R]
         kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
         metadata: TritonMLAMetadata,
+        q_c: torch.Tensor | None = None,  # [T, H, L]: fold_query(q_nope), when the layer folded it already
     ) -> torch.Tensor:  # [T, H, V]
         if self.w_uk is None or self.w_uv_t is None:
             raise RuntimeError(
@@ -100,8 +111,8 @@ class TritonMLAImpl:
             self.write_latent(kv_c[:num], k_pe[:num], kv_cache, metadata.common.slot_mapping)
         # The kernels read q_pe by its strides (the last one must be 1); no concatenation with q_c.
         q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
-        # W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides.
-        q_c = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        if q_c is None:
+            q_c = self.fold_query(q_nope)
         o_latent = torch.empty((q_nope.shape[0], self.num_heads, self.kv_lora_rank), dtype=q_nope.dtype,
                                device=q_nope.device)
         if metadata.num_decodes:

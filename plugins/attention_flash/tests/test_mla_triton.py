@@ -243,3 +243,20 @@ def test_graph_padding_requests_read_and_write_nothing():
     assert torch.isfinite(out[:2]).all() and torch.equal(out[2:].cpu(), torch.zeros(2, H, V))
     changed = ~(torch.isclose(cache, before) | (cache.isnan() & before.isnan()))
     assert int(changed.any(-1).sum()) == 2  # only the two real tokens' slots
+
+
+def test_a_query_folded_beforehand_is_the_forward_without_it():
+    """The MLA layer may fold q_nope through W_UK itself (`fold_query`, on a side stream inside a graph capture)
+    and pass it as `q_c`: the forward's output is then the one it computes alone, bit for bit."""
+    outs = []
+    for folded in (False, True):
+        latents, new_latents, common, cache = make_step([5, 17], [1, 4], 4, torch.Generator().manual_seed(4))
+        impl = TritonMLAImpl(mla_layer(4, torch.float32))
+        w = torch.randn(H, N + V, L, generator=torch.Generator().manual_seed(5)) / L**0.5
+        impl.process_weights_after_loading(w[:, :N].to(DEVICE), w[:, N:].to(DEVICE))
+        md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
+        q = torch.randn(new_latents.shape[0], H, N + R, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+        dev = new_latents.to(DEVICE, torch.float32)
+        args = (q[..., :N], q[..., N:], dev[:, :L], dev[:, L:], cache.to(DEVICE, torch.float32), md)
+        outs.append(impl.forward(*args, q_c=impl.fold_query(q[..., :N])) if folded else impl.forward(*args))
+    assert torch.equal(outs[0], outs[1])

@@ -147,6 +147,6 @@ class DeepseekV2MLAAttention(nn.Module):
             kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([lora, r], dim=-1)
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(q))
-        kv_c = self.kv_a_layernorm(kv_c)
-        out = self.mla_attn(positions, q, kv_c, k_pe, ctx)  # rope applied inside (q_pe, k_pe)
+        # kv_a_layernorm and rope run inside the MLA layer (beside the query's W_UK fold where it can)
+        out = self.mla_attn(positions, q, kv_c, k_pe, ctx, kv_norm=self.kv_a_layernorm)
         return self.o_proj(out)
