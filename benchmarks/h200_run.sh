@@ -54,7 +54,8 @@
 #   profile-ab  h200_step_profile.py (AB_ARCH, default dsv2lite; AB_BATCH, default 1,256; AB_ARGS, more of its
 #             arguments, e.g. --quantization-case llama8b-gptq; dummy weights) on the
 #             working tree ("after"), then with the files under AB_DIR (default ab/: the same relative paths, e.g.
-#             `git show <base>:<path> > ab/<path>` for each file a change touched; untracked files travel) copied
+#             `bash benchmarks/ab_folder.sh ab <base> <commit>`: each file the commit touched, as at base; untracked
+#             files travel) copied
 #             over ("before"), then the tree restored: a change's effect on the step in one call
 #   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line, e.g.
 #             AB_SETS=$'ab-splitk|llama8b|1,256|--quantization-case llama8b-fp8-tensor\nab-dsv2|dsv2lite||--quantization-case dsv2lite-fp8-block'
