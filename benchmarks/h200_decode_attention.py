@@ -95,22 +95,31 @@ def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float
     return graph_ms(lambda: impl.forward(q, k, v, cache, md))
 
 
-def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
-    from keel_attention_flash.mla_backend import TritonMLABackend
+H, N, R, V, L = 16, 128, 64, 128, 512  # DeepSeek-V2-Lite's MLA: heads, nope, rope, value dims, latent
+
+
+def mla_impl(num_blocks: int, fp8: bool, **launch):
+    """(TritonMLAImpl of DeepSeek-V2-Lite's MLA layer with `launch`'s tuning arguments, its random latent cache)."""
     from keel_attention_flash.mla_impl import TritonMLAImpl
 
     from keel.attention.backend import AttentionLayerConfig
 
-    H, N, R, V, L = 16, 128, 64, 128, 512
-    common, num_blocks = common_md(batch, ctx)
     cache, k_scale, _ = cache_and_scales((num_blocks, BLOCK, L + R), fp8)
     layer = AttentionLayerConfig(
         num_heads=H, num_kv_heads=1, head_size=L + R, scale=(N + R) ** -0.5, dtype=torch.bfloat16,
         block_size=BLOCK, use_mla=True, kv_cache_dtype=cache.dtype if fp8 else None,
         extra=(("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)))
-    impl = TritonMLAImpl(layer, decode_splits=splits, decode_launch=launch)
+    impl = TritonMLAImpl(layer, **launch)
     if fp8:
         impl.set_kv_scales(k_scale, k_scale)
+    return impl, cache
+
+
+def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
+    from keel_attention_flash.mla_backend import TritonMLABackend
+
+    common, num_blocks = common_md(batch, ctx)
+    impl, cache = mla_impl(num_blocks, fp8, decode_splits=splits, decode_launch=launch)
     impl.process_weights_after_loading(torch.randn(H, N, L, dtype=torch.bfloat16, device="cuda") / L**0.5,
                                        torch.randn(H, V, L, dtype=torch.bfloat16, device="cuda") / L**0.5)
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
@@ -129,12 +138,9 @@ MLA_PREFILL_LAUNCHES = [None, (16, 2, 32, 4, 2), (16, 2, 64, 4, 2), (16, 2, 32, 
 def mla_prefill_case(prompts: int, length: int, launch, fp8: bool = False) -> float:
     """ms of MLA's prefill tiles alone over `prompts` causal prompts of `length` tokens (no cached context)."""
     from keel_attention_flash.mla_backend import TritonMLABackend
-    from keel_attention_flash.mla_impl import TritonMLAImpl
 
-    from keel.attention.backend import AttentionLayerConfig
     from keel.attention.metadata import CommonAttentionMetadata
 
-    H, N, R, V, L = 16, 128, 64, 128, 512
     blocks_per = -(-length // BLOCK)
     num_blocks = prompts * blocks_per + 1
     table = (torch.randperm(num_blocks - 1, device="cuda").to(torch.int32) + 1).view(prompts, blocks_per)
@@ -146,14 +152,7 @@ def mla_prefill_case(prompts: int, length: int, launch, fp8: bool = False) -> fl
         query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=seq.cuda(), seq_lens_cpu=seq,
         block_table=table, slot_mapping=slots.cuda(), num_reqs=prompts, num_actual_tokens=prompts * length,
         max_query_len=length, max_seq_len=CAPTURE_MAX_SEQ, block_size=BLOCK)
-    cache, k_scale, _ = cache_and_scales((num_blocks, BLOCK, L + R), fp8)
-    layer = AttentionLayerConfig(
-        num_heads=H, num_kv_heads=1, head_size=L + R, scale=(N + R) ** -0.5, dtype=torch.bfloat16,
-        block_size=BLOCK, use_mla=True, kv_cache_dtype=cache.dtype if fp8 else None,
-        extra=(("kv_lora_rank", L), ("qk_nope_head_dim", N), ("qk_rope_head_dim", R), ("v_head_dim", V)))
-    impl = TritonMLAImpl(layer, prefill_launch=launch)
-    if fp8:
-        impl.set_kv_scales(k_scale, k_scale)
+    impl, cache = mla_impl(num_blocks, fp8, prefill_launch=launch)
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
     t = prompts * length
     q_c = torch.randn(t, H, L, dtype=torch.bfloat16, device="cuda") / 8

@@ -81,14 +81,17 @@ class TritonMLAImpl:
         self.w_uk = _refresh(self.w_uk, w_uk)
         self.w_uv_t = _refresh(self.w_uv_t, w_uv.transpose(1, 2))
 
-    def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:  # [T, H, N] -> [T, H, L]
-        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides. Called by
-        `forward`, or by the MLA layer beforehand on a side stream (`keel.layers.mla_attention`)."""
-        if self.w_uk is None:
+    def _require_weights(self) -> None:
+        if self.w_uk is None or self.w_uv_t is None:
             raise RuntimeError(
                 "triton_mla: process_weights_after_loading was never called; the model must hand over "
                 "kv_b_proj's W_UK/W_UV after loading its weights"
             )
+
+    def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:  # [T, H, N] -> [T, H, L]
+        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides. Called by
+        `forward`, or by the MLA layer beforehand on a side stream (`keel.layers.mla_attention`)."""
+        self._require_weights()
         return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
 
     def forward(
@@ -101,11 +104,7 @@ class TritonMLAImpl:
         metadata: TritonMLAMetadata,
         q_c: torch.Tensor | None = None,  # [T, H, L]: fold_query(q_nope), when the layer folded it already
     ) -> torch.Tensor:  # [T, H, V]
-        if self.w_uk is None or self.w_uv_t is None:
-            raise RuntimeError(
-                "triton_mla: process_weights_after_loading was never called; the model must hand over "
-                "kv_b_proj's W_UK/W_UV after loading its weights"
-            )
+        self._require_weights()
         num = metadata.num_actual_tokens
         if num:
             self.write_latent(kv_c[:num], k_pe[:num], kv_cache, metadata.common.slot_mapping)
