@@ -101,13 +101,13 @@ class _Block(nn.Module):
 def test_custom_op_is_a_registry_kind():
     assert "custom_op" in KINDS
     assert set(CUSTOM_OP_NAMES) == {"fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope",
-                                    "silu_and_mul", "linear_small_m", "router_gemm", "select_experts",
+                                    "mla_rope_norm", "silu_and_mul", "linear_small_m", "router_gemm", "select_experts",
                                     "fused_experts", "apply_token_bitmask"}
     assert TokenBitmask.custom_ops == ("apply_token_bitmask",)
     assert RMSNorm.custom_ops == ("rms_norm", "fused_add_rms_norm")
     assert SiluAndMul.custom_ops == ("silu_and_mul",) and RotaryEmbedding.custom_ops == ("rotary_embedding",)
     assert FusedMoE.custom_ops == ("select_experts", "fused_experts")
-    assert MLAAttention.custom_ops == ("mla_rope",)
+    assert MLAAttention.custom_ops == ("mla_rope", "mla_rope_norm")
     assert ReplicatedLinear.custom_ops == RowParallelLinear.custom_ops == ("linear_small_m",)
 
 

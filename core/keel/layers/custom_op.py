@@ -31,6 +31,10 @@ the native layers):
         q[..., nope_dim:], and k_pe are de-interleaved (evens, then odds) when `interleaved`, then neox-
         rotated over all R dims; q_pe [n, heads, R] and k_pe_out [n, R] are new contiguous tensors; q's
         nope part is neither read nor copied. cos/sin_cache: [cache_len, R] float32 (halves repeated).
+    mla_rope_norm(positions, q, k_pe, kv_c, kv_weight, eps, cos_cache, sin_cache, nope_dim, interleaved)
+        -> (q_pe, k_pe_out, kv_c_out)
+        mla_rope's outputs and kv_c_out = rms_norm(kv_c, kv_weight, eps) (MLA's kv_a_layernorm) in one call;
+        kv_c: [n, L] (any row stride), kv_weight: [L] in kv_c's dtype; kv_c_out a new contiguous tensor.
     silu_and_mul(x) -> out
         x: [..., 2 * d]; out: [..., d] = silu(x[..., :d]) * x[..., d:].
     linear_small_m(x, weight, bias) -> out
@@ -73,8 +77,8 @@ import torch
 logger = logging.getLogger("keel.custom_op")
 
 CUSTOM_OP_NAMES: tuple[str, ...] = (
-    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "silu_and_mul", "linear_small_m", "router_gemm",
-    "select_experts", "fused_experts", "apply_token_bitmask",
+    "fused_add_rms_norm", "rms_norm", "rotary_embedding", "mla_rope", "mla_rope_norm", "silu_and_mul",
+    "linear_small_m", "router_gemm", "select_experts", "fused_experts", "apply_token_bitmask",
 )
 
 

@@ -50,7 +50,8 @@ Rope belongs to this layer: it gets the model's `RotaryEmbedding` (DeepSeek's ne
 R rope dims) and whether the checkpoint's rope dims are interleaved, and rotates the raw q projection's
 rope part and the raw k_pe itself -- through the `mla_rope` custom op when one is bound (one kernel
 reading q's rope part in place and writing q_pe and k_pe), else the torch reference below
-(de-interleave copies, the rotary layer, its output). Either way q_nope is never copied: on an H200 the
+(de-interleave copies, the rotary layer, its output); where `mla_rope_norm` is bound the same launch also
+applies kv_a_layernorm to the latent. Either way q_nope is never copied: on an H200 the
 reference path's concatenations and copies cost 4.4 ms of an 8192-token DeepSeek-V2-Lite prefill step.
 Interleaved rope dims (DeepSeek-V2 always, V3 when `rope_interleave`) are de-interleaved (evens, then
 odds) in q_pe and k_pe alike before the neox rotation; only q_pe . k_pe is ever used, so the
@@ -72,6 +73,7 @@ from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import MLALatentSpec
 from keel.layers import side_stream
 from keel.layers.kv_scales import register_kv_scales
+from keel.layers.layernorm import RMSNorm
 from keel.layers.rotary import RotaryEmbedding
 from keel.models.interface import ModelBuildContext
 
@@ -110,10 +112,11 @@ class MLAAttention(nn.Module):
 
     Built by the model's attention module, which owns the projections (including kv_b_proj); this layer
     owns the backend impl, the KV cache spec and the rope of q and k_pe (`rotary_emb`, built by the
-    model; see the module docstring). The worker may bind an `mla_rope` kernel (`keel.layers.custom_op`).
+    model; see the module docstring). The worker may bind an `mla_rope` kernel, and an `mla_rope_norm` one
+    that also applies the latent's RMSNorm (`keel.layers.custom_op`).
     """
 
-    custom_ops: ClassVar[tuple[str, ...]] = ("mla_rope",)
+    custom_ops: ClassVar[tuple[str, ...]] = ("mla_rope", "mla_rope_norm")
     bound_ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
     def __init__(
@@ -201,6 +204,27 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, h * r), k_pe.contiguous())
         return q_pe.view(t, h, r), k_pe
 
+    def rope_norm(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, H, N + R], not rotated
+        k_pe: torch.Tensor,  # [T, R], not rotated
+        kv_c: torch.Tensor,  # [T, L]: raw when `kv_norm` is given
+        kv_norm: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q_pe [T, H, R], k_pe [T, R], kv_c [T, L]
+        """`rope` and `kv_norm(kv_c)`: one `mla_rope_norm` launch where that op is bound and the norm is a plain
+        RMSNorm in kv_c's dtype (at batch 1 each launch in this chain is a few microseconds the step waits on)."""
+        op = self.bound_ops.get("mla_rope_norm")
+        if (op is not None and isinstance(kv_norm, RMSNorm) and kv_norm.fused_input_quant is None
+                and kv_norm.weight.dtype == kv_c.dtype):
+            rot = self.rotary_emb
+            return op(positions, q, k_pe, kv_c, kv_norm.weight, kv_norm.variance_epsilon, rot.cos_cache,
+                      rot.sin_cache, self.qk_nope_head_dim, self.rope_interleaved)
+        if kv_norm is not None:
+            kv_c = kv_norm(kv_c)
+        q_pe, k_pe = self.rope(positions, q, k_pe)
+        return q_pe, k_pe, kv_c
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
@@ -222,9 +246,7 @@ class MLAAttention(nn.Module):
         if side is not None:
             with side_stream.on(side):
                 q_c = fold(q_nope)
-        if kv_norm is not None:
-            kv_c = kv_norm(kv_c)
-        q_pe, k_pe = self.rope(positions, q, k_pe)
+        q_pe, k_pe, kv_c = self.rope_norm(positions, q, k_pe, kv_c, kv_norm)
         side_stream.join(side)
         args = (q_nope, q_pe, kv_c, k_pe, ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx])
         out = self.impl.forward(*args) if q_c is None else self.impl.forward(*args, q_c=q_c)

@@ -25,6 +25,7 @@ def manifest() -> PluginManifest:
                 "rms_norm": f"{_OPS}:TritonRMSNorm",
                 "rotary_embedding": f"{_OPS}:TritonRotaryEmbedding",
                 "mla_rope": f"{_OPS}:TritonMLARope",
+                "mla_rope_norm": f"{_OPS}:TritonMLARopeNorm",
                 "silu_and_mul": f"{_OPS}:TritonSiluAndMul",
                 "linear_small_m": f"{_OPS}:TritonLinearSmallM",
                 "router_gemm": f"{_MOE_OPS}:TritonRouterGemm",
@@ -33,7 +34,8 @@ def manifest() -> PluginManifest:
                 "apply_token_bitmask": "keel_kernels_triton.token_bitmask:TritonApplyTokenBitmask",
             }
         },
-        description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, MLA's q/k rope, "
-                    "SiluAndMul; unquantized linear layers at decode sizes where measured faster (GEMV); MoE router logits, routing and fused experts (grouped GEMMs with tuned tiles); the "
+        description="Fused Triton kernels: residual add + RMSNorm, RMSNorm, neox rope, MLA's q/k rope (with the "
+                    "latent's RMSNorm), SiluAndMul; unquantized linear layers at decode sizes where measured faster "
+                    "(GEMV); MoE router logits, routing and fused experts (grouped GEMMs with tuned tiles); the "
                     "structured-output token bitmask.",
     )

@@ -1,5 +1,5 @@
-"""Triton kernels of kernels-triton: (residual add +) RMSNorm, neox rope on q and k, MLA's rope,
-SiluAndMul.
+"""Triton kernels of kernels-triton: (residual add +) RMSNorm, neox rope on q and k, MLA's rope (with the
+latent's RMSNorm), SiluAndMul.
 
 Each kernel reproduces the rounding steps of keel's native layer math (which mirrors HF): values are
 widened to float32 for arithmetic and rounded back to the activation dtype exactly where the torch code
@@ -30,6 +30,16 @@ def _round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
+def _norm_row(x, w_ptr, o_row, offs, mask, H, eps):
+    """One row held in registers (`x` at `offs`, zero where masked): weight * norm(x) stored at `o_row`."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    y = _round_to(xf * rstd, x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_row + offs, _round_to(w * y, o_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,  # [rows, H] (row stride stride_x)
     res_ptr,  # [rows, H] residual in (only read when HAS_RESIDUAL)
@@ -55,11 +65,7 @@ def rms_norm_kernel(
             r = tl.load(r_row + offs, mask=mask, other=0.0)
             x = _round_to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
             tl.store(ro_row + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        y = _round_to(xf * rstd, x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_row + offs, _round_to(w * y, out_ptr.dtype.element_ty), mask=mask)
+        _norm_row(x, w_ptr, o_row, offs, mask, H, eps)
     else:
         # Rows wider than one tile: sum in a first sweep (writing the new residual), scale in a second.
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -168,20 +174,33 @@ def mla_rope_kernel(
     k_out_ptr,  # [num_tokens, ROT] contiguous
     cos_ptr, sin_ptr,  # [cache_len, ROT] float32 contiguous
     stride_q, stride_qh, stride_k, num_heads,
+    kv_ptr,  # [num_tokens, lora] (row stride stride_kv), the raw latent (read by programs (t, 2) only)
+    kv_w_ptr,  # [lora] its RMSNorm weight
+    kv_out_ptr,  # [num_tokens, lora] contiguous, the normalized latent
+    stride_kv, lora, eps,
     ROT: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr, BLOCK_L: tl.constexpr = 16, PDL: tl.constexpr = False,
 ):
     """MLA's rope: q's rope parts read in place from the projection (no nope copy, no concatenation),
-    de-interleaved on the load when INTERLEAVED. Program (t, 0) does the token's q heads, (t, 1) k_pe."""
+    de-interleaved on the load when INTERLEAVED. Program (t, 0) does the token's q heads, (t, 1) k_pe and,
+    on a grid of 3 programs a token, (t, 2) the latent's RMSNorm (kv_a_layernorm: one kernel fewer in the
+    layer's chain; BLOCK_L >= lora)."""
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, q_out_ptr.dtype.element_ty, ROT, HALF, BLOCK_HALF)
-    if tl.program_id(1) == 0:
-        _rope_heads(q_ptr, q_out_ptr, stride_q, num_heads * ROT, stride_qh, ROT, token, cos, sin, num_heads,
-                    ROT, HALF, ROT, BLOCK_H, BLOCK_HALF, 1, INTERLEAVED)
+    part = tl.program_id(1)
+    if part == 2:
+        offs = tl.arange(0, BLOCK_L)
+        mask = offs < lora
+        x = tl.load(kv_ptr + token * stride_kv + offs, mask=mask, other=0.0)
+        _norm_row(x, kv_w_ptr, kv_out_ptr + token * lora, offs, mask, lora, eps)
     else:
-        _rope_heads(k_ptr, k_out_ptr, stride_k, ROT, ROT, ROT, token, cos, sin, 1,
-                    ROT, HALF, ROT, 1, BLOCK_HALF, 1, INTERLEAVED)
+        cos, sin = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, q_out_ptr.dtype.element_ty, ROT, HALF, BLOCK_HALF)
+        if part == 0:
+            _rope_heads(q_ptr, q_out_ptr, stride_q, num_heads * ROT, stride_qh, ROT, token, cos, sin, num_heads,
+                        ROT, HALF, ROT, BLOCK_H, BLOCK_HALF, 1, INTERLEAVED)
+        else:
+            _rope_heads(k_ptr, k_out_ptr, stride_k, ROT, ROT, ROT, token, cos, sin, 1,
+                        ROT, HALF, ROT, 1, BLOCK_HALF, 1, INTERLEAVED)
 
 
 @triton.jit

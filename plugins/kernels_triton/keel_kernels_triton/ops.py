@@ -136,29 +136,73 @@ class TritonMLARope(TritonOp):
         nope_dim: int,
         interleaved: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q_pe [n, heads, R], k_pe [n, R], contiguous
-        n, heads, rot = q.shape[0], q.shape[1], k_pe.shape[-1]
-        if q.dim() != 3 or q.shape[2] != nope_dim + rot or rot % 2 or k_pe.shape != (n, rot):
-            raise UnsupportedTensorError(f"mla_rope: q {tuple(q.shape)} must be [n, heads, {nope_dim} + R], "
-                                         f"k_pe {tuple(k_pe.shape)} [n, R] with R even")
-        for name, t in (("q", q), ("k_pe", k_pe)):
-            if t.dtype not in SUPPORTED_DTYPES or t.stride(-1) != 1:
-                raise UnsupportedTensorError(f"mla_rope {name}: needs one of {SUPPORTED_DTYPES} with a "
-                                             f"contiguous last dim, got {t.dtype} strides {t.stride()}")
-        caches_ok = cos_cache.dtype == torch.float32 and cos_cache.shape[-1] == rot
-        if not (caches_ok and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
-            raise UnsupportedTensorError(f"mla_rope caches must be contiguous float32 [cache_len, {rot}]")
-        q_out = torch.empty((n, heads, rot), dtype=q.dtype, device=q.device)
-        k_out = torch.empty((n, rot), dtype=k_pe.dtype, device=k_pe.device)
-        if n:
-            half = rot // 2
-            block_half = triton.next_power_of_2(half)
-            mla_rope_kernel[(n, 2)](
-                positions, q[..., nope_dim:], k_pe, q_out, k_out, cos_cache, sin_cache,
-                q.stride(0), q.stride(1), k_pe.stride(0), heads,
-                ROT=rot, HALF=half, BLOCK_H=min(triton.next_power_of_2(heads), max(1, 4096 // block_half)),
-                BLOCK_HALF=block_half, INTERLEAVED=bool(interleaved), **_pdl(q),
-            )
+        q_out, k_out, _ = _mla_rope(positions, q, k_pe, cos_cache, sin_cache, nope_dim, interleaved, None)
         return q_out, k_out
+
+
+class TritonMLARopeNorm(TritonOp):
+    """`mla_rope_norm(positions, q, k_pe, kv_c, kv_weight, eps, cos_cache, sin_cache, nope_dim, interleaved)
+    -> (q_pe, k_pe, kv_c_out)`: `mla_rope` and the latent's RMSNorm (`rms_norm(kv_c, kv_weight, eps)`) in the
+    same launch, a third program per token; the norm's arithmetic and reduction layout are rms_norm's."""
+
+    def __call__(
+        self,
+        positions: torch.Tensor,  # [n] int
+        q: torch.Tensor,  # [n, heads, nope_dim + R], last dim contiguous
+        k_pe: torch.Tensor,  # [n, R], last dim contiguous
+        kv_c: torch.Tensor,  # [n, L], last dim contiguous: the raw latent
+        kv_weight: torch.Tensor,  # [L], kv_c's dtype
+        eps: float,
+        cos_cache: torch.Tensor,  # [cache_len, R] float32
+        sin_cache: torch.Tensor,  # [cache_len, R] float32
+        nope_dim: int,
+        interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q_pe, k_pe, kv_c_out [n, L]: contiguous
+        lora = kv_weight.shape[0]
+        if kv_c.shape != (q.shape[0], lora) or kv_c.stride(-1) != 1 or kv_weight.dim() != 1:
+            raise UnsupportedTensorError(f"mla_rope_norm: kv_c {tuple(kv_c.shape)} must be [n, {lora}] with a "
+                                         f"contiguous last dim, kv_weight 1-d")
+        if kv_c.dtype != kv_weight.dtype or kv_c.dtype not in SUPPORTED_DTYPES or lora > MAX_NORM_BLOCK:
+            raise UnsupportedTensorError(f"mla_rope_norm: kv_c {kv_c.dtype} and its weight {kv_weight.dtype} "
+                                         f"must share one of {SUPPORTED_DTYPES}, at most {MAX_NORM_BLOCK} wide")
+        return _mla_rope(positions, q, k_pe, cos_cache, sin_cache, nope_dim, interleaved, (kv_c, kv_weight, eps))
+
+
+def _mla_rope(
+    positions: torch.Tensor, q: torch.Tensor, k_pe: torch.Tensor, cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor, nope_dim: int, interleaved: bool,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (kv_c [n, L], weight [L], eps), checked
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    n, heads, rot = q.shape[0], q.shape[1], k_pe.shape[-1]
+    if q.dim() != 3 or q.shape[2] != nope_dim + rot or rot % 2 or k_pe.shape != (n, rot):
+        raise UnsupportedTensorError(f"mla_rope: q {tuple(q.shape)} must be [n, heads, {nope_dim} + R], "
+                                     f"k_pe {tuple(k_pe.shape)} [n, R] with R even")
+    for name, t in (("q", q), ("k_pe", k_pe)):
+        if t.dtype not in SUPPORTED_DTYPES or t.stride(-1) != 1:
+            raise UnsupportedTensorError(f"mla_rope {name}: needs one of {SUPPORTED_DTYPES} with a "
+                                         f"contiguous last dim, got {t.dtype} strides {t.stride()}")
+    caches_ok = cos_cache.dtype == torch.float32 and cos_cache.shape[-1] == rot
+    if not (caches_ok and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+        raise UnsupportedTensorError(f"mla_rope caches must be contiguous float32 [cache_len, {rot}]")
+    q_out = torch.empty((n, heads, rot), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((n, rot), dtype=k_pe.dtype, device=k_pe.device)
+    kv_c, kv_w, eps = norm if norm is not None else (k_pe, k_pe, 0.0)  # unread without the third program
+    kv_out = torch.empty(kv_c.shape, dtype=kv_c.dtype, device=kv_c.device) if norm is not None else None
+    lora = kv_c.shape[-1] if norm is not None else 1
+    block_l = triton.next_power_of_2(lora)
+    if n:
+        half = rot // 2
+        block_half = triton.next_power_of_2(half)
+        # With the norm: rms_norm's warps for this width, so its reduction runs in the same order.
+        warps = min(max(block_l // 256, 1), 16) if norm is not None else 4
+        mla_rope_kernel[(n, 2 if norm is None else 3)](
+            positions, q[..., nope_dim:], k_pe, q_out, k_out, cos_cache, sin_cache,
+            q.stride(0), q.stride(1), k_pe.stride(0), heads,
+            kv_c, kv_w, kv_out if kv_out is not None else k_out, kv_c.stride(0), lora, float(eps),
+            ROT=rot, HALF=half, BLOCK_H=min(triton.next_power_of_2(heads), max(1, 4096 // block_half)),
+            BLOCK_HALF=block_half, INTERLEAVED=bool(interleaved), BLOCK_L=block_l, num_warps=warps, **_pdl(q),
+        )
+    return q_out, k_out, kv_out
 
 
 class TritonSiluAndMul(TritonOp):

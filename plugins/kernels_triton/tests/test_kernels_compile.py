@@ -39,11 +39,12 @@ SCRIPT = textwrap.dedent('''
                                      "BLOCK_PASS": 64})
     mla_rope = {"pos_ptr": "*i64", "q_ptr": dt, "k_ptr": dt, "q_out_ptr": dt, "k_out_ptr": dt,
                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_q": i32, "stride_qh": i32, "stride_k": i32, "num_heads": i32,
+                "kv_ptr": dt, "kv_w_ptr": dt, "kv_out_ptr": dt, "stride_kv": i32, "lora": i32, "eps": "fp32",
                 "ROT": "constexpr", "HALF": "constexpr", "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr",
-                "INTERLEAVED": "constexpr"}
-    for interleaved in (True, False):  # DeepSeek-V2-Lite's 16 heads of 64 rope dims
+                "INTERLEAVED": "constexpr", "BLOCK_L": "constexpr"}
+    for interleaved in (True, False):  # DeepSeek-V2-Lite's 16 heads of 64 rope dims, its 512-wide latent
         compile_(K.mla_rope_kernel, mla_rope, {"ROT": 64, "HALF": 32, "BLOCK_H": 16, "BLOCK_HALF": 32,
-                                               "INTERLEAVED": interleaved})
+                                               "INTERLEAVED": interleaved, "BLOCK_L": 512})
     silu = {"x_ptr": dt, "out_ptr": dt, "stride_x": i32, "stride_o": i32, "D": i32, "BLOCK": "constexpr"}
     compile_(K.silu_and_mul_kernel, silu, {"BLOCK": 1024})
     print("compiled")
