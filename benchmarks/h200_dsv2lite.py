@@ -139,7 +139,7 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def summarize_kernels(rows: list[tuple[str, int, float]], steps: int = 1, top: int = 15) -> dict:
+def summarize_kernels(rows: list[tuple[str, int, float]], steps: int = 1, top: int = 40) -> dict:
     """Per-step totals of (kernel name, launches, GPU microseconds) rows covering `steps` steps."""
     cats: dict[str, dict] = {}
     for name, count, us in rows:
