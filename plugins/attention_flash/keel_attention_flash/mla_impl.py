@@ -103,11 +103,11 @@ class TritonMLAImpl:
         kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
         metadata: TritonMLAMetadata,
         q_c: torch.Tensor | None = None,  # [T, H, L]: fold_query(q_nope), when the layer folded it already
+        kv_written: bool = False,  # the layer called write_kv(kv_c, k_pe, kv_cache, metadata) already
     ) -> torch.Tensor:  # [T, H, V]
         self._require_weights()
-        num = metadata.num_actual_tokens
-        if num:
-            self.write_latent(kv_c[:num], k_pe[:num], kv_cache, metadata.common.slot_mapping)
+        if not kv_written:
+            self.write_kv(kv_c, k_pe, kv_cache, metadata)
         # The kernels read q_pe by its strides (the last one must be 1); no concatenation with q_c.
         q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
         if q_c is None:
@@ -127,6 +127,14 @@ class TritonMLAImpl:
                           device=o_latent.device)
         torch.bmm(o_latent.transpose(0, 1), self.w_uv_t, out=out.transpose(0, 1))
         return out
+
+    def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: TritonMLAMetadata) -> None:
+        """The step's latents into the cache: what `forward` does first. Called by `forward`, or by the MLA layer
+        beforehand, beside the query fold on the side stream (`keel.layers.mla_attention`)."""
+        num = metadata.num_actual_tokens
+        if num:
+            self.write_latent(kv_c[:num], k_pe[:num], kv_cache, metadata.common.slot_mapping)
 
     def write_latent(
         self,

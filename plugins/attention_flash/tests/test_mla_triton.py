@@ -247,9 +247,10 @@ def test_graph_padding_requests_read_and_write_nothing():
 
 def test_a_query_folded_beforehand_is_the_forward_without_it():
     """The MLA layer may fold q_nope through W_UK itself (`fold_query`, on a side stream inside a graph capture)
-    and pass it as `q_c`: the forward's output is then the one it computes alone, bit for bit."""
-    outs = []
-    for folded in (False, True):
+    and pass it as `q_c`, having written the latents itself (`write_kv`, `kv_written`): the forward's output and
+    the cache are then the ones it computes alone, bit for bit."""
+    outs, caches = [], []
+    for folded in (False, True, "written"):
         latents, new_latents, common, cache = make_step([5, 17], [1, 4], 4, torch.Generator().manual_seed(4))
         impl = TritonMLAImpl(mla_layer(4, torch.float32))
         w = torch.randn(H, N + V, L, generator=torch.Generator().manual_seed(5)) / L**0.5
@@ -258,5 +259,12 @@ def test_a_query_folded_beforehand_is_the_forward_without_it():
         q = torch.randn(new_latents.shape[0], H, N + R, generator=torch.Generator().manual_seed(6)).to(DEVICE)
         dev = new_latents.to(DEVICE, torch.float32)
         args = (q[..., :N], q[..., N:], dev[:, :L], dev[:, L:], cache.to(DEVICE, torch.float32), md)
-        outs.append(impl.forward(*args, q_c=impl.fold_query(q[..., :N])) if folded else impl.forward(*args))
-    assert torch.equal(outs[0], outs[1])
+        if folded == "written":
+            impl.write_kv(*args[2:])
+            outs.append(impl.forward(*args, q_c=impl.fold_query(q[..., :N]), kv_written=True))
+        else:
+            outs.append(impl.forward(*args, q_c=impl.fold_query(q[..., :N])) if folded else impl.forward(*args))
+        caches.append(args[4])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
+    assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
