@@ -3,6 +3,7 @@
 #   OUT=<dir> KEEL_COMMIT=<sha, spelled out here: not $(git ...) on the device> bash benchmarks/h200_run.sh wheels install ckpt keel-dsv2 keel-llama \
 #       profile-dsv2 profile-llama spec bitmask quant tests
 # The device returns only a few files, so every result goes to $OUT/w and leaves as one $OUT/h200-run.tgz
+# (h200-run-2.tgz, ... for later invocations into the same OUT)
 # (untar it, then commit the figures you rely on to benchmarks/results/); each part prints its key lines.
 #   wheels    the xgrammar wheels carried in .whl/ (the device has no network) into /tmp/site; fetch them here
 #             first with benchmarks/device_wheels.sh (xgrammar alone fails there: it needs pydantic too)
@@ -260,4 +261,7 @@ print('prefill wall', d['prefill']['wall_ms_median'], 'gpu', round(d['prefill'][
   esac
   echo "== $part: $(( $(date +%s) - start )) s (call at $(( $(date +%s) - T0 )) s)"
 done
-tar -czf "$OUT/h200-run.tgz" -C "$W" . && rm -rf "$W" && ls -la "$OUT"
+# A second run into the same OUT (several invocations in one device call) keeps the first one's archive.
+t="$OUT/h200-run.tgz" n=1
+while [ -e "$t" ]; do n=$((n + 1)); t="$OUT/h200-run-$n.tgz"; done
+tar -czf "$t" -C "$W" . && rm -rf "$W" && ls -la "$OUT"
