@@ -20,6 +20,11 @@ from keel_attention_flash.mla_metadata import TritonMLAMetadata
 from keel_attention_flash.pdl import pdl_kwargs
 
 
+# Steps of at most this many tokens run W_UK's query fold and W_UV through `mla_bmm_small_m_kernel` instead of
+# cuBLAS's batched GEMM (a function of the token count: a CUDA graph replays its path).
+SMALL_M_BMM = 4
+
+
 class TritonMLAImpl:
     """Created by `TritonMLABackend.get_impl(layer)` once per MLA layer; satisfies
     `keel.layers.mla_attention.MLAAttentionImpl`.
@@ -89,9 +94,13 @@ class TritonMLAImpl:
             )
 
     def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:  # [T, H, N] -> [T, H, L]
-        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides. Called by
-        `forward`, or by the MLA layer beforehand on a side stream (`keel.layers.mla_attention`)."""
+        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides (up to
+        SMALL_M_BMM tokens: the small-batch kernel's contiguous [T, H, L]). Called by `forward`, or by the MLA
+        layer beforehand on a side stream (`keel.layers.mla_attention`)."""
         self._require_weights()
+        assert self.w_uk is not None
+        if q_nope.shape[0] <= SMALL_M_BMM:
+            return _bmm_small_m(q_nope, self.w_uk)
         return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
 
     def forward(
@@ -123,6 +132,8 @@ class TritonMLAImpl:
         # W_UV: [H, T, L] @ [H, L, V] -> [H, T, V], written through a transposed view of a contiguous
         # [T, H, V] (cuBLAS takes the strides), so the layer's reshape to [T, H * V] copies nothing (it was
         # a copy kernel per layer at every batch > 1).
+        if o_latent.shape[0] <= SMALL_M_BMM:
+            return _bmm_small_m(o_latent, self.w_uv_t)
         out = torch.empty((q_nope.shape[0], self.num_heads, self.v_head_dim), dtype=o_latent.dtype,
                           device=o_latent.device)
         torch.bmm(o_latent.transpose(0, 1), self.w_uv_t, out=out.transpose(0, 1))
@@ -222,6 +233,25 @@ class TritonMLAImpl:
         grid = (tile_req.numel(), -(-self.num_heads // self.prefill_block_h), 1)
         self._launch(grid, q_c, q_pe, kv_cache, o_latent, None, tile_req, tile_q0, md, self.prefill_block_h,
                      self.prefill_block_q, self.prefill_block_n, 1, self.prefill_warps, self.prefill_stages)
+
+
+def _bmm_small_m(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [T, H, K] @ [H, K, N] -> [T, H, N]
+    """`mla_bmm_small_m_kernel`: a (last dim contiguous, any token / head strides) through b (contiguous)."""
+    t, h, k = a.shape
+    n = b.shape[2]
+    c = torch.empty((t, h, n), dtype=a.dtype, device=a.device)
+    if t:
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        block_t = _pow2(t)
+        block_n = min(64, _pow2(n))
+        while block_n > 16 and h * -(-n // block_n) < 64:  # W_UV's N = 128: spread its reads over more SMs
+            block_n //= 2
+        block_k = max(16, min(_pow2(k), 4096 // (block_t * block_n)))
+        mla_kernels.mla_bmm_small_m_kernel[(h, -(-n // block_n))](
+            a, b, c, t, a.stride(0), a.stride(1), H=h, K=k, N=n, BLOCK_T=block_t, BLOCK_K=block_k,
+            BLOCK_N=block_n, **pdl_kwargs(a),
+        )
+    return c
 
 
 def _refresh(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

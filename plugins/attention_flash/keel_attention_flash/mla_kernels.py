@@ -1,4 +1,5 @@
-"""Triton kernels of triton_mla: latent cache write, paged latent attention (split-K), split reduce.
+"""Triton kernels of triton_mla: latent cache write, paged latent attention (split-K), split reduce, and the
+small-batch W_UK / W_UV matmuls.
 
 The cache is [num_blocks, block_size, L + R]: one latent cat(kv_c, k_pe) per token slot, addressed
 through the block table (slot = block * PAGE + offset), never expanded to per-head K/V.
@@ -228,3 +229,32 @@ def mla_split_reduce_kernel(
     tok = q_start.to(tl.int64) + j
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + dl, out.to(out_ptr.dtype.element_ty),
              mask=(dl < LORA) & ((tl.zeros([BLOCK_L], dtype=tl.int32) + q_len) > j))
+
+
+@triton.jit
+def mla_bmm_small_m_kernel(
+    a_ptr,  # [T, H, K] at strides (stride_at, stride_ah), last dim contiguous
+    b_ptr,  # [H, K, N] contiguous
+    c_ptr,  # [T, H, N] contiguous
+    T, stride_at, stride_ah,
+    H: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """C[t, h] = A[t, h] @ B[h] for a few rows (W_UK's query fold and W_UV at decode batches, where cuBLAS's
+    batched GEMM is a few microseconds of a latency-bound chain): one program per (head, N tile) streams its
+    [K, BLOCK_N] slice of B once for all T rows. Float32 sums rounded once to C's dtype, as cuBLAS's bmm
+    rounds its float32 sums (in another order)."""
+    pdl_enter(PDL)
+    h = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + t[:, None] * stride_at + h * stride_ah + k[None, :],
+                    mask=(t[:, None] < T) & (k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        b = tl.load(b_ptr + (h * K + k[:, None]) * N + n[None, :],
+                    mask=(k[:, None] < K) & (n[None, :] < N), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        acc += tl.sum(a[:, :, None] * b[None, :, :], 1)
+    tl.store(c_ptr + (t[:, None] * H + h) * N + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(t[:, None] < T) & (n[None, :] < N))

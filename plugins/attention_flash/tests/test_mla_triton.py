@@ -268,3 +268,23 @@ def test_a_query_folded_beforehand_is_the_forward_without_it():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
     assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h,k,n", [(1, 16, 128, 512), (3, 3, 20, 37), (4, 16, 512, 128), (2, 5, 64, 8)])
+def test_small_batch_bmm_matches_a_float64_reference(dtype, t, h, k, n):
+    """W_UK's fold and W_UV up to SMALL_M_BMM tokens (`mla_bmm_small_m_kernel`): A read by its token / head
+    strides (a view of a wider projection, as q_nope is), odd sizes, poisoned output memory."""
+    from keel_attention_flash.mla_impl import SMALL_M_BMM, _bmm_small_m
+
+    assert t <= SMALL_M_BMM
+    gen = torch.Generator().manual_seed(t * 100 + k)
+    a_buf = torch.randn(t, h, k + 7, generator=gen).to(DEVICE, dtype)
+    a = a_buf[..., 3 : 3 + k]  # token stride h * (k + 7), head stride k + 7
+    b = (torch.randn(h, k, n, generator=gen) / k**0.5).to(DEVICE, dtype)
+    torch.full((t * h * n * 2,), float("nan"), dtype=dtype, device=DEVICE)
+    got = _bmm_small_m(a, b)
+    want = torch.bmm(a.double().transpose(0, 1).cpu(), b.double().cpu()).transpose(0, 1)
+    assert got.shape == (t, h, n) and got.dtype == dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
