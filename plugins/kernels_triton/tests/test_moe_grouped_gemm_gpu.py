@@ -40,8 +40,8 @@ COMPILE_PRELUDE = textwrap.dedent('''
 
     names = ("A_ROW_DIV", "A_SPLITS", "ACT_SILU", "MUL_ROUTED_WEIGHT", "DOT_PRECISION", "UPCAST_DOT", "SPLIT_K",
              "K_SLICE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "USE_DOT", "WEIGHT_TMA",
-             "GATED")
-    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, gated=False):
+             "GATED", "PAIR_BLOCKS")
+    def compile_gemm(c, n, k, w13, a_splits, ty, group_m=1, act_silu=None, gated=False, pair_blocks=False):
         c_ty = "fp32" if c.split_k > 1 else ty
         sig = {"a_ptr": "*fp32" if a_splits > 1 else f"*{ty}", "b_ptr": f"*{ty}",
                "b_desc": f"tensordesc<{ty}[{c.block_n}, {c.block_k}]>" if c.weight_tma else "constexpr",
@@ -59,7 +59,7 @@ COMPILE_PRELUDE = textwrap.dedent('''
                       UPCAST_DOT=False, SPLIT_K=c.split_k, K_SLICE=k_slice if c.split_k > 1 else k,
                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=group_m,
                       EVEN_K=c.split_k == 1 and k % c.block_k == 0, USE_DOT=c.kernel == "dot",
-                      WEIGHT_TMA=c.weight_tma, GATED=gated)
+                      WEIGHT_TMA=c.weight_tma, GATED=gated, PAIR_BLOCKS=pair_blocks)
         if gated:
             consts["ACT_SILU"] = False
         if not c.weight_tma:
@@ -78,7 +78,7 @@ COMPILE_SCRIPT = COMPILE_PRELUDE + textwrap.dedent('''
                 if (c, w13, a_splits) in seen:
                     continue
                 seen.add((c, w13, a_splits))
-                compile_gemm(c, n, k, w13, a_splits, ty)
+                compile_gemm(c, n, k, w13, a_splits, ty, pair_blocks=tokens <= M.PAIR_BLOCKS_MAX_TOKENS)
                 if tokens == 4096 and ty == "bf16":  # prefill sizes: the grouped program order too
                     compile_gemm(c, n, k, w13, a_splits, ty, group_m=8)
         for splits in (1, 4):

@@ -163,3 +163,33 @@ def test_small_m_benchmark_compares_main_with_the_engine_path():
         # shipped files pin one slice (the measurement found the split path slower).
         want = 1 if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name() else 4
         assert (c13.split_k, c2.split_k, bounded) == (want, want, True)
+
+
+@pytest.mark.parametrize("split13,split2,gated", [(1, 1, False), (2, 3, False), (1, 2, True), (1, 1, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_token_step_skips_the_alignment_bit_for_bit(interpret, monkeypatch, split13, split2, gated, dtype):
+    """One token: each route is its own M-block, its expert read from the routed ids (no alignment launch);
+    the result equals the aligned path's bit for bit (the same rows, the same sums), int32 and int64 ids."""
+    from keel_kernels_triton.fused_moe import grouped_gemm
+
+    assert grouped_gemm.PAIR_BLOCKS_MAX_TOKENS >= 1
+    x, w13, w2, w, ids = random_moe(split13 + 10 * split2, 1, 40, 24, 8, 3, dtype, used=[1, 4, 6])
+    res = torch.randn(1, 40).to(dtype)
+    c13, c2 = _tiles(split13, split2)
+    if gated:
+        c13 = dataclasses.replace(c13, act_epilogue=True)
+    aligned = []
+    calls = []
+    real_align = grouped_gemm.moe_align_block_size
+    monkeypatch.setattr(grouped_gemm, "moe_align_block_size", lambda *a: calls.append(1) or real_align(*a))
+    for routed_ids in (ids, ids.to(torch.int32)):
+        out = fused_experts_triton(x, w13, w2, w, routed_ids, "silu", res, tile_configs=(c13, c2))
+        assert not calls
+        monkeypatch.setattr(grouped_gemm, "PAIR_BLOCKS_MAX_TOKENS", 0)
+        aligned = fused_experts_triton(x, w13, w2, w, routed_ids, "silu", res, tile_configs=(c13, c2))
+        monkeypatch.setattr(grouped_gemm, "PAIR_BLOCKS_MAX_TOKENS", 1)
+        assert calls and torch.equal(out, aligned)
+        calls.clear()
+    ref = fused_experts_torch(x.float(), w13.float(), w2.float(), w, ids) + res.float()
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

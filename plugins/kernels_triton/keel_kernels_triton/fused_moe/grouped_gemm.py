@@ -6,7 +6,8 @@
 1. `moe_align_block_size` (align.py) sorts the (token, slot) pairs by expert and pads each expert's run to
    a multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to exactly one expert. Experts
    that received no tokens get no block at all. Sizes are upper bounds known without a host sync;
-   blocks past the real end exit immediately.
+   blocks past the real end exit immediately. A one-token step skips it (`PAIR_BLOCKS_MAX_TOKENS`): block i
+   holds pair i alone, its expert read from the routed ids.
 2. `_fused_moe_kernel` on w13: rows gathered from `hidden` by sorted id // top_k, times the block's
    expert weight -> gate_up [num_tokens * top_k, 2 * intermediate] in (token, slot) order. With the w13
    tile config's `act_epilogue` (silu only) each program computes a gate tile and the matching up tile and
@@ -42,6 +43,11 @@ from keel_kernels_triton.fused_moe.moe_sum import moe_sum
 from keel_kernels_triton.fused_moe.tile_config import MoETileConfig, get_moe_tile_configs
 from keel_kernels_triton.pdl import pdl_kwargs
 from keel_kernels_triton.support import interpreter_enabled
+
+# Steps of at most this many tokens skip the alignment: each (token, route) pair is its own M-block, its expert
+# read from the routed ids (a batch-1 decode step's routes are distinct experts, so nothing is read twice;
+# two tokens would read a shared expert twice). A function of the token count: a CUDA graph replays its path.
+PAIR_BLOCKS_MAX_TOKENS = 1
 
 # Activations the w2 GEMM computes in its A load; the rest run in torch between the GEMMs.
 FUSED_ACTIVATIONS = ("silu", "swish")
@@ -87,6 +93,7 @@ def _fused_moe_kernel(
     WEIGHT_TMA: tl.constexpr,  # weight tiles through b_desc (zero past K) instead of pointer loads
     GATED: tl.constexpr = False,  # w13 with the silu epilogue: b holds 2 * N rows per expert (gate, then up);
     # C [rows, N] = silu(A @ gate.T) * (A @ up.T), each rounded as torch's F.silu(gate) * up rounds
+    PAIR_BLOCKS: tl.constexpr = False,  # one (token, route) pair per M-block, expert from the routed ids
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch (keel_kernels_triton.pdl): wait before touching memory
@@ -105,11 +112,14 @@ def _fused_moe_kernel(
         group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
         pid_m = first_m + (pid % per_group) % group_size
         pid_n = (pid % per_group) // group_size
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_M >= num_tokens_post_padded:
-        return
-    offs_token_id = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id)
+    if PAIR_BLOCKS:  # M-block i holds pair i alone; expert_ids_ptr is the flat routed ids (no alignment)
+        offs_token = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_valid_tokens)
+    else:
+        num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+        if pid_m * BLOCK_M >= num_tokens_post_padded:
+            return
+        offs_token_id = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_token = tl.load(sorted_token_ids_ptr + offs_token_id)
     token_mask = offs_token < num_valid_tokens
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,6 +248,8 @@ def invoke_fused_moe_kernel(
     act_silu: bool = False,
     even_k: bool | None = None,  # None: whenever K is whole BLOCK_K tiles and not split (benchmarks pass False)
     gated: bool = False,  # w13 with the silu epilogue: c is [rows, N / 2] = silu(gate) * up
+    pair_blocks: bool = False,  # expert_ids is the flat routed ids [rows], one pair per M-block; sorted_ids and
+    # total are not read
 ) -> None:
     """One grouped GEMM launch. `config.split_k` > 1 takes the small-M path: program_id(2) splits K and each
     slice writes its float32 partial of `c` ([split_k, rows, N]); a 3-D float32 `a` holds the previous
@@ -252,7 +264,7 @@ def invoke_fused_moe_kernel(
             raise ValueError(f"the silu epilogue takes one K slice, no routing weights, c [rows, {n // 2}]; "
                              f"got split_k={split}, c {tuple(c.shape)}")
         n //= 2
-    if expert_ids.numel() * config.block_m != sorted_ids.numel():
+    if not pair_blocks and expert_ids.numel() * config.block_m != sorted_ids.numel():
         raise ValueError(f"sorted ids were padded for another block_m than the tile config's {config.block_m}")
     a_splits = a.shape[0] if a.dim() == 3 else 1
     if (a.dim() == 3 and a.dtype != torch.float32) or (split > 1 and (c.dim() != 3 or c.shape[0] != split
@@ -262,7 +274,9 @@ def invoke_fused_moe_kernel(
     a2 = a[0] if a.dim() == 3 else a
     c2 = c[0] if c.dim() == 3 else c
     rows = c2.shape[0]
-    grid_m = min(expert_ids.numel(), live_block_bound(rows, b.shape[0], config.block_m))
+    if pair_blocks and expert_ids.numel() != rows:
+        raise ValueError(f"pair blocks take the {rows} routed ids, got {expert_ids.numel()}")
+    grid_m = rows if pair_blocks else min(expert_ids.numel(), live_block_bound(rows, b.shape[0], config.block_m))
     per_split = -(-k // split)
     k_slice = -(-per_split // config.block_k) * config.block_k  # whole BLOCK_K tiles per slice
     grid_n = -(-n // config.block_n)
@@ -291,6 +305,7 @@ def invoke_fused_moe_kernel(
         USE_DOT=config.kernel == "dot",
         WEIGHT_TMA=config.weight_tma,
         GATED=gated,
+        PAIR_BLOCKS=pair_blocks,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(c),
@@ -328,18 +343,24 @@ def fused_experts_triton(
     c13, c2 = tile_configs
     if c13.block_m != c2.block_m:
         raise ValueError(f"both GEMMs of one MoE call need one block_m, got {c13.block_m} and {c2.block_m}")
-    sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     rows = num_tokens * top_k
+    pairs = num_tokens <= PAIR_BLOCKS_MAX_TOKENS
+    if pairs:  # each pair its own M-block, straight from the routed ids: no alignment launch in the chain
+        flat_ids = topk_ids.reshape(-1)
+        sorted_ids, expert_ids, total = flat_ids, flat_ids, flat_ids
+    else:
+        sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, w13.shape[0], c13.block_m)
     silu = activation.lower() in FUSED_ACTIVATIONS
     if c13.act_epilogue and silu:  # [rows, I] = silu(gate) * up straight from the w13 GEMM (one K slice:
         # the config refuses another split, and a lookup resolves an unset one to 1)
         gate_up = torch.empty(rows, w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
         invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13,
-                                gated=True)
+                                gated=True, pair_blocks=pairs)
         fuse = False
     else:
         gate_up = _gemm_output(c13, rows, w13.shape[1], hidden)  # [rows, 2I] or [split, rows, 2I] float32
-        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13)
+        invoke_fused_moe_kernel(hidden, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, c13,
+                                pair_blocks=pairs)
         fuse = silu and c2.fused_act
         if not fuse:
             if gate_up.dim() == 3:  # the torch activation needs gate_up itself: sum the partials, round once
@@ -347,7 +368,8 @@ def fused_experts_triton(
             gate_up = act_and_mul(gate_up, activation)  # [rows, intermediate]
     down = _gemm_output(c2, rows, w2.shape[1], hidden)  # [rows, H] or [split, rows, H] float32
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse)
+    invoke_fused_moe_kernel(gate_up, w2, down, weights, sorted_ids, expert_ids, total, 1, c2, act_silu=fuse,
+                            pair_blocks=pairs)
     return moe_sum(down.view(*down.shape[:-2], num_tokens, top_k, -1), torch.empty_like(hidden), residual=residual)
 
 
