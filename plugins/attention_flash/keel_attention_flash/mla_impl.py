@@ -86,22 +86,22 @@ class TritonMLAImpl:
         self.w_uk = _refresh(self.w_uk, w_uk)
         self.w_uv_t = _refresh(self.w_uv_t, w_uv.transpose(1, 2))
 
-    def _require_weights(self) -> None:
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:  # (W_UK [H, N, L], W_UV^T [H, L, V])
         if self.w_uk is None or self.w_uv_t is None:
             raise RuntimeError(
                 "triton_mla: process_weights_after_loading was never called; the model must hand over "
                 "kv_b_proj's W_UK/W_UV after loading its weights"
             )
+        return self.w_uk, self.w_uv_t
 
     def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:  # [T, H, N] -> [T, H, L]
         """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides (up to
         SMALL_M_BMM tokens: the small-batch kernel's contiguous [T, H, L]). Called by `forward`, or by the MLA
         layer beforehand on a side stream (`keel.layers.mla_attention`)."""
-        self._require_weights()
-        assert self.w_uk is not None
+        w_uk, _ = self._weights()
         if q_nope.shape[0] <= SMALL_M_BMM:
-            return _bmm_small_m(q_nope, self.w_uk)
-        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+            return _bmm_small_m(q_nope, w_uk)
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def forward(
         self,
@@ -114,7 +114,7 @@ class TritonMLAImpl:
         q_c: torch.Tensor | None = None,  # [T, H, L]: fold_query(q_nope), when the layer folded it already
         kv_written: bool = False,  # the layer called write_kv(kv_c, k_pe, kv_cache, metadata) already
     ) -> torch.Tensor:  # [T, H, V]
-        self._require_weights()
+        _, w_uv_t = self._weights()
         if not kv_written:
             self.write_kv(kv_c, k_pe, kv_cache, metadata)
         # The kernels read q_pe by its strides (the last one must be 1); no concatenation with q_c.
@@ -133,10 +133,10 @@ class TritonMLAImpl:
         # [T, H, V] (cuBLAS takes the strides), so the layer's reshape to [T, H * V] copies nothing (it was
         # a copy kernel per layer at every batch > 1).
         if o_latent.shape[0] <= SMALL_M_BMM:
-            return _bmm_small_m(o_latent, self.w_uv_t)
+            return _bmm_small_m(o_latent, w_uv_t)
         out = torch.empty((q_nope.shape[0], self.num_heads, self.v_head_dim), dtype=o_latent.dtype,
                           device=o_latent.device)
-        torch.bmm(o_latent.transpose(0, 1), self.w_uv_t, out=out.transpose(0, 1))
+        torch.bmm(o_latent.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
         return out
 
     def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
