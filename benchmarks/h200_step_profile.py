@@ -216,7 +216,14 @@ def main() -> None:
     ap.add_argument("--plans", default=None, metavar="SMALL_M_JSON",
                     help="the quantized decode GEMMs take a small-m sweep's plans (h200_quant_small_m.py's result) "
                          "over the shipped tables, for the families it swept")
+    ap.add_argument("--max-num-seqs", type=int, default=vs.LIMITS["max_num_seqs"],
+                    help="the engine's max_num_seqs (default: issue 11's 256; 1024 to profile issue 12's fp8 "
+                         "throughput batch), recorded in the result's limits")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     a = ap.parse_args()
+    vs.LIMITS["max_num_seqs"] = a.max_num_seqs
+    if a.kv_cache_dtype != "auto":  # only when asked, so earlier result files' limits read the same
+        vs.LIMITS["kv_cache_dtype"] = a.kv_cache_dtype
     used_plans = "shipped"
     if a.plans:  # before any layer runs: plans are cached per shape
         from h200_quant_small_m import use_swept_plans  # benchmarks/ is on sys.path when this script runs
