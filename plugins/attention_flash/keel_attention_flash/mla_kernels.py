@@ -1,5 +1,5 @@
 """Triton kernels of triton_mla: latent cache write, paged latent attention (split-K), split reduce, and the
-small-batch W_UK / W_UV matmuls.
+small-batch W_UK / W_UV matmuls (W_UV's optionally reducing the splits in its A load).
 
 The cache is [num_blocks, block_size, L + R]: one latent cat(kv_c, k_pe) per token slot, addressed
 through the block table (slot = block * PAGE + offset), never expanded to per-head K/V.
@@ -233,26 +233,49 @@ def mla_split_reduce_kernel(
 
 @triton.jit
 def mla_bmm_small_m_kernel(
-    a_ptr,  # [T, H, K] at strides (stride_at, stride_ah), last dim contiguous
+    a_ptr,  # [T, H, K] at strides (stride_at, stride_ah), last dim contiguous; NUM_SPLITS: the decode partials
+    # [T, NUM_SPLITS, H, K] float32, contiguous
+    lse_ptr,  # NUM_SPLITS: [T, NUM_SPLITS, H] float32 (the partials' log2-sum-exp2); else unused
     b_ptr,  # [H, K, N] contiguous
     c_ptr,  # [T, H, N] contiguous
     T, stride_at, stride_ah,
     H: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr = 0, SPLITS_PAD: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """C[t, h] = A[t, h] @ B[h] for a few rows (W_UK's query fold and W_UV at decode batches, where cuBLAS's
     batched GEMM is a few microseconds of a latency-bound chain): one program per (head, N tile) streams its
     [K, BLOCK_N] slice of B once for all T rows. Float32 sums rounded once to C's dtype, as cuBLAS's bmm
-    rounds its float32 sums (in another order)."""
+    rounds its float32 sums (in another order).
+
+    NUM_SPLITS > 0 (W_UV after a split-K decode, row t = token t): A is the split reduce of
+    `mla_split_reduce_kernel`, done in the A load -- the same log-sum-exp weights and float32 sums, rounded to
+    C's dtype as the latent output it skips would be -- so the reduce is not a launch of its own."""
     pdl_enter(PDL)
     h = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    if NUM_SPLITS > 0:
+        s = tl.arange(0, SPLITS_PAD)
+        part = (t[:, None].to(tl.int64) * NUM_SPLITS + s[None, :]) * H + h  # [BLOCK_T, SPLITS_PAD]
+        lse = tl.load(lse_ptr + part, mask=(t[:, None] < T) & (s[None, :] < NUM_SPLITS), other=float("-inf"))
+        top = tl.max(lse, 1)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp2(lse - top[:, None])  # [BLOCK_T, SPLITS_PAD]
+        total = tl.sum(w, 1)
+        total = tl.where(total > 0.0, total, 1.0)
+        live = lse > float("-inf")  # an empty split's partial was never written
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + t[:, None] * stride_at + h * stride_ah + k[None, :],
-                    mask=(t[:, None] < T) & (k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        if NUM_SPLITS > 0:
+            o = tl.load(a_ptr + part[:, :, None] * K + k[None, None, :],
+                        mask=live[:, :, None] & (k[None, None, :] < K), other=0.0)  # [BLOCK_T, SPLITS_PAD, BLOCK_K]
+            a = tl.sum(o * w[:, :, None], 1) / total[:, None]
+            a = a.to(c_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        else:
+            a = tl.load(a_ptr + t[:, None] * stride_at + h * stride_ah + k[None, :],
+                        mask=(t[:, None] < T) & (k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
         b = tl.load(b_ptr + (h * K + k[:, None]) * N + n[None, :],
                     mask=(k[:, None] < K) & (n[None, :] < N), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_N]
         acc += tl.sum(a[:, :, None] * b[None, :, :], 1)

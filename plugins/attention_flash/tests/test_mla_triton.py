@@ -138,7 +138,8 @@ def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, d
     [
         ((0, 5, 31, 16, 70), (1, 1, 1, 1, 1), 4, None),  # pure decode, one split each
         ((0, 5, 31, 16, 70), (1, 1, 1, 1, 1), 8, 4),  # split-K with empty splits (short contexts)
-        ((130, 77), (1, 1), 16, 3),  # split-K, non-power-of-two split count, partial last tile
+        ((130, 77), (1, 1), 16, 3),  # split-K, non-power-of-two split count, partial last tile (W_UV reduces)
+        ((0, 5, 31, 70), (1, 1, 1, 1), 8, 4),  # W_UV reducing the splits, empty ones and an empty context
         ((0, 17, 0, 40, 9), (21, 1, 6, 1, 5), 4, 2),  # mixed: prefill, decode, chunk, decode, chunk
         ((12, 3), (9, 4), 8, None),  # chunked prefill over a cached prefix
         ((0,), (67,), 16, None),  # one long prefill: several query and key tiles
@@ -288,3 +289,40 @@ def test_small_batch_bmm_matches_a_float64_reference(dtype, t, h, k, n):
     assert got.shape == (t, h, n) and got.dtype == dtype and got.is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens,splits", [((0, 5, 31, 70), 4), ((130,), 3), ((9, 200), 16)])
+def test_w_uv_reducing_the_splits_is_the_reduce_then_w_uv(monkeypatch, dtype, context_lens, splits):
+    """A pure decode step of at most SMALL_M_BMM tokens launches no split reduce: W_UV's small-batch kernel
+    reduces the partials in its A load, rounded as the latent output would be. Its output is that of the
+    reduce followed by the small-batch W_UV (bit for bit interpreted; compiled, the float32 split sums may
+    add in another order)."""
+    gen = torch.Generator().manual_seed(sum(context_lens) + splits)
+    _, new_latents, common, cache = make_step(context_lens, (1,) * len(context_lens), 8, gen)
+    impl = TritonMLAImpl(mla_layer(8, dtype), decode_splits=splits)
+    w = torch.randn(H, N + V, L, generator=gen) / L**0.5
+    impl.process_weights_after_loading(w[:, :N].to(DEVICE, dtype), w[:, N:].to(DEVICE, dtype))
+    md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
+    q = torch.randn(len(context_lens), H, N + R, generator=gen).to(DEVICE, dtype)
+    dev = new_latents.to(DEVICE, dtype)
+    cache = cache.to(dtype)
+    impl.write_kv(dev[:, :L], dev[:, L:], cache, md)
+    q_c = impl.fold_query(q[..., :N])
+    o_latent = torch.empty((q.shape[0], H, L), dtype=dtype, device=DEVICE)
+    impl._decode(q_c, q[..., N:], cache, md, o_latent)
+    from keel_attention_flash import mla_impl
+
+    want = mla_impl._bmm_small_m(o_latent, impl._weights()[1])
+
+    def no_reduce(*args, **kwargs):
+        raise AssertionError("the split reduce launched")
+
+    monkeypatch.setattr(mla_impl.mla_kernels, "mla_split_reduce_kernel", type("K", (), {"__getitem__": no_reduce})())
+    got = impl.forward(q[..., :N], q[..., N:], dev[:, :L], dev[:, L:], cache, md, q_c=q_c, kv_written=True)
+    assert got.dtype == dtype and got.shape == (q.shape[0], H, V) and torch.isfinite(got).all()
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
