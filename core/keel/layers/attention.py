@@ -9,11 +9,18 @@ from keel.attention.backend import AttentionLayerConfig
 from keel.forward_context import ForwardContext
 from keel.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from keel.layers.kv_scales import register_kv_scales
+from keel.layers.rotary import RotaryEmbedding
 from keel.models.interface import ModelBuildContext
 
 
 class Attention(nn.Module):
-    """Paged attention over the step's varlen batch. `layer_idx` indexes the ForwardContext."""
+    """Paged attention over the step's varlen batch. `layer_idx` indexes the ForwardContext.
+
+    A model may hand the layer its rope (`forward(..., rotary=, positions=)`) instead of rotating q and k
+    itself. An impl that offers `write_kv_rope(q, k, v, positions, cos_cache, sin_cache, rotary_dim, kv_cache,
+    metadata) -> q` (the rope and its cache write in one launch; q rotated, k written rotated) then does both,
+    and the layer passes `forward(..., kv_written=True)`; otherwise the rope module runs first, as before.
+    """
 
     def __init__(
         self,
@@ -57,10 +64,20 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
         ctx: ForwardContext,
+        rotary: RotaryEmbedding | None = None,  # the model's rope for q and k, applied here
+        positions: torch.Tensor | None = None,  # [num_tokens] int64, with `rotary`
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
         n = q.shape[0]
+        kv_cache, metadata = ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx]
+        fused = getattr(self.impl, "write_kv_rope", None) if rotary is not None else None
+        if rotary is not None and fused is None:
+            q, k = rotary(positions, q, k)
         q = q.view(n, self.num_heads, self.head_size)
         k = k.view(n, self.num_kv_heads, self.head_size)
         v = v.view(n, self.num_kv_heads, self.head_size)
-        out = self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx])
+        if fused is not None:
+            q = fused(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, rotary.rotary_dim, kv_cache, metadata)
+            out = self.impl.forward(q, k, v, kv_cache, metadata, kv_written=True)
+        else:
+            out = self.impl.forward(q, k, v, kv_cache, metadata)
         return out.reshape(n, self.num_heads * self.head_size)

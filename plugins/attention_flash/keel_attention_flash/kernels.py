@@ -1,4 +1,5 @@
-"""Triton kernels of triton_flash: cache write, varlen paged attention, split-K decode and its reduce.
+"""Triton kernels of triton_flash: cache write (optionally with the rope), varlen paged attention, split-K decode
+and its reduce.
 
 The KV cache is the standard layout [2, num_blocks, block_size, num_kv_heads, head_size], addressed
 here as slots: slot = block_id * block_size + offset. Key tiles gather their slots through the block
@@ -60,6 +61,94 @@ def reshape_and_cache_kernel(
     else:
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to(x, dt: tl.constexpr):
+    """float32 `x` rounded to `dt` to nearest-even (the interpreter would truncate to bfloat16)."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _rope_halves(x_row, stride_h, h, dd, mask, cos, sin, dt: tl.constexpr, HALF: tl.constexpr):
+    """One block of heads' rotated halves ([BLOCK_H, BLOCK_HALF] each, in `dt`) as torch rotates them:
+    x * cos + cat(-x2, x1) * sin, each product and the sum rounded to `dt`, cos / sin already in `dt`."""
+    x1 = tl.load(x_row + h * stride_h + dd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + h * stride_h + HALF + dd, mask=mask, other=0.0).to(tl.float32)
+    a1 = _round_to(x1 * cos, dt).to(tl.float32)
+    b1 = _round_to(x2 * sin, dt).to(tl.float32)
+    a2 = _round_to(x2 * cos, dt).to(tl.float32)
+    b2 = _round_to(x1 * sin, dt).to(tl.float32)
+    return _round_to(a1 - b1, dt), _round_to(a2 + b2, dt)
+
+
+@triton.jit
+def _store_kv(dst, x, mask, scale_ptr, FP8_KV: tl.constexpr):
+    if FP8_KV:
+        tl.store(dst, quantize_e4m3_bits(x.to(tl.float32), tl.load(scale_ptr)), mask=mask)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_and_cache_kernel(
+    pos_ptr,  # [num_tokens] int
+    q_ptr,  # [num_tokens, num_heads, HEAD] at (stride_qt, stride_qh), last dim contiguous: rotated in place
+    k_ptr, v_ptr,  # [num_tokens, num_kv_heads, HEAD], last dim contiguous (k read unrotated)
+    cache_ptr,  # [2, num_slots, num_kv_heads, HEAD] contiguous; FP8_KV: a uint8 view of the e4m3 cache
+    slot_ptr,  # [>= num_write] int64, -1 = skip
+    cos_ptr, sin_ptr,  # [cache_len, ROT] float32 contiguous (the two halves are equal)
+    num_write,  # rows whose K/V are written (the rest: padding)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    cache_kv_stride,
+    k_scale_ptr, v_scale_ptr,  # float32 [1] each (read when FP8_KV)
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, ROT: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_KV: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Neox rope and the cache write in one launch: program (t, 0) rotates token t's query heads in place,
+    (t, 1) rotates its key heads in registers and writes them and the values into the token's slot. The
+    rotation is the rope op's (kernels-triton's `rotary_embedding`, torch's rounding), the write
+    `reshape_and_cache_kernel`'s; the key tensor itself stays unrotated (the attention reads the cache)."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    dt = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dd = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = _round_to(tl.load(cos_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    sin = _round_to(tl.load(sin_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    if tl.program_id(1) == 0:
+        q_row = q_ptr + t * stride_qt
+        for h0 in range(0, NUM_HEADS, BLOCK_H):
+            h = h0 + hh
+            mask = (h < NUM_HEADS) & (dd < HALF)
+            o1, o2 = _rope_halves(q_row, stride_qh, h, dd, mask, cos, sin, dt, HALF)
+            tl.store(q_row + h * stride_qh + dd, o1, mask=mask)
+            tl.store(q_row + h * stride_qh + HALF + dd, o2, mask=mask)
+    else:
+        slot = tl.load(slot_ptr + t, mask=t < num_write, other=-1).to(tl.int64)
+        if slot >= 0:
+            k_row = k_ptr + t * stride_kt
+            dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD)
+            d = tl.arange(0, BLOCK_D)[None, :]
+            for h0 in range(0, NUM_KV_HEADS, BLOCK_H):
+                h = h0 + hh
+                mask = (h < NUM_KV_HEADS) & (dd < HALF)
+                o1, o2 = _rope_halves(k_row, stride_kh, h, dd, mask, cos, sin, dt, HALF)
+                _store_kv(dst + h * HEAD + dd, o1, mask, k_scale_ptr, FP8_KV)
+                _store_kv(dst + h * HEAD + HALF + dd, o2, mask, k_scale_ptr, FP8_KV)
+                if ROT < HEAD:  # partial rotary: the tail of each key head passes through
+                    tail = (h < NUM_KV_HEADS) & (d >= ROT) & (d < HEAD)
+                    _store_kv(dst + h * HEAD + d, tl.load(k_row + h * stride_kh + d, mask=tail), tail, k_scale_ptr,
+                              FP8_KV)
+                vmask = (h < NUM_KV_HEADS) & (d < HEAD)
+                _store_kv(dst + cache_kv_stride + h * HEAD + d, tl.load(v_ptr + t * stride_vt + h * stride_vh + d,
+                                                                          mask=vmask), vmask, v_scale_ptr, FP8_KV)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The attention plugin's Triton kernels compile for an H100 / H200 (sm_90) without a GPU, the variants the
-impls launch: the cache writes (bf16 copy; FP8_KV quantizing into a uint8 view of the e4m3 cache) and the
+impls launch: the cache writes (bf16 copy; FP8_KV quantizing into a uint8 view of the e4m3 cache; with the rope) and the
 attention kernels over bf16 and e4m3 caches (the fp8 scales folded out of the tiles): varlen, split-K decode
 (direct and into partials) and its reduce; MLA's latent write, decode and prefill tiles and reduce. The
 interpreter accepts code the compiler rejects."""
@@ -42,6 +42,11 @@ SCRIPT = textwrap.dedent('''
         cache = "*u8" if fp8 else "*bf16"  # the write's view of the cache
         compile_(kernels.reshape_and_cache_kernel, {**f32, "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": cache},
                  {"NUM_KV_HEADS": 8, "HEAD": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8_KV": fp8})
+        compile_(kernels.rope_and_cache_kernel,  # Llama-8B's heads; the fp8 one with a partial rotary
+                 {**f32, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": cache, "pos_ptr": "*i64",
+                  "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+                 {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD": 128, "ROT": 64 if fp8 else 128, "HALF": 32 if fp8 else 64,
+                  "BLOCK_H": 32, "BLOCK_HALF": 32 if fp8 else 64, "BLOCK_D": 128, "FP8_KV": fp8})
         compile_(mla_kernels.mla_write_latent_kernel,
                  {**f32, "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "cache_ptr": cache},
                  {"PAGE": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "FP8_KV": fp8})

@@ -24,7 +24,7 @@ def test_every_pdl_kernel_waits_before_touching_memory():
                 first = body[0]
                 assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
                         and getattr(first.value.func, "id", None) == "pdl_enter"), node.name
-    assert {"reshape_and_cache_kernel", "varlen_paged_attention_kernel", "split_decode_kernel",
+    assert {"reshape_and_cache_kernel", "rope_and_cache_kernel", "varlen_paged_attention_kernel", "split_decode_kernel",
             "split_reduce_kernel", "mla_write_latent_kernel", "mla_attention_kernel",
             "mla_split_reduce_kernel", "mla_bmm_small_m_kernel"} <= set(seen)
 

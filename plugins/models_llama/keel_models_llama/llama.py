@@ -143,8 +143,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, ctx, rotary=self.rotary_emb, positions=positions))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
