@@ -38,9 +38,7 @@ shared key/value "head" of size L + R.
    An impl may also offer `fold_query(q_nope [T, H, N]) -> q_c [T, H, L]` (q_nope through W_UK, what its
    forward would compute first); inside a CUDA graph capture the layer then calls it on a side stream beside
    the latent's norm and the rope, and passes the result as `forward(..., q_c=q_c)`, which must equal the
-   forward without it. Such an impl may also offer `write_kv(kv_c, k_pe, kv_cache, metadata)` (the write its
-   forward does first): the layer then calls it on the main stream while the fold runs, and passes
-   `forward(..., kv_written=True)`.
+   forward without it.
    Guarantees asked of the impl: the cache only ever holds latents (never expanded K/V); requests
    with one new token (decode) are computed in the absorbed form -- q_nope is folded through W_UK into
    latent space, attention runs over the cached latents as a single shared head, W_UV is applied to
@@ -249,15 +247,7 @@ class MLAAttention(nn.Module):
             with side_stream.on(side):
                 q_c = fold(q_nope)
         q_pe, k_pe, kv_c = self.rope_norm(positions, q, k_pe, kv_c, kv_norm)
-        kv_cache, metadata = ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx]
-        # The latent write, too, runs beside the fold (which outlasts the norm and rope at batch 1).
-        write = getattr(self.impl, "write_kv", None) if side is not None else None
-        if write is not None:
-            write(kv_c, k_pe, kv_cache, metadata)
         side_stream.join(side)
-        args = (q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
-        if q_c is None:
-            out = self.impl.forward(*args)
-        else:
-            out = self.impl.forward(*args, q_c=q_c, **({"kv_written": True} if write is not None else {}))
+        args = (q_nope, q_pe, kv_c, k_pe, ctx.kv_caches[self.layer_idx], ctx.attn_metadata[self.layer_idx])
+        out = self.impl.forward(*args) if q_c is None else self.impl.forward(*args, q_c=q_c)
         return out.reshape(n, self.num_heads * self.v_head_dim)

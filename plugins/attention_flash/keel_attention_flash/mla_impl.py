@@ -5,8 +5,8 @@ step with one batched matmul, decode requests (and every request of a uniform sp
 step, q rows each) run the split-K latent kernel plus its reduce, other requests (prefill, chunked
 prefill, uneven verification) run causal query tiles of the same kernel over their paged
 latents, and W_UV maps the latent outputs to per-head values with a second batched matmul. The cache
-is never expanded, for decode or prefill. A pure decode step of at most SMALL_M_BMM tokens runs no reduce
-launch: W_UV's small-batch kernel reduces the splits in its A load.
+is never expanded, for decode or prefill. A pure decode step of at most SMALL_M_BMM tokens (off: see there)
+runs no reduce launch: W_UV's small-batch kernel reduces the splits in its A load.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from keel_attention_flash.pdl import pdl_kwargs
 
 
 # Steps of at most this many tokens run W_UK's query fold and W_UV through `mla_bmm_small_m_kernel` instead of
-# cuBLAS's batched GEMM (a function of the token count: a CUDA graph replays its path).
-SMALL_M_BMM = 4
+# cuBLAS's batched GEMM (a function of the token count: a CUDA graph replays its path), W_UV then reducing a pure
+# decode's splits in its A load. Off: on an H100 (h100-mla-ab-d91d879.json) DSV2-Lite's batch-1 step took 2.617 ms
+# with it (4) against 2.580 with cuBLAS and the reduce launch (predicted -0.03 to -0.08 ms the other way);
+# the H200 is unmeasured.
+SMALL_M_BMM = 0
 
 
 class TritonMLAImpl:
@@ -113,11 +116,9 @@ class TritonMLAImpl:
         kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
         metadata: TritonMLAMetadata,
         q_c: torch.Tensor | None = None,  # [T, H, L]: fold_query(q_nope), when the layer folded it already
-        kv_written: bool = False,  # the layer called write_kv(kv_c, k_pe, kv_cache, metadata) already
     ) -> torch.Tensor:  # [T, H, V]
         _, w_uv_t = self._weights()
-        if not kv_written:
-            self.write_kv(kv_c, k_pe, kv_cache, metadata)
+        self.write_kv(kv_c, k_pe, kv_cache, metadata)
         # The kernels read q_pe by its strides (the last one must be 1); no concatenation with q_c.
         q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
         if q_c is None:
@@ -148,8 +149,8 @@ class TritonMLAImpl:
 
     def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: TritonMLAMetadata) -> None:
-        """The step's latents into the cache: what `forward` does first. Called by `forward`, or by the MLA layer
-        beforehand, beside the query fold on the side stream (`keel.layers.mla_attention`)."""
+        """The step's latents into the cache: what `forward` does first. (Run by the MLA layer beside the query
+        fold on the side stream instead, it measured no gain on an H100: 2.619 -> 2.623 ms at batch 1.)"""
         num = metadata.num_actual_tokens
         if num:
             self.write_latent(kv_c[:num], k_pe[:num], kv_cache, metadata.common.slot_mapping)
