@@ -58,7 +58,8 @@
 #             `bash benchmarks/ab_folder.sh ab <base> <commit>`: each file the commit touched, as at base; untracked
 #             files travel) copied
 #             over ("before"), then the tree restored: a change's effect on the step in one call
-#   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line, e.g.
+#   profile-abs several profile-ab runs in one call: AB_SETS, one "dir|arch|batches|arguments" a line (sets with the
+#             same arch, batches and arguments share one "after" run; AB_SHARE_AFTER=0: one each), e.g.
 #             AB_SETS=$'ab-splitk|llama8b|1,256|--quantization-case llama8b-fp8-tensor\nab-dsv2|dsv2lite||--quantization-case dsv2lite-fp8-block'
 #   moe-prefill  h200_moe_prefill.py: DSV2-Lite's MoE GEMMs at prefill sizes (MOE_PREFILL_TOKENS, default 1024-8192)
 #             against dense cuBLAS, silu in the down GEMM's A load / as its own kernel / as the w13 GEMM's epilogue,
@@ -89,13 +90,19 @@ TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/
 # Every keel engine start loads the xgrammar plugin: without its wheels (part wheels, .whl carried) such a part would
 # fail at startup after its checkpoint and warm-up work; it is skipped at once instead, saying why.
 xgrammar_ok=""
-# profile_ab DIR ARCH BATCHES ARGS TAG: the step profile on the tree ("after"), then with DIR's files copied over
-# ("before"), then the tree restored (a file new in "after" stays); results step-profile-ab<TAG>-{after,before}.json
+# profile_ab DIR ARCH BATCHES ARGS TAG [AFTER]: the step profile on the tree ("after"; AFTER: an earlier run's
+# result of the same tree and arguments, reused), then with DIR's files copied over ("before"), then the tree
+# restored (a file new in "after" stays); results step-profile-ab<TAG>-{after,before}.json
 profile_ab() {
   local ab=$1 bak=/tmp/ab-backup t
   rm -rf $bak; mkdir -p $bak
   [ -d "$ab" ] || { echo "profile-ab: no $ab folder"; return; }
   for t in after before; do
+    if [ $t = after ] && [ -n "${6:-}" ] && [ -f "$6" ]; then
+      cp "$6" "$W/step-profile-ab$5-after.json"
+      echo "$ab $2 after (that of $(basename "$6")): $(grep -E '"(batch|step_wall_ms_median)"' "$6" | tr -d ' \n')"
+      continue
+    fi
     if [ $t = before ]; then
       (cd "$ab" && find . -type f) | while read -r f; do
         mkdir -p "$bak/$(dirname "$f")"; cp "$f" "$bak/$f" 2>/dev/null; cp "$ab/$f" "$f"; done
@@ -222,9 +229,15 @@ for part in "$@"; do
         done
       done;;
     profile-ab) profile_ab "${AB_DIR:-ab}" "${AB_ARCH:-dsv2lite}" "${AB_BATCH:-1,256}" "${AB_ARGS:-}" "";;
-    profile-abs)  # several A/Bs in one call: AB_SETS, one "dir|arch|batches|arguments" a line
+    profile-abs)  # several A/Bs in one call: AB_SETS, one "dir|arch|batches|arguments" a line; the "after" run
+      # (the tree as it is) is made once per arch, batches and arguments and shared by the sets that repeat them
+      # (AB_SHARE_AFTER=0: one per set, e.g. to see the run-to-run spread)
+      declare -A after_of=()
       while IFS='|' read -r d a b x; do
-        [ -n "$d" ] && profile_ab "$d" "$a" "${b:-1,256}" "$x" "-$(basename "$d")-$a"
+        [ -n "$d" ] || continue
+        key="$a|${b:-1,256}|$x" tag="-$(basename "$d")-$a"
+        profile_ab "$d" "$a" "${b:-1,256}" "$x" "$tag" "${after_of[$key]:-}"
+        [ "${AB_SHARE_AFTER:-1}" = 0 ] || [ -n "${after_of[$key]:-}" ] || after_of[$key]="$W/step-profile-ab$tag-after.json"
       done <<<"${AB_SETS:-}";;
     mla-attn) timeout "${MLA_DECODE_S:-240}" python3 benchmarks/h200_decode_attention.py --only mla \
                 --shapes "${MLA_SHAPES:-256x192,256x640,64x192,1x192}" --out "$W/mla-decode-attention.json" \
