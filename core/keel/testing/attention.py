@@ -13,7 +13,8 @@ then checks the backend's output against a float64 dense reference computed from
 sequence (`keel.testing.reference`) and checks that the cache afterwards holds exactly the new K/V at
 their slots and nothing else changed. Backends with a cache layout other than
 (2, num_blocks, block_size, num_kv_heads, head_size) set `standard_layout = False` and override
-`write_cache`.
+`write_cache`. An impl that offers the optional `write_kv_rope` (the rope fused into its cache write) is
+checked against the rope module followed by its plain forward.
 """
 
 from __future__ import annotations
@@ -412,6 +413,46 @@ class AttentionBackendConformance:
     def test_strided_qkv_views(self) -> None:
         case = self.default_case(context_lens=(0, 9, 3), query_lens=(7, 1, 1), num_padding_tokens=1, fused_qkv=True)
         self.run_case(case, 65)
+
+    def test_rope_in_the_cache_write(self) -> None:
+        """An impl offering `write_kv_rope` (the rope fused into its cache write; see `keel.layers.attention`)
+        must leave the cache and give the output of the rope module followed by its plain forward: q and k
+        as strided views of one projection, a partial rotary, padding tokens. Skipped for impls without it."""
+        case = self.default_case(context_lens=(0, 9, 3), query_lens=(7, 1, 1), num_padding_tokens=1, fused_qkv=True)
+        self.check_supported(case)
+        if getattr(self.backend.get_impl(self.layer_config(case)), "write_kv_rope", None) is None:
+            pytest.skip(f"{self.backend.name} does not fuse the rope into its cache write")
+        from keel.layers.rotary import RotaryEmbedding
+
+        gen = torch.Generator().manual_seed(self.seed + 75)
+        step, num_blocks, prior = make_step(case, gen, self.dtype, self.device)
+        with torch.device(self.device):
+            rope = RotaryEmbedding(case.head_size, case.head_size // 2, 64, {"rope_type": "default",
+                                                                             "rope_theta": 10000.0})
+        positions = torch.randint(0, 64, (step.q.shape[0],), generator=gen).to(self.device)
+        metadata = self.backend.get_metadata_builder(torch.device(self.device)).build(step.common)
+        t = step.q.shape[0]
+        q_rot, k_rot = rope(positions, step.q.reshape(t, -1), step.k.reshape(t, -1))
+        caches, outs = [], []
+        for fused in (False, True):
+            cache = self.new_cache(case, num_blocks)
+            self.write_cache(cache, *prior)
+            impl = self.backend.get_impl(self.layer_config(case))
+            if fused:  # q rotated in place: a fresh strided view of a projection-like buffer
+                buf = torch.cat((step.q.reshape(t, -1), step.k.reshape(t, -1)), 1)
+                q = buf[:, : step.q[0].numel()].view_as(step.q)
+                q = impl.write_kv_rope(q, step.k, step.v, positions, rope.cos_cache, rope.sin_cache,
+                                       rope.rotary_dim, cache, metadata)
+                out = impl.forward(q, step.k, step.v, cache, metadata, kv_written=True)
+            else:
+                out = impl.forward(q_rot.view_as(step.q), k_rot.view_as(step.k), step.v, cache, metadata)
+            caches.append(cache)
+            outs.append(out[: step.num_actual_tokens])
+        atol, rtol = self.tolerances()
+        torch.testing.assert_close(caches[1], caches[0], atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m: f"{case}: the fused rope's cache differs. {m}")
+        torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{case}: the fused rope's output differs. {m}")
 
     def test_metadata_shared_across_layers(self) -> None:
         """One builder output serves every layer of the step (different heads, own caches)."""
