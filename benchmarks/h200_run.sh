@@ -74,7 +74,7 @@
 #   mla-attn  h200_decode_attention.py: MLA's decode kernel per launch and split count (MLA_SHAPES, batch x context,
 #             default 256x192,256x640,64x192,1x192), then its prefill tiles per launch (MLA_PREFILL, prompts x length,
 #             default 64x128 16x512; time limits MLA_DECODE_S, MLA_PREFILL_S); $W/mla-decode-attention.json, $W/mla-prefill-attention.json
-#   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py and the GPU kernel tests)
+#   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py, the kernel and attention plugins' tests)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
 W=$OUT/w
@@ -85,7 +85,8 @@ T0=$(date +%s)
 # The device's checkout may carry a stale .git: the caller names the commit (KEEL_COMMIT), and the benchmarks
 # record it (keel.bench.source_commit).
 [ -n "${KEEL_COMMIT:-}" ] && export KEEL_COMMIT && echo "$KEEL_COMMIT" >"$W/commit.txt"
-TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/models_deepseek/tests/test_fused_moe.py
+TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/attention_flash/tests
+ plugins/models_deepseek/tests/test_fused_moe.py
  plugins/structured_output_xgrammar/tests/test_structured_outputs.py::test_cuda_async_engine_with_the_fused_mask"}
 # Every keel engine start loads the xgrammar plugin: without its wheels (part wheels, .whl carried) such a part would
 # fail at startup after its checkpoint and warm-up work; it is skipped at once instead, saying why.
