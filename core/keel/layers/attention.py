@@ -18,8 +18,9 @@ class Attention(nn.Module):
 
     A model may hand the layer its rope (`forward(..., rotary=, positions=)`) instead of rotating q and k
     itself. An impl that offers `write_kv_rope(q, k, v, positions, cos_cache, sin_cache, rotary_dim, kv_cache,
-    metadata) -> q` (the rope and its cache write in one launch; q rotated, k written rotated) then does both,
-    and the layer passes `forward(..., kv_written=True)`; otherwise the rope module runs first, as before.
+    metadata) -> q_rotated` (the rope and the cache write in one launch: k written rotated, the inputs left as
+    they were, out of place as custom ops are) then does both, and the layer passes
+    `forward(q_rotated, k, v, ..., kv_written=True)`; otherwise the rope module runs first, as before.
     """
 
     def __init__(

@@ -438,11 +438,12 @@ class AttentionBackendConformance:
             cache = self.new_cache(case, num_blocks)
             self.write_cache(cache, *prior)
             impl = self.backend.get_impl(self.layer_config(case))
-            if fused:  # q rotated in place: a fresh strided view of a projection-like buffer
-                buf = torch.cat((step.q.reshape(t, -1), step.k.reshape(t, -1)), 1)
-                q = buf[:, : step.q[0].numel()].view_as(step.q)
-                q = impl.write_kv_rope(q, step.k, step.v, positions, rope.cos_cache, rope.sin_cache,
+            if fused:
+                q_before, k_before = step.q.clone(), step.k.clone()
+                q = impl.write_kv_rope(step.q, step.k, step.v, positions, rope.cos_cache, rope.sin_cache,
                                        rope.rotary_dim, cache, metadata)
+                assert torch.equal(step.q, q_before) and torch.equal(step.k, k_before), (
+                    f"{case}: write_kv_rope changed its inputs (custom ops are out of place)")
                 out = impl.forward(q, step.k, step.v, cache, metadata, kv_written=True)
             else:
                 out = impl.forward(q_rot.view_as(step.q), k_rot.view_as(step.k), step.v, cache, metadata)

@@ -131,33 +131,35 @@ uniform speculative verify step), else the varlen kernel over
 
     def write_kv_rope(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_size], last dim contiguous: rotated in place
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], last dim contiguous (left unrotated)
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
+        q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (left unrotated)
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         positions: torch.Tensor,  # [num_tokens] int
         cos_cache: torch.Tensor,  # [cache_len, rotary_dim] float32 contiguous
         sin_cache: torch.Tensor,  # [cache_len, rotary_dim] float32 contiguous
         rotary_dim: int,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: FlashAttentionMetadata,
-    ) -> torch.Tensor:  # q, rotated
-        """Neox rope on q (in place) and k, and the cache write of the rotated k and v, in one launch (see
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size] contiguous: q rotated (q itself is left as it was)
+        """Neox rope on q and k, and the cache write of the rotated k and v, in one launch (see
         `keel.layers.attention`): the rope op's rounding, `write_kv`'s bytes. The layer then calls
-        `forward(q, k, v, ..., kv_written=True)`."""
+        `forward(q_rotated, k, v, ..., kv_written=True)`."""
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = q.shape[0]
         if n:
             half = rotary_dim // 2
             block_half = _pow2(half)
             cache = kv_cache.view(torch.uint8) if self.fp8_kv else kv_cache
             kernels.rope_and_cache_kernel[(n, 2)](
-                positions, q, k, v, cache, metadata.common.slot_mapping, cos_cache, sin_cache,
+                positions, q, q_out, k, v, cache, metadata.common.slot_mapping, cos_cache, sin_cache,
                 metadata.num_actual_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                 v.stride(1), kv_cache.stride(0), *self._scales(k), NUM_HEADS=self.num_heads,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size, ROT=rotary_dim, HALF=half,
                 BLOCK_H=min(_pow2(max(self.num_heads, self.num_kv_heads)), max(1, 4096 // block_half)),
                 BLOCK_HALF=block_half, BLOCK_D=self.block_d, FP8_KV=self.fp8_kv, **pdl_kwargs(q),
             )
-        return q
+        return q_out
 
     def _varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, md: FlashAttentionMetadata,
                 out: torch.Tensor, page: int) -> None:

@@ -97,7 +97,8 @@ def _store_kv(dst, x, mask, scale_ptr, FP8_KV: tl.constexpr):
 @triton.jit
 def rope_and_cache_kernel(
     pos_ptr,  # [num_tokens] int
-    q_ptr,  # [num_tokens, num_heads, HEAD] at (stride_qt, stride_qh), last dim contiguous: rotated in place
+    q_ptr,  # [num_tokens, num_heads, HEAD] at (stride_qt, stride_qh), last dim contiguous
+    q_out_ptr,  # [num_tokens, num_heads, HEAD] contiguous: q rotated
     k_ptr, v_ptr,  # [num_tokens, num_kv_heads, HEAD], last dim contiguous (k read unrotated)
     cache_ptr,  # [2, num_slots, num_kv_heads, HEAD] contiguous; FP8_KV: a uint8 view of the e4m3 cache
     slot_ptr,  # [>= num_write] int64, -1 = skip
@@ -110,8 +111,8 @@ def rope_and_cache_kernel(
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     FP8_KV: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Neox rope and the cache write in one launch: program (t, 0) rotates token t's query heads in place,
-    (t, 1) rotates its key heads in registers and writes them and the values into the token's slot. The
+    """Neox rope and the cache write in one launch: program (t, 0) writes token t's rotated query heads to
+    q_out, (t, 1) rotates its key heads in registers and writes them and the values into the token's slot. The
     rotation is the rope op's (kernels-triton's `rotary_embedding`, torch's rounding), the write
     `reshape_and_cache_kernel`'s; the key tensor itself stays unrotated (the attention reads the cache)."""
     pdl_enter(PDL)
@@ -122,20 +123,24 @@ def rope_and_cache_kernel(
     cos = _round_to(tl.load(cos_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
     sin = _round_to(tl.load(sin_ptr + pos * ROT + dd, mask=dd < HALF, other=0.0), dt).to(tl.float32)
     hh = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
     if tl.program_id(1) == 0:
         q_row = q_ptr + t * stride_qt
+        o_row = q_out_ptr + t * (NUM_HEADS * HEAD)
         for h0 in range(0, NUM_HEADS, BLOCK_H):
             h = h0 + hh
             mask = (h < NUM_HEADS) & (dd < HALF)
             o1, o2 = _rope_halves(q_row, stride_qh, h, dd, mask, cos, sin, dt, HALF)
-            tl.store(q_row + h * stride_qh + dd, o1, mask=mask)
-            tl.store(q_row + h * stride_qh + HALF + dd, o2, mask=mask)
+            tl.store(o_row + h * HEAD + dd, o1, mask=mask)
+            tl.store(o_row + h * HEAD + HALF + dd, o2, mask=mask)
+            if ROT < HEAD:  # partial rotary: the tail of each head passes through
+                tail = (h < NUM_HEADS) & (d >= ROT) & (d < HEAD)
+                tl.store(o_row + h * HEAD + d, tl.load(q_row + h * stride_qh + d, mask=tail), mask=tail)
     else:
         slot = tl.load(slot_ptr + t, mask=t < num_write, other=-1).to(tl.int64)
         if slot >= 0:
             k_row = k_ptr + t * stride_kt
             dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD)
-            d = tl.arange(0, BLOCK_D)[None, :]
             for h0 in range(0, NUM_KV_HEADS, BLOCK_H):
                 h = h0 + hh
                 mask = (h < NUM_KV_HEADS) & (dd < HALF)

@@ -43,8 +43,8 @@ SCRIPT = textwrap.dedent('''
         compile_(kernels.reshape_and_cache_kernel, {**f32, "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": cache},
                  {"NUM_KV_HEADS": 8, "HEAD": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8_KV": fp8})
         compile_(kernels.rope_and_cache_kernel,  # Llama-8B's heads; the fp8 one with a partial rotary
-                 {**f32, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": cache, "pos_ptr": "*i64",
-                  "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+                 {**f32, "q_ptr": "*bf16", "q_out_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                  "cache_ptr": cache, "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
                  {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD": 128, "ROT": 64 if fp8 else 128, "HALF": 32 if fp8 else 64,
                   "BLOCK_H": 32, "BLOCK_HALF": 32 if fp8 else 64, "BLOCK_D": 128, "FP8_KV": fp8})
         compile_(mla_kernels.mla_write_latent_kernel,
