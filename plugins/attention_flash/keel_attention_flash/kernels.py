@@ -34,6 +34,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _store_kv(dst, x, mask, scale_ptr, FP8_KV: tl.constexpr):
+    """K or V values into their cache slots: fp8, quantize_kv's bytes computed here (in torch it took ~4 kernels
+    a tensor before the copy); else cast to the cache's dtype."""
+    if FP8_KV:
+        tl.store(dst, quantize_e4m3_bits(x.to(tl.float32), tl.load(scale_ptr)), mask=mask)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     k_ptr, v_ptr,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
     cache_ptr,  # [2, num_slots, num_kv_heads, head_size] contiguous; FP8_KV: a uint8 view of the e4m3 cache
@@ -55,12 +65,8 @@ def reshape_and_cache_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = cache_ptr + slots * (NUM_KV_HEADS * HEAD) + h * HEAD + d
-    if FP8_KV:  # quantize_kv's bytes, computed here: in torch it took ~4 kernels a tensor before this copy
-        tl.store(dst, quantize_e4m3_bits(k.to(tl.float32), tl.load(k_scale_ptr)), mask=mask)
-        tl.store(dst + cache_kv_stride, quantize_e4m3_bits(v.to(tl.float32), tl.load(v_scale_ptr)), mask=mask)
-    else:
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    _store_kv(dst, k, mask, k_scale_ptr, FP8_KV)
+    _store_kv(dst + cache_kv_stride, v, mask, v_scale_ptr, FP8_KV)
 
 
 @triton.jit
@@ -84,14 +90,6 @@ def _rope_halves(x_row, stride_h, h, dd, mask, cos, sin, dt: tl.constexpr, HALF:
     a2 = _round_to(x2 * cos, dt).to(tl.float32)
     b2 = _round_to(x1 * sin, dt).to(tl.float32)
     return _round_to(a1 - b1, dt), _round_to(a2 + b2, dt)
-
-
-@triton.jit
-def _store_kv(dst, x, mask, scale_ptr, FP8_KV: tl.constexpr):
-    if FP8_KV:
-        tl.store(dst, quantize_e4m3_bits(x.to(tl.float32), tl.load(scale_ptr)), mask=mask)
-    else:
-        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit

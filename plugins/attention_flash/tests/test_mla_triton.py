@@ -301,7 +301,7 @@ def test_w_uv_reducing_the_splits_is_the_reduce_then_w_uv(monkeypatch, dtype, co
     q = torch.randn(len(context_lens), H, N + R, generator=gen).to(DEVICE, dtype)
     dev = new_latents.to(DEVICE, dtype)
     cache = cache.to(dtype)
-    impl.write_kv(dev[:, :L], dev[:, L:], cache, md)
+    impl.write_latent(dev[:, :L], dev[:, L:], cache, common.slot_mapping)
     q_c = impl.fold_query(q[..., :N])
     o_latent = torch.empty((q.shape[0], H, L), dtype=dtype, device=DEVICE)
     impl._decode(q_c, q[..., N:], cache, md, o_latent)
