@@ -5,8 +5,9 @@ step with one batched matmul, decode requests (and every request of a uniform sp
 step, q rows each) run the split-K latent kernel plus its reduce, other requests (prefill, chunked
 prefill, uneven verification) run causal query tiles of the same kernel over their paged
 latents, and W_UV maps the latent outputs to per-head values with a second batched matmul. The cache
-is never expanded, for decode or prefill. A pure decode step of at most SMALL_M_BMM tokens (off: see there)
-runs no reduce launch: W_UV's small-batch kernel reduces the splits in its A load.
+is never expanded, for decode or prefill. (A small-batch GEMV for the two matmuls, W_UV reducing the splits in
+its A load, lost to cuBLAS's batched GEMM and the reduce launch twice on an H100 and was removed: see
+docs/architecture.md.)
 """
 
 from __future__ import annotations
@@ -19,14 +20,6 @@ from keel_attention_flash import mla_kernels
 from keel_attention_flash.impl import _pow2, _sm_count, choose_num_splits
 from keel_attention_flash.mla_metadata import TritonMLAMetadata
 from keel_attention_flash.pdl import pdl_kwargs
-
-
-# Steps of at most this many tokens run W_UK's query fold and W_UV through `mla_bmm_small_m_kernel` instead of
-# cuBLAS's batched GEMM (a function of the token count: a CUDA graph replays its path), W_UV then reducing a pure
-# decode's splits in its A load. Off: on an H100 (h100-mla-ab-d91d879.json) DSV2-Lite's batch-1 step took 2.617 ms
-# with it (4) against 2.580 with cuBLAS and the reduce launch (predicted -0.03 to -0.08 ms the other way);
-# the H200 is unmeasured.
-SMALL_M_BMM = 0
 
 
 class TritonMLAImpl:
@@ -99,12 +92,9 @@ class TritonMLAImpl:
         return self.w_uk, self.w_uv_t
 
     def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:  # [T, H, N] -> [T, H, L]
-        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides (up to
-        SMALL_M_BMM tokens: the small-batch kernel's contiguous [T, H, L]). Called by `forward`, or by the MLA
-        layer beforehand on a side stream (`keel.layers.mla_attention`)."""
+        """W_UK folded into the query: [H, T, N] @ [H, N, L] -> [H, T, L], read as [T, H, L] by strides. Called
+        by `forward`, or by the MLA layer beforehand on a side stream (`keel.layers.mla_attention`)."""
         w_uk, _ = self._weights()
-        if q_nope.shape[0] <= SMALL_M_BMM:
-            return _bmm_small_m(q_nope, w_uk)
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def forward(
@@ -126,12 +116,6 @@ class TritonMLAImpl:
         if q_c is None:
             q_c = self.fold_query(q_nope)
         t = q_nope.shape[0]
-        if 0 < t <= SMALL_M_BMM and metadata.is_decode and metadata.query_len == 1 and t == metadata.num_reqs \
-                == metadata.num_query_rows:
-            # Every row a one-token decode request, row i = request i: W_UV reduces the splits in its A load.
-            parts = self._decode(q_c, q_pe, kv_cache, metadata, None)
-            if parts is not None:
-                return _bmm_small_m(parts[0], w_uv_t, lse=parts[1], out_dtype=q_nope.dtype)
         o_latent = torch.empty((t, self.num_heads, self.kv_lora_rank), dtype=q_nope.dtype, device=q_nope.device)
         if metadata.num_decodes:
             self._decode(q_c, q_pe, kv_cache, metadata, o_latent)
@@ -142,8 +126,6 @@ class TritonMLAImpl:
         # W_UV: [H, T, L] @ [H, L, V] -> [H, T, V], written through a transposed view of a contiguous
         # [T, H, V] (cuBLAS takes the strides), so the layer's reshape to [T, H * V] copies nothing (it was
         # a copy kernel per layer at every batch > 1).
-        if o_latent.shape[0] <= SMALL_M_BMM:
-            return _bmm_small_m(o_latent, w_uv_t)
         out = torch.empty((q_nope.shape[0], self.num_heads, self.v_head_dim), dtype=o_latent.dtype,
                           device=o_latent.device)
         torch.bmm(o_latent.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
@@ -195,13 +177,10 @@ class TritonMLAImpl:
         )
 
     def _decode(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
-                o_latent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                o_latent: torch.Tensor) -> None:
         """Split-K (flash-decoding) over the cached latents of every split-K request for its
         `md.query_len` new tokens, then the reduce into `o_latent`. Launch shapes depend only on
-        (num_decodes, query_len, max_seq_len), never on the actual lengths.
-
-        `o_latent` None (a pure decode step whose W_UV reduces the splits itself): returns the split
-        partials and their lse unreduced, or None with nothing launched when the step takes one split."""
+        (num_decodes, query_len, max_seq_len), never on the actual lengths."""
         b = md.num_decodes
         ql = md.query_len
         block_h, block_n, warps, stages = self.decode_launch
@@ -214,8 +193,6 @@ class TritonMLAImpl:
         # batch 256 x 192 tokens 50 us with 1 split vs 69 us with the 4 that 4 programs per SM asked for).
         splits = self.decode_splits or choose_num_splits(b, head_blocks, md.max_seq_len,
                                                          _sm_count(q_c.device), programs_per_sm=1)
-        if splits == 1 and o_latent is None:
-            return None
         if splits == 1:  # one split: straight into the latent output, no partials and no reduce
             self._launch((b, head_blocks, 1), q_c, q_pe, kv_cache, o_latent, None, md.decode_reqs, None,
                          md, block_h, block_q, block_n, 1, warps, stages, query_len=ql)
@@ -225,8 +202,6 @@ class TritonMLAImpl:
         part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
         self._launch((b, head_blocks, splits), q_c, q_pe, kv_cache, part_out, part_lse, md.decode_reqs, None,
                      md, block_h, block_q, block_n, splits, warps, stages, query_len=ql)
-        if o_latent is None:
-            return part_out, part_lse
         tiled = md.decode_reqs is not None
         mla_kernels.mla_split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,
@@ -234,7 +209,6 @@ class TritonMLAImpl:
             NUM_HEADS=self.num_heads, NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), LORA=self.kv_lora_rank,
             BLOCK_L=self.block_l, TILED=tiled, QUERY_LEN=ql, **pdl_kwargs(q_c),
         )
-        return None
 
     def _prefill(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
                  o_latent: torch.Tensor) -> None:
@@ -243,30 +217,6 @@ class TritonMLAImpl:
         grid = (tile_req.numel(), -(-self.num_heads // self.prefill_block_h), 1)
         self._launch(grid, q_c, q_pe, kv_cache, o_latent, None, tile_req, tile_q0, md, self.prefill_block_h,
                      self.prefill_block_q, self.prefill_block_n, 1, self.prefill_warps, self.prefill_stages)
-
-
-def _bmm_small_m(a: torch.Tensor, b: torch.Tensor, lse: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:  # [T, H, K] @ [H, K, N] -> [T, H, N]
-    """`mla_bmm_small_m_kernel`: a (last dim contiguous, any token / head strides) through b (contiguous).
-    `lse` given: a is the decode's split partials [T, S, H, K] float32 with their lse [T, S, H], reduced in
-    the kernel's A load; the result in `out_dtype` (else a's dtype)."""
-    t, h, k = (a.shape[0], a.shape[2], a.shape[3]) if lse is not None else a.shape
-    splits = a.shape[1] if lse is not None else 0
-    n = b.shape[2]
-    c = torch.empty((t, h, n), dtype=out_dtype or a.dtype, device=a.device)
-    if t:
-        a = a if a.stride(-1) == 1 and (lse is None or a.is_contiguous()) else a.contiguous()
-        block_t = _pow2(t)
-        block_n = min(64, _pow2(n))
-        while block_n > 16 and h * -(-n // block_n) < 64:  # W_UV's N = 128: spread its reads over more SMs
-            block_n //= 2
-        block_k = max(16, min(_pow2(k), 4096 // (block_t * block_n)))
-        mla_kernels.mla_bmm_small_m_kernel[(h, -(-n // block_n))](
-            a, a if lse is None else lse, b, c, t, a.stride(0), a.stride(1), H=h, K=k, N=n, BLOCK_T=block_t,
-            BLOCK_K=block_k, BLOCK_N=block_n, NUM_SPLITS=splits, SPLITS_PAD=_pow2(max(splits, 1)),
-            **pdl_kwargs(a),
-        )
-    return c
 
 
 def _refresh(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -77,14 +77,6 @@ SCRIPT = textwrap.dedent('''
              {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"},
              {"NUM_HEADS": 16, "NUM_SPLITS": 4, "SPLITS_PAD": 4, "LORA": 512, "BLOCK_L": 512, "TILED": True,
               "QUERY_LEN": 1})
-    for t, k, n, bn in ((1, 128, 512, 64), (4, 512, 128, 32)):  # W_UK's fold, W_UV at DeepSeek's shapes
-        compile_(mla_kernels.mla_bmm_small_m_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"},
-                 {"H": 16, "K": k, "N": n, "BLOCK_T": t, "BLOCK_K": max(16, min(k, 4096 // (t * bn))),
-                  "BLOCK_N": bn, "NUM_SPLITS": 0, "SPLITS_PAD": 1})
-    compile_(mla_kernels.mla_bmm_small_m_kernel,  # W_UV reducing a batch-1 decode's 16 splits in its A load
-             {"a_ptr": "*fp32", "lse_ptr": "*fp32", "b_ptr": "*bf16", "c_ptr": "*bf16"},
-             {"H": 16, "K": 512, "N": 128, "BLOCK_T": 1, "BLOCK_K": 128, "BLOCK_N": 32, "NUM_SPLITS": 16,
-              "SPLITS_PAD": 16})
     print("compiled")
 ''')
 

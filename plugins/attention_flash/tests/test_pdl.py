@@ -26,7 +26,7 @@ def test_every_pdl_kernel_waits_before_touching_memory():
                         and getattr(first.value.func, "id", None) == "pdl_enter"), node.name
     assert {"reshape_and_cache_kernel", "rope_and_cache_kernel", "varlen_paged_attention_kernel", "split_decode_kernel",
             "split_reduce_kernel", "mla_write_latent_kernel", "mla_attention_kernel",
-            "mla_split_reduce_kernel", "mla_bmm_small_m_kernel"} <= set(seen)
+            "mla_split_reduce_kernel"} <= set(seen)
 
 
 def test_launch_keywords(monkeypatch):
