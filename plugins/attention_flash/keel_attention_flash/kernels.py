@@ -135,23 +135,27 @@ def rope_and_cache_kernel(
                 tail = (h < NUM_HEADS) & (d >= ROT) & (d < HEAD)
                 tl.store(o_row + h * HEAD + d, tl.load(q_row + h * stride_qh + d, mask=tail), mask=tail)
     else:
+        # The keys and values are loaded before anything waits on the slot, and the values before the keys'
+        # stores: every load is in flight at once. (Behind `if slot >= 0`, and the value load in program order
+        # after the keys' stores, each added a memory latency to a batch-1 step's critical path.) A padding row's
+        # loads are real rows of k and v; only its stores are masked off.
         slot = tl.load(slot_ptr + t, mask=t < num_write, other=-1).to(tl.int64)
-        if slot >= 0:
-            k_row = k_ptr + t * stride_kt
-            dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD)
-            for h0 in range(0, NUM_KV_HEADS, BLOCK_H):
-                h = h0 + hh
-                mask = (h < NUM_KV_HEADS) & (dd < HALF)
-                o1, o2 = _rope_halves(k_row, stride_kh, h, dd, mask, cos, sin, dt, HALF)
-                _store_kv(dst + h * HEAD + dd, o1, mask, k_scale_ptr, FP8_KV)
-                _store_kv(dst + h * HEAD + HALF + dd, o2, mask, k_scale_ptr, FP8_KV)
-                if ROT < HEAD:  # partial rotary: the tail of each key head passes through
-                    tail = (h < NUM_KV_HEADS) & (d >= ROT) & (d < HEAD)
-                    _store_kv(dst + h * HEAD + d, tl.load(k_row + h * stride_kh + d, mask=tail), tail, k_scale_ptr,
-                              FP8_KV)
-                vmask = (h < NUM_KV_HEADS) & (d < HEAD)
-                _store_kv(dst + cache_kv_stride + h * HEAD + d, tl.load(v_ptr + t * stride_vt + h * stride_vh + d,
-                                                                          mask=vmask), vmask, v_scale_ptr, FP8_KV)
+        write = (hh * 0 + slot) >= 0  # [BLOCK_H, 1]: a block, as the store masks it joins are
+        k_row = k_ptr + t * stride_kt
+        dst = cache_ptr + tl.maximum(slot, 0) * (NUM_KV_HEADS * HEAD)
+        for h0 in range(0, NUM_KV_HEADS, BLOCK_H):
+            h = h0 + hh
+            vmask = (h < NUM_KV_HEADS) & (d < HEAD)
+            vals = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=vmask)
+            mask = (h < NUM_KV_HEADS) & (dd < HALF)
+            o1, o2 = _rope_halves(k_row, stride_kh, h, dd, mask, cos, sin, dt, HALF)
+            if ROT < HEAD:  # partial rotary: the tail of each key head passes through
+                tail = (h < NUM_KV_HEADS) & (d >= ROT) & (d < HEAD)
+                _store_kv(dst + h * HEAD + d, tl.load(k_row + h * stride_kh + d, mask=tail), tail & write,
+                          k_scale_ptr, FP8_KV)
+            _store_kv(dst + h * HEAD + dd, o1, mask & write, k_scale_ptr, FP8_KV)
+            _store_kv(dst + h * HEAD + HALF + dd, o2, mask & write, k_scale_ptr, FP8_KV)
+            _store_kv(dst + cache_kv_stride + h * HEAD + d, vals, vmask & write, v_scale_ptr, FP8_KV)
 
 
 @triton.jit
