@@ -158,6 +158,9 @@ uniform speculative verify step), else the varlen kernel over
                 NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size, ROT=rotary_dim, HALF=half,
                 BLOCK_H=min(_pow2(max(self.num_heads, self.num_kv_heads)), max(1, 4096 // block_half)),
                 BLOCK_HALF=block_half, BLOCK_D=self.block_d, FP8_KV=self.fp8_kv, **pdl_kwargs(q),
+                # no multiply-add contraction: float32's products and sums each rounded, as torch's rope
+                # rounds them (16-bit dtypes round every product anyway)
+                enable_fp_fusion=False,
             )
         return q_out
 
