@@ -4,7 +4,8 @@ by the plugins whose kernels round to e4m3 themselves (fp8 activations, the fp8 
 Every point of the e4m3 grid, every midpoint between neighbours (ties: round to the even mantissa, including
 the ones that round up into the next binade, 15.5 -> 16, 248 -> 256, and across the subnormal / normal
 boundary) and the float32 neighbours either side of each midpoint; values that saturate (448 < |x|, up to
-float32's max and infinity), float32 subnormals, signed zeros, and NaN. Float32, both signs.
+float32's max and infinity), float32 subnormals, signed zeros, and NaN (x86's and CUDA's canonical one). Float32,
+both signs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def e4m3_edge_values(nan: bool = True) -> torch.Tensor:  # float32 [n]
     pos = torch.cat((grid, near, big, tiny))
     out = torch.cat((pos, -pos))
     if nan:
-        out = torch.cat((out, torch.tensor([float("nan"), -float("nan")])))
+        # the quiet NaN x86 makes, and CUDA's canonical one (0x7FFFFFFF, all payload bits set: a rounding that adds
+        # to the bits overflows on it), both signs
+        canonical = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
+        out = torch.cat((out, torch.tensor([float("nan"), -float("nan")]), canonical))
     return out
 
 

@@ -51,5 +51,8 @@ def quantize_e4m3_bits(x, scale):
     normal = (abits >> 20) - (120 << 3)
     subnormal = (tl.where(a < _SUBNORMAL, a, 0.0) * 512.0).to(tl.int32)  # multiples of 2^-9: the mantissa
     mag = tl.where(a < _SUBNORMAL, subnormal, normal)
-    mag = tl.where(abits > 0x7F800000, 0x7F, mag)  # NaN: e4m3fn's only NaN code, with v's sign as torch keeps it
+    # NaN: e4m3fn's only NaN code, with v's sign as torch keeps it. Tested on v itself, not on the rounded value:
+    # CUDA's division returns the canonical NaN 0x7FFFFFFF, whose rounding add overflows to -0.0 (x86 keeps the
+    # input's 0x7FC00000, which rounds to itself) -- on an H100 a NaN was stored as 0, never in the interpreter.
+    mag = tl.where(v != v, 0x7F, mag)
     return (sign | mag).to(tl.uint8)
