@@ -74,7 +74,7 @@
 #   mla-attn  h200_decode_attention.py: MLA's decode kernel per launch and split count (MLA_SHAPES, batch x context,
 #             default 256x192,256x640,64x192,1x192), then its prefill tiles per launch (MLA_PREFILL, prompts x length,
 #             default 64x128 16x512; time limits MLA_DECODE_S, MLA_PREFILL_S); $W/mla-decode-attention.json, $W/mla-prefill-attention.json
-#   tests     the CUDA tests (TESTS, default: every tests/test_cuda_*.py, the kernel and attention plugins' tests)
+#   tests     the CUDA tests (TESTS, default: the attention and kernel plugins' tests, then every tests/test_cuda_*.py)
 set -u
 OUT=${OUT:-/tmp/keel-h200}
 W=$OUT/w
@@ -85,8 +85,11 @@ T0=$(date +%s)
 # The device's checkout may carry a stale .git: the caller names the commit (KEEL_COMMIT), and the benchmarks
 # record it (keel.bench.source_commit).
 [ -n "${KEEL_COMMIT:-}" ] && export KEEL_COMMIT && echo "$KEEL_COMMIT" >"$W/commit.txt"
-TESTS=${TESTS:-"$(ls tests/test_cuda_*.py) plugins/kernels_triton/tests plugins/attention_flash/tests
- plugins/models_deepseek/tests/test_fused_moe.py
+# The kernels' own tests first (each against its reference, on fresh inputs): at 3b4321d a 300 s run of the old
+# order (engine tests first) reached 8% of the list, and the first GPU run of the attention plugin's tests then
+# found two failures the interpreter never showed (an FMA contraction, CUDA's canonical NaN).
+TESTS=${TESTS:-"plugins/attention_flash/tests plugins/kernels_triton/tests plugins/models_deepseek/tests/test_fused_moe.py
+ $(ls tests/test_cuda_*.py)
  plugins/structured_output_xgrammar/tests/test_structured_outputs.py::test_cuda_async_engine_with_the_fused_mask"}
 # Every keel engine start loads the xgrammar plugin: without its wheels (part wheels, .whl carried) such a part would
 # fail at startup after its checkpoint and warm-up work; it is skipped at once instead, saying why.
@@ -269,7 +272,8 @@ print('prefill wall', d['prefill']['wall_ms_median'], 'gpu', round(d['prefill'][
     block-gemm) timeout 90 python3 benchmarks/h200_block_fp8_gemm.py --out "$W/h200-block-fp8-gemm.json" \
                   >"$W/block-gemm.log" 2>&1; tail -n 80 "$W/block-gemm.log";;
     # SIGINT, not timeout's SIGTERM: pytest stops as on Ctrl-C and still prints its summary.
-    tests) timeout -s INT -k 15 "${TESTS_S:-240}" python3 -m pytest -p no:cacheprovider -rfE $TESTS \
+    # --durations: where a cut-short run's time went (the log travels in the archive)
+    tests) timeout -s INT -k 15 "${TESTS_S:-240}" python3 -m pytest -p no:cacheprovider -rfE --durations=40 $TESTS \
              >"$W/cuda-tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$W/cuda-tests.log" | tail -20;;
     *) echo "unknown part $part";;
   esac
