@@ -177,3 +177,42 @@ def test_input_logits_are_not_modified() -> None:
               SamplingParams(temperature=0.0, frequency_penalty=1.0)]
     Sampler()(logits, make_meta(params, 10, outputs=[[1], [2]], stops=[{0}, {0}]))
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_rows_take_the_argmax_of_the_model_dtype_logits(monkeypatch, dtype):
+    """A step whose rows are all plain greedy takes the argmax of the logits as the model computed them (no float32
+    copy): the same tokens as the float32 path, ties included (many equal 16-bit maxima, the first wins), and no
+    upcast at all. Anything that can move the argmax (a penalty, logit_bias, a ban, allowed_token_ids) or asks for
+    logprobs takes the float32 path."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 300, generator=gen) * 3).to(dtype)
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1  # a tie: token 7 first
+    logits[2, :] = 0.5  # all equal
+    params = [SamplingParams(temperature=0.0)] * 6
+    want = Sampler()(logits.float(), make_meta(params, 300)).sampled_token_ids
+    assert want[1] == 7 and want[2] == 0
+
+    upcasts = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        if torch.float32 in args or kwargs.get("dtype") == torch.float32:
+            upcasts.append(self.shape)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    got = Sampler()(logits, make_meta(params, 300))
+    assert torch.equal(got.sampled_token_ids, want) and got.logprobs is None
+    assert upcasts == []
+
+    for other in (SamplingParams(temperature=0.0, repetition_penalty=1.3),
+                  SamplingParams(temperature=0.0, logit_bias={3: 50.0}),
+                  SamplingParams(temperature=0.0, logprobs=2)):
+        meta = make_meta([other] * 6, 300, outputs=[[int(t)] for t in want])
+        upcasts.clear()
+        slow = Sampler()(logits, meta)
+        assert upcasts, other
+        monkeypatch.setattr(torch.Tensor, "to", real_to)
+        assert torch.equal(slow.sampled_token_ids, Sampler()(logits.float(), meta).sampled_token_ids)
+        monkeypatch.setattr(torch.Tensor, "to", spy)

@@ -182,9 +182,13 @@ class Sampler(torch.nn.Module):
 
     def forward(
         self,
-        logits: torch.Tensor,  # [B, vocab] float32
+        logits: torch.Tensor,  # [B, vocab] float32 or the model dtype (`Model.compute_logits`)
         meta: SamplingMetadata,
     ) -> SamplerOutput:
+        if meta.all_greedy and meta.max_num_logprobs is None and not self.changes_argmax(meta):
+            # Every row takes the argmax of its raw logits: the float32 upcast is exact and keeps the order (and
+            # the first of equal maxima wins in both), so the tokens are the same without the float32 copy.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
         logits = logits.to(torch.float32)
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         sampled = self.sample(self.apply_logits_processors(logits, meta), meta)
@@ -192,6 +196,13 @@ class Sampler(torch.nn.Module):
             return SamplerOutput(sampled_token_ids=sampled)
         ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=ids, logprobs=lps, ranks=ranks)
+
+    @staticmethod
+    def changes_argmax(meta: SamplingMetadata) -> bool:
+        """Whether `apply_logits_processors` can change a row's argmax this step (any of its steps is on)."""
+        return (meta.allowed_token_mask is not None or meta.min_tokens_mask is not None
+                or meta.logit_bias is not None or not meta.no_penalties
+                or bool(meta.logitsprocs is not None and meta.logitsprocs.non_argmax_invariant))
 
     def apply_logits_processors(
         self,

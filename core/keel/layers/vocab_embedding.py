@@ -68,12 +68,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 def compute_logits(
     lm_head: VocabParallelEmbedding,
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
-) -> torch.Tensor:  # [num_tokens, vocab_size] float32
-    """Logits over the real vocabulary (padding rows dropped), gathered across TP ranks, in float32.
-
-    The matmul runs in the model dtype, as HF does; only the result is upcast.
+) -> torch.Tensor:  # [num_tokens, vocab_size] in the model dtype
+    """Logits over the real vocabulary (padding rows dropped), gathered across TP ranks, in the model dtype:
+    the matmul's output, as HF computes it. Whoever needs float32 upcasts (exactly): the sampler, unless a
+    step's rows are all plain greedy ones -- their argmax is the same on the 16-bit values, without the
+    [tokens, vocab] float32 copy (0.42 ms of Llama-8B's 1024-request fp8 decode step on an H100, plus an
+    argmax reading twice the bytes).
     """
     local = F.linear(hidden, lm_head.weight)
     if lm_head.tp_size > 1:
         local = tensor_model_parallel_all_gather(local, dim=-1, tp_size=lm_head.tp_size)
-    return local[:, : lm_head.num_embeddings].float()
+    return local[:, : lm_head.num_embeddings]

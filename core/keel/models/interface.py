@@ -67,7 +67,8 @@ class CausalLM(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] in float32, only at sampling positions."""
+        """hidden [n, hidden_size] -> logits [n, vocab_size], only at sampling positions: in float32 or in the
+        model's dtype (the sampler upcasts where it needs float32; an argmax does not)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

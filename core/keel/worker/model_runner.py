@@ -247,7 +247,8 @@ class ModelRunner:
             hidden = self.pipeline.forward_alone(self.model, input_ids, pos.to(dev), ctx)
         if hidden is not None and not self.pooling_model:
             rows = torch.arange(min(max_num_seqs, hidden.shape[0]), device=dev)
-            logits = self.model.compute_logits(hidden[rows])  # [rows, vocab]
+            # [rows, vocab]: in float32, as the sampler and the bitmask see them (the profile's largest intermediate)
+            logits = self.model.compute_logits(hidden[rows]).float()
             self._profiled_vocab = logits.shape[-1]
             if getattr(self.token_bitmask, "bound_ops", None):  # compiled here, not in the first constrained step
                 words = -(-logits.shape[-1] // 32)
@@ -482,7 +483,10 @@ class ModelRunner:
 
         @torch.inference_mode()  # also when run from get_output
         def sample(into: SampledLaunch) -> None:  # not a closure over `launch`: launch.pending holds it
-            masked = logits if constraint is None else self.token_bitmask(logits, *constraint.on_device(self.device))
+            # the bitmask op masks float32 logits (compiled for them at startup); an unconstrained step keeps the
+            # model's dtype, which the sampler upcasts only where it needs float32
+            masked = logits if constraint is None else self.token_bitmask(logits.float(),
+                                                                           *constraint.on_device(self.device))
             result = self.sampler(masked, meta)
             sampled = result.sampled_token_ids  # [S] int64, device
             self.sampling_state.record_sampled(batch, sample_batch_rows, sampled,

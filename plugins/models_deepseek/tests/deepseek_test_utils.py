@@ -171,7 +171,7 @@ def prefill_logits(model: Any, prompts: Sequence[Sequence[int]], block_size: int
     ]
     ctx = ForwardContext(attn_metadata=[md] * len(layers), kv_caches=caches, num_actual_tokens=int(qsl[-1]))
     input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-    return model.compute_logits(model(input_ids, positions, ctx))
+    return model.compute_logits(model(input_ids, positions, ctx)).float()
 
 
 @torch.no_grad()

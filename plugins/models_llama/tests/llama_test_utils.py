@@ -128,7 +128,7 @@ def prefill_logits(model: Any, prompts: Sequence[Sequence[int]]) -> torch.Tensor
         num_actual_tokens=len(input_ids),
     )
     hidden = model(input_ids, positions, ctx)
-    return model.compute_logits(hidden)
+    return model.compute_logits(hidden).float()
 
 
 @torch.no_grad()
