@@ -47,10 +47,13 @@ class TokenBitmask(torch.nn.Module):
 
     def forward(
         self,
-        logits: torch.Tensor,  # [S, vocab] float, masked in place
+        logits: torch.Tensor,  # [S, vocab] float32 (masked in place) or 16-bit (upcast first)
         bitmask: torch.Tensor,  # [R, W] int32, on the logits' device
         rows: torch.Tensor,  # [R] int64
-    ) -> torch.Tensor:  # [S, vocab]: `logits`
+    ) -> torch.Tensor:  # [S, vocab] float32: `logits`, or their upcast copy
+        # The mask runs on float32 logits, the dtype the startup profile compiles a bound op's kernel for
+        # (`Model.compute_logits` may return the model dtype; the upcast is exact).
+        logits = logits.float()
         op = getattr(self, "bound_ops", {}).get("apply_token_bitmask")
         return apply_token_bitmask(logits, bitmask, rows) if op is None else op(logits, bitmask, rows)
 

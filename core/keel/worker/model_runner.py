@@ -483,10 +483,7 @@ class ModelRunner:
 
         @torch.inference_mode()  # also when run from get_output
         def sample(into: SampledLaunch) -> None:  # not a closure over `launch`: launch.pending holds it
-            # the bitmask op masks float32 logits (compiled for them at startup); an unconstrained step keeps the
-            # model's dtype, which the sampler upcasts only where it needs float32
-            masked = logits if constraint is None else self.token_bitmask(logits.float(),
-                                                                           *constraint.on_device(self.device))
+            masked = logits if constraint is None else self.token_bitmask(logits, *constraint.on_device(self.device))
             result = self.sampler(masked, meta)
             sampled = result.sampled_token_ids  # [S] int64, device
             self.sampling_state.record_sampled(batch, sample_batch_rows, sampled,

@@ -301,7 +301,7 @@ class SpecStepRunner:
         if step_offset is not None:  # the emitted tokens of step N the host has not counted
             meta.step = meta.step + step_offset
         if constraint is not None:  # waits for the bitmask's fill if it is still running (host side)
-            logits = self.runner.token_bitmask(logits.float(), *constraint.on_device(self.device))
+            logits = self.runner.token_bitmask(logits, *constraint.on_device(self.device))
         return self.runner.sampler(logits, meta)
 
     def _propose_device(self, states, t, hidden, positions, common, accepted, sampled, draft_key=None):
