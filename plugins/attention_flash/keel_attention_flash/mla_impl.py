@@ -126,8 +126,7 @@ class TritonMLAImpl:
         # W_UV: [H, T, L] @ [H, L, V] -> [H, T, V], written through a transposed view of a contiguous
         # [T, H, V] (cuBLAS takes the strides), so the layer's reshape to [T, H * V] copies nothing (it was
         # a copy kernel per layer at every batch > 1).
-        out = torch.empty((q_nope.shape[0], self.num_heads, self.v_head_dim), dtype=o_latent.dtype,
-                          device=o_latent.device)
+        out = torch.empty((t, self.num_heads, self.v_head_dim), dtype=o_latent.dtype, device=o_latent.device)
         torch.bmm(o_latent.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
         return out
 

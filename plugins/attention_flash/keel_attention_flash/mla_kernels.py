@@ -1,5 +1,4 @@
-"""Triton kernels of triton_mla: latent cache write, paged latent attention (split-K), split reduce, and the
-small-batch W_UK / W_UV matmuls (W_UV's optionally reducing the splits in its A load).
+"""Triton kernels of triton_mla: latent cache write, paged latent attention (split-K), split reduce.
 
 The cache is [num_blocks, block_size, L + R]: one latent cat(kv_c, k_pe) per token slot, addressed
 through the block table (slot = block * PAGE + offset), never expanded to per-head K/V.
