@@ -55,6 +55,8 @@ def variants(tokens: int) -> dict[str, tuple]:
                                    torch.device("cuda"), False)
 
     def split(k: int, **kw):
+        if k > 1:  # the activation epilogue takes one K slice (MoETileConfig rejects it with a split)
+            kw["act_epilogue"] = False
         return dataclasses.replace(c13, split_k=k, **kw), dataclasses.replace(c2, split_k=k, **kw)
 
     return {
