@@ -156,8 +156,9 @@ uniform speculative verify step), else the varlen kernel over
                 metadata.num_actual_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                 v.stride(1), kv_cache.stride(0), *self._scales(k), NUM_HEADS=self.num_heads,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD=self.head_size, ROT=rotary_dim, HALF=half,
-                BLOCK_H=min(_pow2(max(self.num_heads, self.num_kv_heads)), max(1, 4096 // block_half)),
-                BLOCK_HALF=block_half, BLOCK_D=self.block_d, FP8_KV=self.fp8_kv, **pdl_kwargs(q),
+                BLOCK_H=min(_pow2(self.num_heads), max(1, 4096 // block_half)),
+                BLOCK_HALF=block_half, BLOCK_D=self.block_d, FP8_KV=self.fp8_kv,
+                BLOCK_KVH=min(_pow2(self.num_kv_heads), max(1, 4096 // self.block_d)), **pdl_kwargs(q),
                 # no multiply-add contraction: float32's products and sums each rounded, as torch's rope
                 # rounds them (16-bit dtypes round every product anyway)
                 enable_fp_fusion=False,

@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent('''
                  {**f32, "q_ptr": "*bf16", "q_out_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                   "cache_ptr": cache, "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
                  {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD": 128, "ROT": 64 if fp8 else 128, "HALF": 32 if fp8 else 64,
-                  "BLOCK_H": 32, "BLOCK_HALF": 32 if fp8 else 64, "BLOCK_D": 128, "FP8_KV": fp8})
+                  "BLOCK_H": 32, "BLOCK_HALF": 32 if fp8 else 64, "BLOCK_D": 128, "BLOCK_KVH": 8, "FP8_KV": fp8})
         compile_(mla_kernels.mla_write_latent_kernel,
                  {**f32, "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "cache_ptr": cache},
                  {"PAGE": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "FP8_KV": fp8})
