@@ -23,6 +23,10 @@ _PROGRAMS_PER_SM = 2
 # 64 vs 72 us; 256 x 640: 167 vs 185 us) -- and the long-tile launch when the context is split.
 _BATCH_LAUNCH = (32, 2, 2)
 _SPLIT_LAUNCH = (64, 4, 2)
+# An fp8 cache's batch launch: its tiles hold half the bytes, and 64-token tiles move what bf16's 32 do per
+# iteration (H100, benchmarks/h200_decode_attention.py --fp8: 64 x 1024 tokens 70 vs 100 us a layer; at 256 /
+# 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us)
+_BATCH_LAUNCH_FP8 = (64, 2, 2)
 
 
 def _pow2(n: int) -> int:
@@ -203,7 +207,8 @@ uniform speculative verify step), else the varlen kernel over
         if self.decode_launch is not None:
             block_n, warps, stages = self.decode_launch
         else:
-            block_n, warps, stages = _BATCH_LAUNCH if splits == 1 else _SPLIT_LAUNCH
+            batch = _BATCH_LAUNCH_FP8 if self.fp8_kv else _BATCH_LAUNCH
+            block_n, warps, stages = batch if splits == 1 else _SPLIT_LAUNCH
             block_n = min(block_n, self.block_n)
         if ql > 1 and q_pad * g_pad >= 64:
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers

@@ -8,8 +8,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from keel_attention_flash.backend import TritonFlashAttentionBackend
 from keel_attention_flash.impl import TritonFlashAttentionImpl, choose_num_splits
+from keel_attention_flash.kernels import _q_operand
 
 from keel.attention.backend import AttentionLayerConfig
 from keel.layers.fp8_utils import FP8
@@ -120,7 +123,8 @@ def test_choose_num_splits() -> None:
 
 
 def test_default_decode_launch_follows_the_split_count(monkeypatch) -> None:
-    """No fixed launch: one split takes the batch launch, a split context the long-tile one."""
+    """No fixed launch: one split takes the batch launch (an fp8 cache its own, 64-token tiles), a split context
+    the long-tile one."""
     import keel_attention_flash.impl as impl_mod
 
     seen = []
@@ -138,4 +142,33 @@ def test_default_decode_launch_follows_the_split_count(monkeypatch) -> None:
                          block_size=16)
     for splits in (1, 4):
         _run(case, torch.float32, 11, splits=splits)
-    assert seen == [(1, *impl_mod._BATCH_LAUNCH), (4, *impl_mod._SPLIT_LAUNCH)]
+    _run(case, torch.bfloat16, 11, splits=1, fp8_scales=(0.05, 0.02))
+    assert seen == [(1, *impl_mod._BATCH_LAUNCH), (4, *impl_mod._SPLIT_LAUNCH), (1, *impl_mod._BATCH_LAUNCH_FP8)]
+
+
+@triton.jit
+def _q_operand_probe(q_ptr, op_ptr, scale_ptr, ROWS: tl.constexpr, D: tl.constexpr):
+    r, d = tl.arange(0, ROWS), tl.arange(0, D)
+    q = tl.load(q_ptr + r[:, None] * D + d[None, :])
+    op, scale = _q_operand(q, 0.5, True)
+    tl.store(op_ptr + r[:, None] * D + d[None, :], op)
+    tl.store(scale_ptr + r, scale)
+
+
+def test_fp8_cache_q_operand_keeps_bf16_rows_in_fp16_range() -> None:
+    """With an fp8 cache a bf16 q enters the score dot as fp16, divided per row by a power of two (kernels.
+    _q_operand): rows far outside fp16's range (1e30 would be inf, 1e-30 zero) come back, times the row's
+    scale, within fp16's rounding of the row's largest element; a zero row stays zero."""
+    gen = torch.Generator().manual_seed(3)
+    mags = torch.tensor([1e30, 1e-30, 1.0, 70000.0, 0.0, 3e-5, 1e4, 2.0 ** -130])
+    q = (torch.randn(8, 32, generator=gen) * mags[:, None]).to(torch.bfloat16)
+    op = torch.empty(8, 32, dtype=torch.float16, device=DEVICE)
+    scale = torch.empty(8, dtype=torch.float32, device=DEVICE)
+    _q_operand_probe[(1,)](q.to(DEVICE), op, scale, ROWS=8, D=32)
+    op, scale = op.cpu().double(), scale.cpu().double()
+    assert torch.isfinite(op).all() and (op.abs().amax(1) < 2.0).all()
+    back = op * (scale / 0.5)[:, None]
+    top = q.double().abs().amax(1, keepdim=True)
+    assert ((back - q.double()).abs() <= top * 2.0**-11)[:7].all()
+    assert (back[4] == 0).all()  # a zero row
+    assert (back[7] == 0).all()  # float32 subnormals (no exponent to scale by) read as 0: scores under 1e-36
