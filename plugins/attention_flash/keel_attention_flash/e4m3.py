@@ -32,7 +32,7 @@ def round_to_e4m3(v):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
     a = tl.abs(v)
     subnormal = (a + _MAGIC) - _MAGIC
-    # v's sign bit on the non-negative result, so -0.0 and -tiny stay negative (compiled, -x is 0 - x: +0.0)
+    # v's sign bit on the non-negative result, so -0.0 and -tiny stay negative (negating +0.0 compiled to +0.0)
     subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return tl.where(a < _SUBNORMAL, subnormal, normal)
 
