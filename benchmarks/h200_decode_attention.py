@@ -1,7 +1,7 @@
 """Decode attention alone, as the engine's CUDA graphs run it: Llama-3-8B's GQA (triton_flash) and
 DeepSeek-V2-Lite's MLA (triton_mla) over batch x context x split count x launch configuration.
 
-    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8] [--only flash|mla]
+    python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8 [--fp8-words]] [--only flash|mla]
         [--shapes 256x192,...] [--mla-prefill]
 
 The graphs are captured with max_seq_len = max_model_len (4096 here), so the split count a batch size
@@ -9,7 +9,8 @@ gets is fixed at capture while real contexts are often far shorter; this sweep t
 that situation (metadata max_seq_len 4096, every request's context `ctx`), as graph replays (no Python
 launch gaps), and reports ms per layer and the fraction of measured copy bandwidth the cached K/V (or
 latent) bytes represent. `default` is the split count the engine would choose. --fp8: over an e4m3 cache
-(kv_cache_dtype fp8, scales != 1 folded out of the tiles), its bytes (half of bf16's) in the fraction.
+(kv_cache_dtype fp8, scales != 1 folded out of the tiles), its bytes (half of bf16's) in the fraction;
+--fp8-words also times triton_flash reading that cache as int32 words (`decode_fp8_words`) beside bytes.
 --mla-prefill: MLA's causal prefill tiles alone (DeepSeek-V2-Lite's 16 heads; prompts x length, as the
 throughput harness's 8192-token steps of 128-token prompts) per (heads, query tokens, key tile, warps, stages)
 of a program, with their TFLOPS (the absorbed form's 2 * (576 + 512) FLOPs per visible query-key pair and head).
@@ -74,7 +75,7 @@ def cache_and_scales(shape: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, t
     return quantize_kv(cache, k_scale, FP8), k_scale, v_scale  # timing only: one scale for K and V
 
 
-def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
+def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None) -> float:
     from keel_attention_flash.backend import TritonFlashAttentionBackend
     from keel_attention_flash.impl import TritonFlashAttentionImpl
 
@@ -89,7 +90,7 @@ def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float
         batch, hkv, d, dtype=torch.bfloat16, device="cuda")
     impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                          kv_cache_dtype=cache.dtype if fp8 else None),
-                                    decode_splits=splits, decode_launch=launch)
+                                    decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words)
     if fp8:
         impl.set_kv_scales(k_scale, v_scale)
     return graph_ms(lambda: impl.forward(q, k, v, cache, md))
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="an e4m3 KV cache (kv_cache_dtype fp8)")
     ap.add_argument("--only", choices=("flash", "mla"), default=None, help="decode sweep of one backend only")
     ap.add_argument("--shapes", default="", help="decode (batch x context) pairs, e.g. 256x192,256x640")
+    ap.add_argument("--fp8-words", action="store_true",
+                    help="with --fp8, flash: each case with the cache read as bytes and as int32 words (fp8_words)")
     ap.add_argument("--mla-prefill", nargs="*", default=None, metavar="PROMPTSxLEN",
                     type=lambda v: tuple(int(x) for x in v.split("x")),
                     help="only MLA's prefill tiles, e.g. 64x128 16x512 (no decode sweep)")
@@ -201,21 +204,22 @@ def main() -> None:
         for batch, ctx in shapes:
             kv_bytes = batch * (ctx + 1) * per_token
             best = None
-            for launch in launches:
-                for splits in split_opts:
-                    try:
-                        ms = case(batch, ctx, splits, launch, a.fp8)
-                    except Exception as exc:  # noqa: BLE001 -- a config that does not fit is a data point
-                        rows.append({"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
-                                     "error": repr(exc)[:160]})
-                        continue
-                    row = {"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
-                           "us": round(ms * 1e3, 2), "bw_frac": round(kv_bytes / ms / 1e6 / bw, 3)}
-                    rows.append(row)
-                    if best is None or ms < best[0]:
-                        best = (ms, row)
+            words = (None, False, True) if a.fp8_words and a.fp8 and kind == "flash" else (None,)
+            for launch, splits, w in ((la, sp, w) for la in launches for sp in split_opts for w in words):
+                extra = {} if w is None else {"fp8_words": w}
+                try:
+                    ms = case(batch, ctx, splits, launch, a.fp8, **extra)
+                except Exception as exc:  # noqa: BLE001 -- a config that does not fit is a data point
+                    rows.append({"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
+                                 **extra, "error": repr(exc)[:160]})
+                    continue
+                row = {"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits, **extra,
+                       "us": round(ms * 1e3, 2), "bw_frac": round(kv_bytes / ms / 1e6 / bw, 3)}
+                rows.append(row)
+                if best is None or ms < best[0]:
+                    best = (ms, row)
             default = next(r for r in rows if r["kind"] == kind and r["batch"] == batch and r["ctx"] == ctx
-                           and r["launch"] is None and r["splits"] is None and "us" in r)
+                           and r["launch"] is None and r["splits"] is None and "fp8_words" not in r and "us" in r)
             print(json.dumps({"kind": kind, "batch": batch, "ctx": ctx, "default_us": default["us"],
                               "default_bw": default["bw_frac"], "best": best[1] if best else None}), flush=True)
             save(rows)  # after every shape: a cut run keeps what it measured

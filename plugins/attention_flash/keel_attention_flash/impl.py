@@ -27,6 +27,11 @@ _SPLIT_LAUNCH = (64, 4, 2)
 # iteration (H100, benchmarks/h200_decode_attention.py --fp8: 64 x 1024 tokens 70 vs 100 us a layer; at 256 /
 # 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us)
 _BATCH_LAUNCH_FP8 = (64, 2, 2)
+# Decode over an fp8 cache reads it as int32 words converted in registers (kernels._e4m3_words_to_f16). Off until
+# measured: sm_90 SASS of the 32-token loop 674 -> 462 instructions a thread, no byte loads from shared memory
+# (bf16 cache: 412); predicted 1024 x 192 tokens 238 -> ~160-180 us a layer on an H100 if those byte loads'
+# bank conflicts are what holds fp8 decode at ~57% of copy bandwidth.
+_FP8_WORDS = False
 
 
 def _pow2(n: int) -> int:
@@ -59,7 +64,7 @@ uniform speculative verify step), else the varlen kernel over
     """
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
-                 decode_launch: tuple[int, int, int] | None = None) -> None:
+                 decode_launch: tuple[int, int, int] | None = None, decode_fp8_words: bool | None = None) -> None:
         self.layer = layer
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
@@ -81,6 +86,12 @@ uniform speculative verify step), else the varlen kernel over
         # the split count (_BATCH_LAUNCH / _SPLIT_LAUNCH; wide heads keep their tile).
         self.decode_launch = decode_launch
         self.fp8_kv = layer.cache_dtype != layer.dtype
+        # fp8 decode through word loads (_FP8_WORDS): 16-bit models (the tiles go fp16) with whole words per head
+        words_fit = self.fp8_kv and layer.dtype in (torch.bfloat16, torch.float16) and layer.head_size % 4 == 0
+        if decode_fp8_words and not words_fit:
+            raise ValueError(f"triton_flash: decode_fp8_words needs an fp8 cache under a 16-bit model and a head size "
+                             f"divisible by 4 (cache {layer.cache_dtype}, model {layer.dtype}, head {layer.head_size})")
+        self.fp8_words = words_fit and (_FP8_WORDS if decode_fp8_words is None else decode_fp8_words)
         self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
         self.v_scale: torch.Tensor | None = None
 
@@ -219,7 +230,7 @@ uniform speculative verify step), else the varlen kernel over
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
-            FP8_KV=self.fp8_kv,
+            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words,
             num_warps=warps, num_stages=stages, **pdl_kwargs(q),
         )
         if direct:

@@ -167,6 +167,28 @@ def rope_and_cache_kernel(
 
 
 @triton.jit
+def _e4m3_byte(words, i: tl.constexpr):
+    """Byte i (0 = lowest address) of each little-endian word, as fp16 (the interpreter's path)."""
+    return ((words >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _e4m3_words_to_f16(words, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, BLOCK_D / 4] int32 words of packed e4m3 -> [BLOCK_N, BLOCK_D] fp16 (exact), converted in the
+    registers the words were loaded into: loaded as e4m3, Triton converted after its shared-memory layout change
+    and read the dot operands a byte at a time (64 LDS.U8 a thread per 32-token tile in sm_90 SASS)."""
+    if INTERPRETED:  # no inline PTX: the same bytes, unpacked one by one
+        e0, e1, e2, e3 = _e4m3_byte(words, 0), _e4m3_byte(words, 1), _e4m3_byte(words, 2), _e4m3_byte(words, 3)
+    else:  # cvt.rn.f16x2.e4m3x2: a 16-bit pair's low byte into the low half, two elements an instruction
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; .reg .b16 lo, hi; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    # join adds a minor axis: [.., x, y] = (e0, e2)[x] if y == 0 else (e1, e3)[x], so x * 2 + y is address order
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def _q_operand(q, sm_scale_log2, FP8_KV: tl.constexpr):
     """(q as the score dot's operand, score scale). An fp8 cache: the scale per row, [rows]; with a bf16 q, q goes
     fp16 divided per row by the power of two at or below its largest |element| (exact), so no bf16 value
@@ -204,6 +226,7 @@ def _attend_tile(
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     FP8_KV: tl.constexpr,
+    FP8_WORDS: tl.constexpr = False,  # FP8_KV read as int32 words (_e4m3_words_to_f16); q an fp16 operand
 ):
     pos = n_start + tl.arange(0, BLOCK_N)
     in_ctx = (pos < seq_len) & (pos >= key_lo)
@@ -212,9 +235,16 @@ def _attend_tile(
     d = tl.arange(0, BLOCK_D)
     kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
     kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
-    k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    if FP8_KV:  # the stored e4m3 value, exact in q's dtype (fp16 for bf16 models); its scale is in sm_scale_log2
-        k = k.to(q.dtype)
+    if FP8_WORDS:  # the e4m3 cache as int32 words (HEAD % 4 == 0), fp16 tiles for an fp16 q operand
+        dw = tl.arange(0, BLOCK_D // 4)
+        w_off = slot[:, None] * (NUM_KV_HEADS * HEAD // 4) + kv_head * (HEAD // 4) + dw[None, :]
+        w_mask = in_ctx[:, None] & (dw[None, :] < HEAD // 4)
+        words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        k = _e4m3_words_to_f16(tl.load(words_ptr + w_off, mask=w_mask, other=0), BLOCK_N, BLOCK_D, DOT_F32)
+    else:
+        k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if FP8_KV:  # the stored e4m3 value, exact in q's dtype (fp16 for bf16 models); its scale is in sm_scale_log2
+            k = k.to(q.dtype)
     if DOT_F32:  # Triton's interpreter mis-multiplies 16-bit dot operands: give it float32
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -231,9 +261,13 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
-    if FP8_KV:  # likewise; v_scale multiplies the output once
-        v = v.to(q.dtype)
+    if FP8_WORDS:
+        v = tl.load(words_ptr + cache_kv_stride // 4 + w_off, mask=w_mask, other=0)
+        v = _e4m3_words_to_f16(v, BLOCK_N, BLOCK_D, DOT_F32)
+    else:
+        v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
+        if FP8_KV:  # likewise; v_scale multiplies the output once
+            v = v.to(q.dtype)
     p = p.to(v.dtype)
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -315,7 +349,7 @@ def split_decode_kernel(
     HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr, DIRECT: tl.constexpr, FP8_KV: tl.constexpr,
-    PDL: tl.constexpr = False,
+    FP8_WORDS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Flash-decoding: one program = one request x one KV head x one slice of the context.
 
@@ -363,7 +397,7 @@ def split_decode_kernel(
     for n_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
-            qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV,
+            qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV, FP8_WORDS,
         )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # per split: the reduce is linear in it
