@@ -10,7 +10,7 @@ that situation (metadata max_seq_len 4096, every request's context `ctx`), as gr
 launch gaps), and reports ms per layer and the fraction of measured copy bandwidth the cached K/V (or
 latent) bytes represent. `default` is the split count the engine would choose. --fp8: over an e4m3 cache
 (kv_cache_dtype fp8, scales != 1 folded out of the tiles), its bytes (half of bf16's) in the fraction;
---fp8-words also times triton_flash reading that cache as int32 words (`decode_fp8_words`) beside bytes.
+--fp8-words also times each backend reading that cache as int32 words (`decode_fp8_words`) beside bytes.
 --mla-prefill: MLA's causal prefill tiles alone (DeepSeek-V2-Lite's 16 heads; prompts x length, as the
 throughput harness's 8192-token steps of 128-token prompts) per (heads, query tokens, key tile, warps, stages)
 of a program, with their TFLOPS (the absorbed form's 2 * (576 + 512) FLOPs per visible query-key pair and head).
@@ -116,11 +116,11 @@ def mla_impl(num_blocks: int, fp8: bool, **launch):
     return impl, cache
 
 
-def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False) -> float:
+def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None) -> float:
     from keel_attention_flash.mla_backend import TritonMLABackend
 
     common, num_blocks = common_md(batch, ctx)
-    impl, cache = mla_impl(num_blocks, fp8, decode_splits=splits, decode_launch=launch)
+    impl, cache = mla_impl(num_blocks, fp8, decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words)
     impl.process_weights_after_loading(torch.randn(H, N, L, dtype=torch.bfloat16, device="cuda") / L**0.5,
                                        torch.randn(H, V, L, dtype=torch.bfloat16, device="cuda") / L**0.5)
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("flash", "mla"), default=None, help="decode sweep of one backend only")
     ap.add_argument("--shapes", default="", help="decode (batch x context) pairs, e.g. 256x192,256x640")
     ap.add_argument("--fp8-words", action="store_true",
-                    help="with --fp8, flash: each case with the cache read as bytes and as int32 words (fp8_words)")
+                    help="with --fp8: each case with the cache read as bytes and as int32 words (fp8_words)")
     ap.add_argument("--mla-prefill", nargs="*", default=None, metavar="PROMPTSxLEN",
                     type=lambda v: tuple(int(x) for x in v.split("x")),
                     help="only MLA's prefill tiles, e.g. 64x128 16x512 (no decode sweep)")
@@ -204,7 +204,7 @@ def main() -> None:
         for batch, ctx in shapes:
             kv_bytes = batch * (ctx + 1) * per_token
             best = None
-            words = (None, False, True) if a.fp8_words and a.fp8 and kind == "flash" else (None,)
+            words = (None, False, True) if a.fp8_words and a.fp8 else (None,)
             for launch, splits, w in ((la, sp, w) for la in launches for sp in split_opts for w in words):
                 extra = {} if w is None else {"fp8_words": w}
                 try:

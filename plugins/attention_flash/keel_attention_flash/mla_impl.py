@@ -21,6 +21,11 @@ from keel_attention_flash.impl import _pow2, _sm_count, choose_num_splits
 from keel_attention_flash.mla_metadata import TritonMLAMetadata
 from keel_attention_flash.pdl import pdl_kwargs
 
+# Decode over an fp8 latent cache reads it as int32 words converted in registers, with fp16 operands (triton_flash's
+# _FP8_WORDS). Off until measured: sm_90 SASS of the decode loop (16 heads, 32-token tiles) 1,489 -> 710
+# instructions a thread, 255 -> 241 registers, no byte loads from shared memory (bf16 cache: 852).
+_FP8_WORDS = False
+
 
 class TritonMLAImpl:
     """Created by `TritonMLABackend.get_impl(layer)` once per MLA layer; satisfies
@@ -35,7 +40,8 @@ class TritonMLAImpl:
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
                  decode_launch: tuple[int, int, int, int] | None = None,
-                 prefill_launch: tuple[int, int, int, int, int] | None = None) -> None:
+                 prefill_launch: tuple[int, int, int, int, int] | None = None,
+                 decode_fp8_words: bool | None = None) -> None:
         extra = dict(layer.extra)
         self.num_heads = layer.num_heads
         self.kv_lora_rank: int = extra["kv_lora_rank"]
@@ -70,6 +76,14 @@ class TritonMLAImpl:
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V]
         self.fp8_kv = layer.cache_dtype != layer.dtype
         self.k_scale: torch.Tensor | None = None  # fp8 latent caches: the layer's scale (keel.layers.kv_scales)
+        # decode over an fp8 latent cache read as int32 words (_FP8_WORDS)
+        words_fit = (self.fp8_kv and layer.dtype in (torch.bfloat16, torch.float16)
+                     and self.kv_lora_rank % 4 == 0 and self.qk_rope_head_dim % 4 == 0)
+        if decode_fp8_words and not words_fit:
+            raise ValueError(f"triton_mla: decode_fp8_words needs an fp8 latent cache under a 16-bit model and "
+                             f"latent / rope widths divisible by 4 (cache {layer.cache_dtype}, model {layer.dtype}, "
+                             f"{self.kv_lora_rank} / {self.qk_rope_head_dim})")
+        self.fp8_words = words_fit and (_FP8_WORDS if decode_fp8_words is None else decode_fp8_words)
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Called once by the MLA layer when its latent cache is fp8; the latent uses `k_scale`."""
@@ -153,7 +167,7 @@ class TritonMLAImpl:
                 kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                 tile_req: torch.Tensor | None, tile_q0: torch.Tensor | None, md: TritonMLAMetadata,
                 block_h: int, block_q: int, block_n: int, splits: int, warps: int, stages: int,
-                query_len: int = 1) -> None:
+                query_len: int = 1, fp8_words: bool = False) -> None:
         """One launch of the latent kernel: decode tiles into split partials (`lse` given) or prefill
         tiles straight into the latent output."""
         common = md.common
@@ -172,7 +186,7 @@ class TritonMLAImpl:
             PAGE=kv_cache.shape[1], NUM_SPLITS=splits, TILED=tile_req is not None,
             TILE_Q0=tile_q0 is not None, SPLIT_OUT=split_out,
             PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", QUERY_LEN=query_len, FP8_KV=self.fp8_kv,
-            num_warps=warps, num_stages=stages, **pdl_kwargs(q_c),
+            FP8_WORDS=fp8_words, num_warps=warps, num_stages=stages, **pdl_kwargs(q_c),
         )
 
     def _decode(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
@@ -194,13 +208,13 @@ class TritonMLAImpl:
                                                          _sm_count(q_c.device), programs_per_sm=1)
         if splits == 1:  # one split: straight into the latent output, no partials and no reduce
             self._launch((b, head_blocks, 1), q_c, q_pe, kv_cache, o_latent, None, md.decode_reqs, None,
-                         md, block_h, block_q, block_n, 1, warps, stages, query_len=ql)
+                         md, block_h, block_q, block_n, 1, warps, stages, query_len=ql, fp8_words=self.fp8_words)
             return
         part_out = torch.empty((b * ql, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
                                device=q_c.device)
         part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
         self._launch((b, head_blocks, splits), q_c, q_pe, kv_cache, part_out, part_lse, md.decode_reqs, None,
-                     md, block_h, block_q, block_n, splits, warps, stages, query_len=ql)
+                     md, block_h, block_q, block_n, splits, warps, stages, query_len=ql, fp8_words=self.fp8_words)
         tiled = md.decode_reqs is not None
         mla_kernels.mla_split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from keel_attention_flash.e4m3 import quantize_e4m3_bits
+from keel_attention_flash.kernels import _e4m3_words_to_f16
 from keel_attention_flash.pdl import pdl_enter
 
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -88,6 +89,7 @@ def mla_attention_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILED: tl.constexpr, TILE_Q0: tl.constexpr, SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, QUERY_LEN: tl.constexpr, FP8_KV: tl.constexpr,
+    FP8_WORDS: tl.constexpr = False,  # FP8_KV read as int32 words, fp16 operands (triton_flash's _attend_tile)
     PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens of one request x BLOCK_H heads x one slice of the keys.
@@ -124,6 +126,14 @@ def mla_attention_kernel(
                   mask=ql_mask, other=0.0)
     q_pe = tl.load(q_pe_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph + dr[None, :],
                    mask=qr_mask, other=0.0)
+    row_p2 = tl.full([BLOCK_M], 1.0, tl.float32)
+    if FP8_WORDS:  # fp16 operands: q divided per row by the power of two at or below its largest |element|
+        qcf, qpf = q_c.to(tl.float32), q_pe.to(tl.float32)
+        top = tl.maximum(tl.max(tl.abs(qcf), 1), tl.max(tl.abs(qpf), 1))
+        row_p2 = (top.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        row_p2 = tl.where(row_p2 > 0.0, row_p2, 1.0)
+        q_c = (qcf / row_p2[:, None]).to(tl.float16)
+        q_pe = (qpf / row_p2[:, None]).to(tl.float16)
     if DOT_F32:  # Triton's interpreter mis-multiplies 16-bit dot operands: give it float32
         q_c = q_c.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -149,13 +159,23 @@ def mla_attention_kernel(
         pos = n_start + tl.arange(0, BLOCK_N)
         in_ctx = pos < hi
         block = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
-        base = cache_ptr + block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs
-        c = tl.load(base[:, None] + dl[None, :], mask=in_ctx[:, None] & (dl[None, :] < LORA), other=0.0)
-        pe = tl.load(base[:, None] + LORA + dr[None, :], mask=in_ctx[:, None] & (dr[None, :] < ROPE),
-                     other=0.0)
-        if FP8_KV:
-            c = c.to(q_c_ptr.dtype.element_ty)
-            pe = pe.to(q_c_ptr.dtype.element_ty)
+        if FP8_WORDS:  # a slot's 576 bytes as 144 words (LORA, ROPE, strides multiples of 4)
+            words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (
+                block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs) // 4
+            wl, wr = tl.arange(0, BLOCK_L // 4), tl.arange(0, BLOCK_R // 4)
+            c = tl.load(words[:, None] + wl[None, :], mask=in_ctx[:, None] & (wl[None, :] < LORA // 4), other=0)
+            c = _e4m3_words_to_f16(c, BLOCK_N, BLOCK_L, DOT_F32)
+            pe = tl.load(words[:, None] + LORA // 4 + wr[None, :], mask=in_ctx[:, None] & (wr[None, :] < ROPE // 4),
+                         other=0)
+            pe = _e4m3_words_to_f16(pe, BLOCK_N, BLOCK_R, DOT_F32)
+        else:
+            base = cache_ptr + block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs
+            c = tl.load(base[:, None] + dl[None, :], mask=in_ctx[:, None] & (dl[None, :] < LORA), other=0.0)
+            pe = tl.load(base[:, None] + LORA + dr[None, :], mask=in_ctx[:, None] & (dr[None, :] < ROPE),
+                         other=0.0)
+            if FP8_KV:
+                c = c.to(q_c_ptr.dtype.element_ty)
+                pe = pe.to(q_c_ptr.dtype.element_ty)
         if DOT_F32:
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
@@ -164,7 +184,10 @@ def mla_attention_kernel(
         else:
             s = tl.dot(q_c, tl.trans(c), input_precision=PRECISION)
             s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-        s = s * qk_scale  # [BLOCK_M, BLOCK_N]
+        if FP8_WORDS:
+            s = s * (qk_scale * row_p2)[:, None]  # [BLOCK_M, BLOCK_N]
+        else:
+            s = s * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

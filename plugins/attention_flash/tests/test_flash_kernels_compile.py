@@ -68,10 +68,12 @@ SCRIPT = textwrap.dedent('''
         mla = {"k_scale_ptr": "*fp32", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_c_ptr": "*bf16",
                "q_pe_ptr": "*bf16"}
         shape = {"NUM_HEADS": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "PAGE": 16,
-                 "PRECISION": "tf32", "DOT_F32": False, "FP8_KV": fp8}
-        compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
-                 {**shape, "BLOCK_H": 16, "BLOCK_Q": 1, "BLOCK_N": 32, "NUM_SPLITS": 4, "TILED": True,
-                  "TILE_Q0": False, "SPLIT_OUT": True, "QUERY_LEN": 1}, num_warps=4, num_stages=2)
+                 "PRECISION": "tf32", "DOT_F32": False, "FP8_KV": fp8, "FP8_WORDS": False}
+        for words in (False, True) if fp8 else (False,):  # True: the latent read as int32 words (inline PTX)
+            compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
+                     {**shape, "BLOCK_H": 16, "BLOCK_Q": 1, "BLOCK_N": 32, "NUM_SPLITS": 4, "TILED": True,
+                      "TILE_Q0": False, "SPLIT_OUT": True, "QUERY_LEN": 1, "FP8_WORDS": words},
+                     num_warps=4, num_stages=2)
         compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*bf16", "lse_ptr": "*bf16"},
                  {**shape, "BLOCK_H": 16, "BLOCK_Q": 2, "BLOCK_N": 32, "NUM_SPLITS": 1, "TILED": True,
                   "TILE_Q0": True, "SPLIT_OUT": False, "QUERY_LEN": 1}, num_warps=4, num_stages=2)

@@ -96,7 +96,7 @@ def nan_empty(monkeypatch):
 
 
 def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, dtype=torch.float32,
-             atol=2e-5, k_scale=None):
+             atol=2e-5, k_scale=None, fp8_words=None):
     """`k_scale`: an e4m3 latent cache (the context quantized by torch's quantize_kv, NaN elsewhere), the
     reference reading it as torch_mla does, (stored * k_scale) rounded to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
@@ -105,7 +105,7 @@ def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, d
     w_uv = torch.randn(H, V, L, generator=gen, dtype=torch.float64) / L**0.5
     q = torch.randn(new_latents.shape[0], H, N + R, generator=gen, dtype=torch.float64)
     layer = mla_layer(bs, dtype, kv_cache_dtype=FP8 if k_scale else None)
-    impl = TritonMLAImpl(layer, decode_splits=splits)
+    impl = TritonMLAImpl(layer, decode_splits=splits, decode_fp8_words=fp8_words)
     impl.process_weights_after_loading(w_uk.to(DEVICE, dtype), w_uv.to(DEVICE, dtype))
     md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
     dev = new_latents.to(DEVICE, dtype)
@@ -178,6 +178,24 @@ def test_fp8_latent_cache_with_the_scale_folded_out_of_the_tiles(context_lens, q
     The scale spreads the stored values over e4m3's range; the new tokens' bytes are quantize_kv's."""
     run_case(context_lens, query_lens, bs, seed=sum(context_lens), splits=splits, dtype=dtype, atol=atol,
              k_scale=0.02, pad_rows=2)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_latent_cache_read_as_words(splits):
+    """Decode reading the e4m3 latent cache as int32 words (latent and rope parts, converted four values at a
+    time; interpreted: byte by byte) with fp16 operands, against the same reference and tolerance as the byte
+    path, next to a prefill tile (which reads bytes)."""
+    run_case((0, 5, 31, 16, 70), (1, 1, 1, 1, 1), 8, seed=122, splits=splits, dtype=torch.bfloat16,
+             atol=5e-2, k_scale=0.02, pad_rows=2, fp8_words=True)
+    run_case((0, 17, 9), (21, 1, 5), 4, seed=26, splits=splits, dtype=torch.bfloat16, atol=5e-2, k_scale=0.02,
+             fp8_words=True)
+
+
+def test_fp8_latent_words_refused_where_they_cannot_apply():
+    with pytest.raises(ValueError, match="decode_fp8_words"):
+        TritonMLAImpl(mla_layer(4, torch.float32, kv_cache_dtype=FP8), decode_fp8_words=True)
+    with pytest.raises(ValueError, match="decode_fp8_words"):
+        TritonMLAImpl(mla_layer(4, torch.bfloat16), decode_fp8_words=True)  # no fp8 cache
 
 
 def test_decode_is_absorbed_and_never_expands(monkeypatch):
