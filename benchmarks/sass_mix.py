@@ -5,8 +5,11 @@ backward branch. A count of what a thread issues per iteration predicts issue-bo
 call (h200_int4_wdeq.py: 471 vs 322 instructions a tile predicted 1.46x, measured 1.4-1.8x).
 
     python benchmarks/sass_mix.py               # the int4 cases: GEMM, fold GEMV plans, dequantize
+    python benchmarks/sass_mix.py --attention   # triton_flash / triton_mla decode over bf16 and fp8 caches (the
+                                                # fp8 ones read as bytes and as words), the rope-and-cache write
 
-Run with the device's Triton (3.6) on the path: another version compiles other code.
+Run with the device's Triton (3.6) on the path: another version compiles other code (e.g. `pip install --target DIR
+triton==3.6.0`, then PYTHONPATH=DIR).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 ONES = ("stride_xk", "stride_qn", "stride_sn", "stride_yn")
 MMA_ONLY = "--mma" in sys.argv  # only the int4 mma cases
+ATTENTION = "--attention" in sys.argv  # the attention plugin's cases instead
 
 
 def compile_sm90(fn, sig: dict, consts: dict, ones=ONES, **options):
@@ -58,10 +62,10 @@ def loop_mix(compiled) -> dict:
         if b and int(b.group(1), 16) < addr and (loop is None or addr - int(b.group(1), 16) > loop[1] - loop[0]):
             loop = (int(b.group(1), 16), addr)
     body = [t for a, t in instrs if loop and loop[0] <= a <= loop[1]]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body or [t for _, t in instrs])
     regs = re.search(r"REG:(\d+)", res)
     return {"registers": int(regs.group(1)) if regs else None, "loop_instructions": len(body),
-            "mix": dict(ops.most_common())}
+            "instructions": len(instrs), "mix": dict(ops.most_common())}  # no loop: the mix of the whole kernel
 
 
 def _int4_cases():
@@ -104,10 +108,54 @@ def _int4_cases():
            {"GROUP": 128, "BLOCK_K": 128, "BLOCK_N": 128}, {"num_warps": 4})
 
 
+def _attention_cases():
+    """Llama-8B's GQA decode (8 KV heads x 128, group 4 padded to 16 rows, the batch launches) and DeepSeek-V2-Lite's
+    MLA decode (16 heads, 512 + 64 latent, 32-token tiles), as the engine launches them; the loop is one key tile."""
+    from keel_attention_flash import kernels, mla_kernels
+
+    i32 = "i32"
+    flash = {"q_ptr": "*bf16", "cache_kv_stride": i32, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+             "out_ptr": "*bf16", "stride_ot": i32, "stride_oh": i32, "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "block_table_ptr": "*i32", "stride_bt": i32, "stride_qt": i32, "stride_qh": i32, "sm_scale_log2": "fp32",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    decode = {"NUM_KV_HEADS": 8, "GROUP": 4, "G_PAD": 16, "NUM_SPLITS": 1, "HEAD": 128, "BLOCK_D": 128, "PAGE": 16,
+              "WINDOW": 0, "PRECISION": "tf32", "DOT_F32": False, "QUERY_LEN": 1, "Q_PAD": 1, "DIRECT": True}
+    for cache, words, tile in (("bf16", False, 32), ("fp8e4nv", False, 32), ("fp8e4nv", True, 32),
+                               ("fp8e4nv", False, 64), ("fp8e4nv", True, 64)):
+        fp8 = cache != "bf16"
+        yield (f"triton_flash decode {cache}{' words' if words else ''} {tile}-token tile w2 s2",
+               kernels.split_decode_kernel, {**flash, "cache_ptr": f"*{cache}"},
+               {**decode, "BLOCK_N": tile, "FP8_KV": fp8, "FP8_WORDS": words}, {"num_warps": 2, "num_stages": 2})
+    mla = {"q_c_ptr": "*bf16", "q_pe_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*bf16", "tile_req_ptr": "*i32",
+           "tile_q0_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32",
+           "stride_bt": i32, **{k: i32 for k in ("stride_qct", "stride_qch", "stride_qpt", "stride_qph", "stride_cb",
+                                                 "stride_cs", "stride_ot", "stride_oh")},
+           "sm_scale_log2": "fp32", "k_scale_ptr": "*fp32"}
+    shape = {"NUM_HEADS": 16, "BLOCK_H": 16, "BLOCK_Q": 1, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64,
+             "BLOCK_N": 32, "PAGE": 16, "NUM_SPLITS": 1, "TILED": False, "TILE_Q0": False, "SPLIT_OUT": False,
+             "PRECISION": "tf32", "DOT_F32": False, "QUERY_LEN": 1}
+    for cache, words in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
+        yield (f"triton_mla decode {cache}{' words' if words else ''} w4 s2", mla_kernels.mla_attention_kernel,
+               {**mla, "cache_ptr": f"*{cache}"}, {**shape, "FP8_KV": cache != "bf16", "FP8_WORDS": words},
+               {"num_warps": 4, "num_stages": 2})
+    rope = {"pos_ptr": "*i64", "q_ptr": "*bf16", "q_out_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+            "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "num_write": i32,
+            **{k: i32 for k in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                "cache_kv_stride")}, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    for cache in ("bf16", "u8"):
+        yield (f"rope_and_cache {'fp8' if cache == 'u8' else 'bf16'} (whole kernel)", kernels.rope_and_cache_kernel,
+               {**rope, "cache_ptr": f"*{cache}"},
+               {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD": 128, "ROT": 128, "HALF": 64, "BLOCK_H": 32,
+                "BLOCK_HALF": 64, "BLOCK_D": 128, "BLOCK_KVH": 8, "FP8_KV": cache == "u8"}, {"enable_fp_fusion": False})
+
+
 def main() -> None:
     import json
 
-    for name, fn, sig, consts, options in _int4_cases():
+    for name, fn, sig, consts, options in _attention_cases() if ATTENTION else _int4_cases():
+        if ATTENTION:  # no int is specialized to 1 there (the int4 cases' unit strides)
+            print(name, json.dumps(loop_mix(compile_sm90(fn, sig, consts, ones=(), **options))))
+            continue
         if MMA_ONLY and "mma" not in name:
             continue
         print(name, json.dumps(loop_mix(compile_sm90(fn, sig, consts, **options))))

@@ -28,9 +28,9 @@ _SPLIT_LAUNCH = (64, 4, 2)
 # 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us)
 _BATCH_LAUNCH_FP8 = (64, 2, 2)
 # Decode over an fp8 cache reads it as int32 words converted in registers (kernels._e4m3_words_to_f16). Off until
-# measured: sm_90 SASS of the 32-token loop 674 -> 462 instructions a thread, no byte loads from shared memory
-# (bf16 cache: 412); predicted 1024 x 192 tokens 238 -> ~160-180 us a layer on an H100 if those byte loads'
-# bank conflicts are what holds fp8 decode at ~57% of copy bandwidth.
+# measured: sm_90 SASS of the 32-token loop 701 -> 516 instructions a thread, no byte loads from shared memory
+# (bf16 cache: 423; Triton 3.6, benchmarks/sass_mix.py --attention); predicted 1024 x 192 tokens 238 -> ~160-180
+# us a layer on an H100 if those byte loads' bank conflicts are what holds fp8 decode at ~57% of copy bandwidth.
 _FP8_WORDS = False
 
 

@@ -20,7 +20,8 @@ An fp8 (e4m3) cache is written quantized by the write kernel itself (`e4m3.quant
 torch's `quantize_kv`) and read as raw e4m3 tiles, the layer's scales folded into the score scale (k_scale)
 and the output (v_scale). With a bf16 q the tiles become fp16, not bf16 (`_q_operand`): sm_90 turns two e4m3
 into two fp16 in one instruction, while bf16 took one more conversion per element at quarter rate (the decode
-loop's SASS: 880 instructions a thread, 674 in fp16, 412 over a bf16 cache). Every e4m3 value is exact in fp16.
+loop's SASS with the device's Triton 3.6, `benchmarks/sass_mix.py --attention`: 914 instructions a thread, 701 in
+fp16, 423 over a bf16 cache). Every e4m3 value is exact in fp16.
 fp8 decode still reads its half-size cache at ~57% of copy bandwidth where bf16 reads at ~94% (H100;
 docs/architecture.md says what was tried).
 """

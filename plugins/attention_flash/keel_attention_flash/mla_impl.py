@@ -22,8 +22,9 @@ from keel_attention_flash.mla_metadata import TritonMLAMetadata
 from keel_attention_flash.pdl import pdl_kwargs
 
 # Decode over an fp8 latent cache reads it as int32 words converted in registers, with fp16 operands (triton_flash's
-# _FP8_WORDS). Off until measured: sm_90 SASS of the decode loop (16 heads, 32-token tiles) 1,489 -> 710
-# instructions a thread, 255 -> 241 registers, no byte loads from shared memory (bf16 cache: 852).
+# _FP8_WORDS). Off until measured: sm_90 SASS of the decode loop (16 heads, 32-token tiles) 1,508 -> 981
+# instructions a thread, 255 -> 204 registers, no byte loads from shared memory (bf16 cache: 841; Triton 3.6,
+# benchmarks/sass_mix.py --attention).
 _FP8_WORDS = False
 
 
