@@ -6,7 +6,8 @@ call (h200_int4_wdeq.py: 471 vs 322 instructions a tile predicted 1.46x, measure
 
     python benchmarks/sass_mix.py               # the int4 cases: GEMM, fold GEMV plans, dequantize
     python benchmarks/sass_mix.py --attention   # triton_flash / triton_mla decode over bf16 and fp8 caches (the
-                                                # fp8 ones read as bytes and as words), the rope-and-cache write
+                                                # fp8 ones read as bytes and as words), the fused W8A8 input
+                                                # quantizations, the rope-and-cache write
 
 Run with the device's Triton (3.6) on the path: another version compiles other code (e.g. `pip install --target DIR
 triton==3.6.0`, then PYTHONPATH=DIR).
@@ -142,11 +143,32 @@ def _attention_cases():
             "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "num_write": i32,
             **{k: i32 for k in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                                 "cache_kv_stride")}, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    yield from _fused_quant_cases()
     for cache in ("bf16", "u8"):
         yield (f"rope_and_cache {'fp8' if cache == 'u8' else 'bf16'} (whole kernel)", kernels.rope_and_cache_kernel,
                {**rope, "cache_ptr": f"*{cache}"},
                {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD": 128, "ROT": 128, "HALF": 64, "BLOCK_H": 32,
                 "BLOCK_HALF": 64, "BLOCK_D": 128, "BLOCK_KVH": 8, "FP8_KV": cache == "u8"}, {"enable_fp_fusion": False})
+
+
+def _fused_quant_cases():
+    """Llama-8B's W8A8 input quantization fused into its producers, one scale per token, as a 1024-token decode
+    step launches them: SiluAndMul (a 14336-wide row whole, 16 warps) and RMSNorm with the residual add (4096)."""
+    import triton.language as tl
+    from keel_quantization import fp8_input_fusion_triton as f
+
+    i32 = "i32"
+    yield ("silu_and_mul_quant 14336 row, 16 warps (whole kernel)", f._silu_and_mul_quant_kernel,
+           {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",
+            **{k: i32 for k in ("M", "stride_x", "stride_q", "stride_sm", "stride_sg", "D")}},
+           {"DT": tl.bfloat16, "STATIC": False, "CHUNK": 16384, "NUM_CHUNKS": 1, "GROUP": 16384, "HW_CVT": True},
+           {"num_warps": 16})
+    yield ("rms_norm_quant 4096 row with residual, 16 warps (whole kernel)", f._rms_norm_quant_kernel,
+           {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+            "res_out_ptr": "*bf16", "static_ptr": "*fp32", "eps": "fp32",
+            **{k: i32 for k in ("M", "stride_x", "stride_r", "stride_q", "stride_ro", "stride_sm", "stride_sg", "H")}},
+           {"DT": tl.bfloat16, "HAS_RESIDUAL": True, "STATIC": False, "BLOCK": 4096, "GROUP": 4096, "CHUNK": 4096,
+            "HW_CVT": True}, {"num_warps": 16})
 
 
 def main() -> None:

@@ -24,6 +24,9 @@ from keel.layers.fp8_utils import FP8
 from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3_stored
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 
+# Whether this module's kernels were jitted for the interpreter (triton.jit decides as it decorates them)
+_INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+
 MAX_NORM_WIDTH = 8192  # kernels-triton's one-tile norm; wider rows are not fused
 # The grouped norm's inputs per pass. At 8192 x 4096 on an H100 (h100-fp8-input-fusion-1b41e57): 89.8 us a launch
 # in one pass of 4096, 138.6 in passes of 1024, 344.9 of 256, against 128.0 for the unfused pair (norm, then
@@ -34,9 +37,12 @@ NORM_GROUP_CHUNK = 4096
 
 @triton.jit
 def _round_to(x, dt: tl.constexpr):
-    """float32 `x` rounded to `dt` to nearest-even (the interpreter truncates to bfloat16 without this); kernels-
-    triton's `_round_to`, copied as `pdl` is, so this plugin needs no other plugin."""
-    if dt == tl.bfloat16:
+    """float32 `x` rounded to `dt` to nearest-even, as torch rounds. Compiled, the conversion itself does (cvt.rn),
+    so the bits are rounded by hand only in the interpreter, which truncates to bfloat16. By hand on CUDA they cost
+    ~6 integer instructions an element and turned its canonical NaN (0x7FFFFFFF) into -0.0; left to the compiler,
+    a bf16 product or sum rounded so becomes one packed bf16 instruction (exact: float32 holds 2 x 8 + 2 bits).
+    kernels-triton's `_round_to`, copied as `pdl` is, so this plugin needs no other plugin."""
+    if dt == tl.bfloat16 and _INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         x = bits.to(tl.float32, bitcast=True)
