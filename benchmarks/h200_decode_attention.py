@@ -193,6 +193,10 @@ def main() -> None:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     if a.quick:
         shapes, flash_launches, mla_launches = shapes[:2], flash_launches[:2], mla_launches[:2]
+    if a.fp8_words:  # each case three times (default, bytes, words): the engine's launches and their neighbours
+        split_opts = [None, 1]
+        flash_launches = [None, (32, 2, 2), (64, 2, 2), (64, 4, 2), (32, 2, 1)]
+        mla_launches = [None, (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2)]
     rows = []
     # Cached bytes per context token and layer: K and V of 8 KV heads x 128; one 576-wide latent (2 bytes
     # an element in bf16, 1 in fp8).
