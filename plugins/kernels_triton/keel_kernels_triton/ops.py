@@ -115,6 +115,9 @@ class TritonRotaryEmbedding(TritonOp):
                 q2.stride(0), k2.stride(0), q_out.stride(0), k_out.stride(0), nq, nk,
                 HEAD=head_size, ROT=rotary_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
                 BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)), **_pdl(q2),
+                # no multiply-add contraction: torch rounds each product before the sum (fused, the compiler
+                # emits a bf16 fma.rn for x * cos - round(x2 * sin); in float32 an FMA skips a rounding too)
+                enable_fp_fusion=False,
             )
         return q_out, k_out
 
@@ -201,6 +204,7 @@ def _mla_rope(
             kv_c, kv_w, kv_out if kv_out is not None else k_out, kv_c.stride(0), lora, float(eps),
             ROT=rot, HALF=half, BLOCK_H=min(triton.next_power_of_2(heads), max(1, 4096 // block_half)),
             BLOCK_HALF=block_half, INTERLEAVED=bool(interleaved), BLOCK_L=block_l, num_warps=warps, **_pdl(q),
+            enable_fp_fusion=False,  # the rope's products rounded before their sum, as rotary_kernel's
         )
     return q_out, k_out, kv_out
 
