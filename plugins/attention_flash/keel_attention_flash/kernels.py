@@ -179,11 +179,11 @@ def _e4m3_byte(words, i: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_words_to_f16(words, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
+def _e4m3_words_to_f16(words, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """[BLOCK_N, BLOCK_D / 4] int32 words of packed e4m3 -> [BLOCK_N, BLOCK_D] fp16 (exact), converted in the
     registers the words were loaded into: loaded as e4m3, Triton converted after its shared-memory layout change
     and read the dot operands a byte at a time (64 LDS.U8 a thread per 32-token tile in sm_90 SASS)."""
-    if INTERPRETED:  # no inline PTX: the same bytes, unpacked one by one
+    if _INTERPRETED:  # no inline PTX: the same bytes, unpacked one by one
         e0, e1, e2, e3 = _e4m3_byte(words, 0), _e4m3_byte(words, 1), _e4m3_byte(words, 2), _e4m3_byte(words, 3)
     else:  # cvt.rn.f16x2.e4m3x2: a 16-bit pair's low byte into the low half, two elements an instruction
         e0, e1, e2, e3 = tl.inline_asm_elementwise(
@@ -192,6 +192,14 @@ def _e4m3_words_to_f16(words, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTE
             "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
     # join adds a minor axis: [.., x, y] = (e0, e2)[x] if y == 0 else (e1, e3)[x], so x * 2 + y is address order
     return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _pow2_at_or_below(top):
+    """float32 [rows] >= 0 -> the power of two at or below each (its exponent bits alone); 1 for zero or a float32
+    subnormal. inf / NaN give inf: a row holding them stays garbage, as it is anyway."""
+    p2 = (top.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(p2 > 0.0, p2, 1.0)
 
 
 @triton.jit
@@ -206,9 +214,7 @@ def _q_operand(q, sm_scale_log2, FP8_KV: tl.constexpr):
         p2 = tl.full([q.shape[0]], 1.0, tl.float32)  # [rows]
         if q.dtype == tl.bfloat16:
             qf = q.to(tl.float32)
-            top = tl.max(tl.abs(qf), 1)
-            p2 = (top.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-            p2 = tl.where(p2 > 0.0, p2, 1.0)  # a zero row; a row holding inf / NaN stays garbage, as before
+            p2 = _pow2_at_or_below(tl.max(tl.abs(qf), 1))
             op = (qf / p2[:, None]).to(tl.float16)
         scale = sm_scale_log2 * p2
     return op, scale
@@ -246,7 +252,7 @@ def _attend_tile(
         w_off = slot[:, None] * (NUM_KV_HEADS * HEAD // 4) + kv_head * (HEAD // 4) + dw[None, :]
         w_mask = in_ctx[:, None] & (dw[None, :] < HEAD // 4)
         words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        k = _e4m3_words_to_f16(tl.load(words_ptr + w_off, mask=w_mask, other=0), BLOCK_N, BLOCK_D, DOT_F32)
+        k = _e4m3_words_to_f16(tl.load(words_ptr + w_off, mask=w_mask, other=0), BLOCK_N, BLOCK_D)
     else:
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if FP8_KV:  # the stored e4m3 value, exact in q's dtype (fp16 for bf16 models); its scale is in sm_scale_log2
@@ -269,7 +275,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_WORDS:
         v = tl.load(words_ptr + cache_kv_stride // 4 + w_off, mask=w_mask, other=0)
-        v = _e4m3_words_to_f16(v, BLOCK_N, BLOCK_D, DOT_F32)
+        v = _e4m3_words_to_f16(v, BLOCK_N, BLOCK_D)
     else:
         v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
         if FP8_KV:  # likewise; v_scale multiplies the output once

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from keel_attention_flash.e4m3 import quantize_e4m3_bits
-from keel_attention_flash.kernels import _e4m3_words_to_f16
+from keel_attention_flash.kernels import _e4m3_words_to_f16, _pow2_at_or_below
 from keel_attention_flash.pdl import pdl_enter
 
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -130,8 +130,7 @@ def mla_attention_kernel(
     if FP8_WORDS:  # fp16 operands: q divided per row by the power of two at or below its largest |element|
         qcf, qpf = q_c.to(tl.float32), q_pe.to(tl.float32)
         top = tl.maximum(tl.max(tl.abs(qcf), 1), tl.max(tl.abs(qpf), 1))
-        row_p2 = (top.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        row_p2 = tl.where(row_p2 > 0.0, row_p2, 1.0)
+        row_p2 = _pow2_at_or_below(top)
         q_c = (qcf / row_p2[:, None]).to(tl.float16)
         q_pe = (qpf / row_p2[:, None]).to(tl.float16)
     if DOT_F32:  # Triton's interpreter mis-multiplies 16-bit dot operands: give it float32
@@ -164,10 +163,10 @@ def mla_attention_kernel(
                 block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs) // 4
             wl, wr = tl.arange(0, BLOCK_L // 4), tl.arange(0, BLOCK_R // 4)
             c = tl.load(words[:, None] + wl[None, :], mask=in_ctx[:, None] & (wl[None, :] < LORA // 4), other=0)
-            c = _e4m3_words_to_f16(c, BLOCK_N, BLOCK_L, DOT_F32)
+            c = _e4m3_words_to_f16(c, BLOCK_N, BLOCK_L)
             pe = tl.load(words[:, None] + LORA // 4 + wr[None, :], mask=in_ctx[:, None] & (wr[None, :] < ROPE // 4),
                          other=0)
-            pe = _e4m3_words_to_f16(pe, BLOCK_N, BLOCK_R, DOT_F32)
+            pe = _e4m3_words_to_f16(pe, BLOCK_N, BLOCK_R)
         else:
             base = cache_ptr + block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs
             c = tl.load(base[:, None] + dl[None, :], mask=in_ctx[:, None] & (dl[None, :] < LORA), other=0.0)
