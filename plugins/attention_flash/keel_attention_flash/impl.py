@@ -25,12 +25,16 @@ _BATCH_LAUNCH = (32, 2, 2)
 _SPLIT_LAUNCH = (64, 4, 2)
 # An fp8 cache's batch launch: its tiles hold half the bytes, and 64-token tiles move what bf16's 32 do per
 # iteration (H100, benchmarks/h200_decode_attention.py --fp8: 64 x 1024 tokens 70 vs 100 us a layer; at 256 /
-# 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us)
+# 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us). H200 at ef63271: 64 x 1024 68 vs 95,
+# 1024 x 192 236 vs 217 (h200-fp8-1024-ef63271.json): the long contexts' 1.4x outweighs the short ones' 0.92x
 _BATCH_LAUNCH_FP8 = (64, 2, 2)
-# Decode over an fp8 cache reads it as int32 words converted in registers (kernels._e4m3_words_to_f16). Off until
-# measured: sm_90 SASS of the 32-token loop 701 -> 516 instructions a thread, no byte loads from shared memory
-# (bf16 cache: 423; Triton 3.6, benchmarks/sass_mix.py --attention); predicted 1024 x 192 tokens 238 -> ~160-180
-# us a layer on an H100 if those byte loads' bank conflicts are what holds fp8 decode at ~57% of copy bandwidth.
+# Decode over an fp8 cache reads it as int32 words converted in registers (kernels._e4m3_words_to_f16). sm_90 SASS
+# of the 32-token loop 701 -> 516 instructions a thread, no byte loads from shared memory (bf16 cache: 423; Triton
+# 3.6, benchmarks/sass_mix.py --attention); predicted 1024 x 192 tokens 238 -> ~160-180 us a layer. Measured (H200,
+# ef63271, h200-fp8-1024-ef63271.json): 1024 x 192 237 -> 203 us, but 64 x 1024 (one split, 16 tiles a program)
+# 67.6 -> 74.3. Unverified guess: the word loads feed registers, so the pipeliner does not run them ahead as it
+# does the byte path's shared-memory copies, and long loops wait on them. A CUDA graph's launch sees
+# max_model_len, not the step's contexts, so it cannot pick per context: off until the word loads are pipelined.
 _FP8_WORDS = False
 
 
