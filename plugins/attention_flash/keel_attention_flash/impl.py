@@ -32,9 +32,9 @@ _BATCH_LAUNCH_FP8 = (64, 2, 2)
 # of the 32-token loop 701 -> 516 instructions a thread, no byte loads from shared memory (bf16 cache: 423; Triton
 # 3.6, benchmarks/sass_mix.py --attention); predicted 1024 x 192 tokens 238 -> ~160-180 us a layer. Measured (H200,
 # ef63271, h200-fp8-1024-ef63271.json): 1024 x 192 237 -> 203 us, but 64 x 1024 (one split, 16 tiles a program)
-# 67.6 -> 74.3. Unverified guess: the word loads feed registers, so the pipeliner does not run them ahead as it
-# does the byte path's shared-memory copies, and long loops wait on them. A CUDA graph's launch sees
-# max_model_len, not the step's contexts, so it cannot pick per context: off until the word loads are pipelined.
+# 67.6 -> 74.3, unexplained: the sm_90 SASS shows the word loads pipelined through shared memory (LDGSTS) as the
+# byte path's are. A CUDA graph's launch sees max_model_len, not the step's contexts, so it cannot pick per
+# context: off until the long-context loss is understood.
 _FP8_WORDS = False
 
 
