@@ -6,7 +6,8 @@ torch's clamp keeps it; tl.minimum / tl.maximum may drop it), rounded to nearest
 float32, then encoded as the uint8 bits. The kernels store those bits into a uint8 view of the cache. Interpreted,
 there is no fp8 cast at all, because Triton's CPU interpreter casts wrongly (it drops the carry of a mantissa
 that rounds up into the next binade, 124.4 -> 64, and turns NaN into 384), and the encoding of a value already
-on the grid is exact integer work. Compiled, the quotient goes to the hardware's saturating round-to-nearest-even
+on the grid is exact integer work. The quotient is `_quotient`'s: the IEEE bits from the scale's reciprocal and
+two FMAs an element. Compiled, it goes to the hardware's saturating round-to-nearest-even
 convert (cvt.rn.satfinite, as keel_quantization's HW_CVT path): the same bytes, ~1 instruction where the spelled-out
 rounding took ~16 (the fp8 rope-and-cache write, sm_90 SASS: 968 -> 704 instructions a thread).
 
@@ -26,6 +27,8 @@ _INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 _SUBNORMAL = tl.constexpr(2.0**-6)  # e4m3's smallest normal; below it the grid is multiples of 2^-9
 _MAGIC = tl.constexpr(1.5 * 2.0**14)  # float32 ulp here is 2^-9: (a + M) - M rounds a to that grid, ties to even
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_SATURATED = tl.constexpr(2.0**16)  # a quotient past 464 stores as +-448
+_QUOTIENT_MIN_SCALE = tl.constexpr(2.0**-92)  # `_quotient`'s remainder does not underflow from here up
 
 
 @triton.jit
@@ -42,10 +45,28 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def _quotient(x, scale):
+    """x / scale with div_rn's bits, scale a positive float32 scalar >= _QUOTIENT_MIN_SCALE: the reciprocal once,
+    then q = RN(x * rcp), within an ulp, and one Markstein step, q - RN(q * scale - x) * rcp in two FMAs, which
+    rounds it correctly while the remainder does not underflow (quotients past 2^-11; smaller ones store as zeros
+    either way). q * scale - x rather than x - q * scale keeps -0 / scale at -0; the product is clamped to 2^16,
+    where it only saturates, so that it never overflows (inf - inf would be NaN, not 448). Three instructions an
+    element, and two compares, where div_rn took ~12 and a branch. The twin of keel_quantization's `_quotient`
+    (static scales); tests/test_e4m3.py compares the bytes with quantize_kv's."""
+    rcp = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = tl.minimum(tl.maximum(x * rcp, -_SATURATED), _SATURATED)
+    r = tl.math.fma(q, scale, -x)
+    return tl.math.fma(-r, rcp, q)
+
+
+@triton.jit
 def quantize_e4m3_bits(x, scale):
-    """x float32, scale float32 (a scalar or x's shape) -> the float8_e4m3fn bits of torch's
+    """x float32, scale a positive float32 scalar -> the float8_e4m3fn bits of torch's
     (x / scale).clamp(-448, 448).to(float8_e4m3fn), as uint8."""
-    v = tl.math.div_rn(x, tl.zeros(x.shape, tl.float32) + scale)
+    if scale >= _QUOTIENT_MIN_SCALE:  # a branch a program: the layer's one scale
+        v = _quotient(x, scale)
+    else:
+        v = tl.math.div_rn(x, tl.zeros(x.shape, tl.float32) + scale)
     if not _INTERPRETED:  # compiled: the saturating round-to-nearest-even convert is the clamp and rounding below
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     v = tl.where(v > _FP8_MAX, _FP8_MAX, v)  # compares are false for NaN: it passes through

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from keel.layers.fp8_utils import FP8
-from keel_quantization.fp8_quant_triton import _dynamic_scale, _to_e4m3_stored
+from keel_quantization.fp8_quant_triton import _dynamic_scale, _reciprocal, _to_e4m3_stored
 from keel_quantization.pdl import pdl_enter, pdl_kwargs
 
 # Whether this module's kernels were jitted for the interpreter (triton.jit decides as it decorates them)
@@ -59,13 +59,14 @@ def _quantize_groups(v, q_row, s_row, stride_sg, static_ptr, offs, mask, W, firs
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = _dynamic_scale(tl.max(tl.abs(v), axis=0))
-        q = _to_e4m3_stored(v, tl.full(v.shape, 1.0, tl.float32) * scale, q_row.dtype.element_ty, HW_CVT)
+        q = _to_e4m3_stored(v, scale, _reciprocal(scale), q_row.dtype.element_ty, HW_CVT, STATIC)
         tl.store(q_row + offs, q, mask=mask)
         tl.store(s_row + first_group * stride_sg, scale)
     else:
         v2 = tl.reshape(v, (BLOCK // GROUP, GROUP))
         scales = _dynamic_scale(tl.max(tl.abs(v2), axis=1))  # [BLOCK // GROUP]
-        q = _to_e4m3_stored(v2, tl.broadcast_to(scales[:, None], v2.shape), q_row.dtype.element_ty, HW_CVT)
+        q = _to_e4m3_stored(v2, scales[:, None], _reciprocal(scales)[:, None], q_row.dtype.element_ty, HW_CVT,
+                            False)
         tl.store(q_row + tl.reshape(offs, (BLOCK // GROUP, GROUP)), q, mask=tl.reshape(mask, (BLOCK // GROUP, GROUP)))
         first = first_group + tl.arange(0, BLOCK // GROUP)
         tl.store(s_row + first * stride_sg, scales, mask=first * GROUP < W)
@@ -102,7 +103,8 @@ def _rms_norm_quant_kernel(
                              (k < H) & ((row + k * 0) < M), HAS_RESIDUAL)
             v2 = _norm_output(x2, rstd, w_ptr, k, (k < H) & ((row + k * 0) < M), DT)
             scales = _dynamic_scale(tl.max(tl.abs(v2), axis=1))  # [groups]
-            q = _to_e4m3_stored(v2, tl.broadcast_to(scales[:, None], v2.shape), q_ptr.dtype.element_ty, HW_CVT)
+            q = _to_e4m3_stored(v2, scales[:, None], _reciprocal(scales)[:, None], q_ptr.dtype.element_ty, HW_CVT,
+                                False)
             tl.store(q_row + k, q, mask=k < H)
             first = c * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
             tl.store(s_row + first * stride_sg, scales, mask=first * GROUP < H)
@@ -167,10 +169,11 @@ def _silu_and_mul_quant_kernel(
                 k = c * CHUNK + cols
                 amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, k, (k < D) & in_x, D, DT)))
             scale = tl.max(_dynamic_scale(amax), axis=0)  # monotone in the amax: the largest chunk's is the token's
+        rcp = _reciprocal(scale)
         for c2 in range(NUM_CHUNKS):
             k2 = c2 * CHUNK + cols
             v = _silu_mul(x_row, k2, (k2 < D) & in_x, D, DT)
-            q = _to_e4m3_stored(v, tl.full((CHUNK,), 1.0, tl.float32) * scale, q_ptr.dtype.element_ty, HW_CVT)
+            q = _to_e4m3_stored(v, scale, rcp, q_ptr.dtype.element_ty, HW_CVT, STATIC)
             tl.store(q_row + k2, q, mask=k2 < D)
         tl.store(s_row, scale)
 

@@ -22,6 +22,8 @@ hardware's saturating convert (cvt.rn.satfinite) clamps and rounds to nearest-ev
 (`_to_e4m3_stored`). That is 1200 -> 784 sm_90 instructions for a 4096-input token at 4 warps (37.5 -> 24.5
 an element; the IEEE division, kept for the reference's bits, is most of the rest). At 8192 x 4096 the
 kernel ran 44 us on the H200 (8c848ae: ~2.3 TB/s, issue-bound); predicted ~28-32 us, unmeasured.
+The division itself is `_quotient`: the scale's reciprocal once, then a product and two FMAs an element give the
+IEEE quotient's bits (div_rn took ~12 instructions and a branch an element).
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ _SUBNORMAL = tl.constexpr(2.0**-6)  # e4m3's smallest normal; below it the grid 
 _MAGIC = tl.constexpr(1.5 * 2.0**14)  # float32 ulp here is 2^-9: (a + M) - M rounds a to that grid, ties to even
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_SATURATED = tl.constexpr(2.0**16)  # a quotient past 464 stores as +-448: `_quotient` clamps its product here
+# `_quotient` is exact for scales from here up (its remainder does not underflow while |x / scale| >= 2^-11):
+# every dynamic scale (MIN_SCALE ~ 2^-17.8); a static one below takes the division
+QUOTIENT_MIN_SCALE = 2.0**-92
+_QUOTIENT_MIN_SCALE = tl.constexpr(QUOTIENT_MIN_SCALE)
 
 
 @triton.jit
@@ -62,20 +70,61 @@ def _dynamic_scale(amax):
 
 @triton.jit
 def _to_e4m3(x, scale):
-    """x float32 and its scale (broadcast to x's shape) -> x / scale saturated and rounded to e4m3, float32."""
+    """x float32 and its scale (broadcast to x's shape) -> x / scale saturated and rounded to e4m3, float32, by an
+    IEEE division an element (the small-M GEMMs' inline quantization; the quantization kernels take `_quotient`)."""
     v = tl.math.div_rn(x, scale)
     return _round_to_e4m3(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX))
 
 
 @triton.jit
-def _to_e4m3_stored(x, scale, dtype: tl.constexpr, HW_CVT: tl.constexpr):
-    """`_to_e4m3(x, scale)` as the e4m3 `dtype` a kernel stores. HW_CVT (compiled for sm_89+): the quotient goes
-    straight to the saturating round-to-nearest-even convert (cvt.rn.satfinite: the clamp and the rounding
-    `_round_to_e4m3` spell out, in one instruction a pair) -- the same bits; the interpreter's convert is not
-    exact, so it keeps the spelled-out rounding."""
+def _reciprocal(scale):
+    """RN(1 / scale) (IEEE), elementwise: what `_quotient` multiplies by, taken once a scale."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _quotient(x, scale, rcp, BOUNDED: tl.constexpr):
+    """x / scale with div_rn's bits, x float32, scale > 0 and rcp = `_reciprocal(scale)` each a scalar or
+    broadcast against x: q = RN(x * rcp) is within an ulp of the quotient, and one Markstein step,
+    q - RN(q * scale - x) * rcp in two FMAs, rounds it correctly (Markstein 1990; Muller, Raina and Brisebarre,
+    IEEE Trans. Computers 2004). Three instructions an element where div_rn took ~12 and a branch.
+    - Exact while the remainder q * scale - x does not underflow: scale >= QUOTIENT_MIN_SCALE and
+      |x / scale| >= 2^-11. Smaller quotients (|x| at most a few ulps off) store as e4m3 zeros either way.
+    - The remainder is q * scale - x, not x - q * scale, so that -0 / scale stays -0 (+0 + -0 is +0).
+    - An infinite scale (an amax of inf) gives x / inf (+-0, or NaN for inf / inf): the FMA takes FLT_MAX.
+    - BOUNDED: |x| <= 448 * scale (a dynamic scale). Otherwise the product is clamped to 2^16 first, where it
+      only saturates, so that it never overflows to inf (inf - inf would be NaN, not 448)."""
+    q = x * rcp
+    if not BOUNDED:
+        q = tl.minimum(tl.maximum(q, -_SATURATED), _SATURATED)
+    r = tl.math.fma(q, tl.minimum(scale, _FLT_MAX), -x)
+    return tl.math.fma(-r, rcp, q)
+
+
+@triton.jit
+def _scaled(x, scale, rcp, STATIC: tl.constexpr):
+    """x / scale as `_quotient` gives it. A static scale (a scalar, any positive float32) below
+    QUOTIENT_MIN_SCALE takes div_rn instead: a branch a program, not an element."""
+    if STATIC:
+        if scale >= _QUOTIENT_MIN_SCALE:
+            v = _quotient(x, scale, rcp, False)
+        else:
+            v = tl.math.div_rn(x, tl.zeros(x.shape, tl.float32) + scale)
+    else:  # dynamic: scale >= MIN_SCALE and |x| <= amax
+        v = _quotient(x, scale, rcp, True)
+    return v
+
+
+@triton.jit
+def _to_e4m3_stored(x, scale, rcp, dtype: tl.constexpr, HW_CVT: tl.constexpr, STATIC: tl.constexpr):
+    """x / scale (`_scaled`; rcp = `_reciprocal(scale)`) saturated and rounded to the e4m3 `dtype` a kernel
+    stores. HW_CVT (compiled for sm_89+): the quotient goes straight to the saturating round-to-nearest-even
+    convert (cvt.rn.satfinite: the clamp and the rounding `_round_to_e4m3` spell out, in one instruction a pair)
+    -- the same bits; the interpreter's convert is not exact, so it keeps the spelled-out rounding."""
+    v = _scaled(x, scale, rcp, STATIC)
     if HW_CVT:
-        return tl.math.div_rn(x, scale).to(dtype)
-    return _to_e4m3(x, scale).to(dtype)
+        return v.to(dtype)
+    return _round_to_e4m3(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)).to(dtype)
 
 
 @triton.jit
@@ -97,10 +146,12 @@ def _quant_fp8_kernel(
     in_x = (row + groups * 0) < M  # [G]
     x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=mask & in_x[:, None], other=0.0).to(tl.float32)
     if STATIC:
-        scale = tl.load(static_ptr + groups * 0).to(tl.float32)  # [G], the one static scale
+        one = tl.load(static_ptr).to(tl.float32)  # the one static scale
+        q = _to_e4m3_stored(x, one, _reciprocal(one), q_ptr.dtype.element_ty, HW_CVT, True)
+        scale = tl.zeros([GROUPS_PER_PROGRAM], tl.float32) + one  # [G]
     else:
         scale = _dynamic_scale(tl.max(tl.abs(x), axis=1))  # [G]
-    q = _to_e4m3_stored(x, tl.broadcast_to(scale[:, None], x.shape), q_ptr.dtype.element_ty, HW_CVT)
+        q = _to_e4m3_stored(x, scale[:, None], _reciprocal(scale)[:, None], q_ptr.dtype.element_ty, HW_CVT, False)
     tl.store(q_ptr + row * stride_qm + k * stride_qk, q, mask=mask)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < NUM_GROUPS)
 
@@ -130,10 +181,11 @@ def _quant_fp8_row_loop_kernel(
             amax = tl.maximum(amax, tl.abs(x))
         # the scale is monotone in the amax: the largest of the chunk's scales is the token's
         scale = tl.max(_dynamic_scale(amax), axis=0)
+    rcp = _reciprocal(scale)
     for c in range(NUM_CHUNKS):
         k = c * CHUNK + cols
         x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=(k < K) & in_x, other=0.0).to(tl.float32)
-        q = _to_e4m3_stored(x, tl.full((CHUNK,), 1.0, tl.float32) * scale, q_ptr.dtype.element_ty, HW_CVT)
+        q = _to_e4m3_stored(x, scale, rcp, q_ptr.dtype.element_ty, HW_CVT, STATIC)
         tl.store(q_ptr + row * stride_qm + k * stride_qk, q, mask=k < K)
     tl.store(s_ptr + row * stride_sm, scale)
 
