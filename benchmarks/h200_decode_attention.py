@@ -169,6 +169,9 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="an e4m3 KV cache (kv_cache_dtype fp8)")
     ap.add_argument("--only", choices=("flash", "mla"), default=None, help="decode sweep of one backend only")
     ap.add_argument("--shapes", default="", help="decode (batch x context) pairs, e.g. 256x192,256x640")
+    ap.add_argument("--flash-launches", default="", metavar="NxWxS,...",
+                    help="triton_flash's launches (key tile x warps x stages) instead of the list here; the "
+                         "engine's default is always timed too")
     ap.add_argument("--fp8-words", action="store_true",
                     help="with --fp8: each case with the cache read as bytes and as int32 words (fp8_words)")
     ap.add_argument("--mla-prefill", nargs="*", default=None, metavar="PROMPTSxLEN",
@@ -197,6 +200,8 @@ def main() -> None:
         split_opts = [None, 1]
         flash_launches = [None, (32, 2, 2), (64, 2, 2), (64, 4, 2), (32, 2, 1)]
         mla_launches = [None, (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2)]
+    if a.flash_launches:
+        flash_launches = [None] + [tuple(int(v) for v in la.split("x")) for la in a.flash_launches.split(",")]
     rows = []
     # Cached bytes per context token and layer: K and V of 8 KV heads x 128; one 576-wide latent (2 bytes
     # an element in bf16, 1 in fp8).

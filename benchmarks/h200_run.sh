@@ -37,7 +37,8 @@
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   fp8-words  h200_decode_attention.py --fp8 --fp8-words: triton_flash / triton_mla decode over an fp8 cache read as
-#              bytes and as int32 words (decode_fp8_words), every launch and split count (WORDS_SHAPES, WORDS_ONLY)
+#              bytes and as int32 words (decode_fp8_words), every launch and split count (WORDS_SHAPES, WORDS_ONLY;
+#              FLASH_LAUNCHES: triton_flash's launches instead, e.g. 32x2x3,64x2x3)
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150;
 #             SMALLM_MS: only these M, e.g. 1,2; SMALLM_SHAPES=dsv2lite: DeepSeek-V2-Lite's dense projections)
 #   quant     h200_quant.py's engine cases (QUANT_CASES; QUANT_INT4_MIN_M: int4's dequantize + cuBLAS threshold;
@@ -201,6 +202,7 @@ for part in "$@"; do
     kv-write) timeout 90 python3 benchmarks/h200_kv_write.py --out "$W/h200-kv-write.json" \
                 >"$W/kv-write.log" 2>&1; tail -n 20 "$W/kv-write.log" | cut -c1-400;;
     fp8-words) timeout 200 python3 benchmarks/h200_decode_attention.py --fp8 --fp8-words ${WORDS_ONLY:+--only $WORDS_ONLY} \
+                 ${FLASH_LAUNCHES:+--flash-launches $FLASH_LAUNCHES} \
                  --shapes "${WORDS_SHAPES:-1024x192,256x192,64x1024,1x2048}" --out "$W/h200-decode-fp8-words.json" \
                  >"$W/fp8-words.log" 2>&1; tail -n 10 "$W/fp8-words.log" | cut -c1-400;;
     small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
