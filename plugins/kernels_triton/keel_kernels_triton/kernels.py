@@ -35,10 +35,33 @@ def _round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
+def _square(x):
+    """float32 x * x, rounded as a product even where the launch lets the compiler contract a multiply and an add
+    into an FMA (`mul.rn` is never contracted): an RMSNorm's sum of squares is then the same in every kernel that
+    takes one, whatever each launch's `enable_fp_fusion` (the MLA rope-norm launches without contraction for its
+    rope, rms_norm_kernel with it), and it is torch's: the squares rounded, then summed. The interpreter multiplies
+    in numpy, which never contracts."""
+    if _INTERPRETED:
+        return x * x
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rstd(sum_sq, H, eps):
+    """rsqrt(sum_sq / H + eps), the add rounded on its own (`add.rn`): the division compiles to a reciprocal and a
+    multiply, which a launch with contraction fused with the add (an FFMA in sm_90 SASS) and one without did not."""
+    mean = sum_sq / H
+    if _INTERPRETED:
+        return tl.rsqrt(mean + eps)
+    return tl.rsqrt(tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [mean, eps], dtype=tl.float32,
+                                              is_pure=True, pack=1))
+
+
+@triton.jit
 def _norm_row(x, w_ptr, o_row, offs, mask, H, eps):
     """One row held in registers (`x` at `offs`, zero where masked): weight * norm(x) stored at `o_row`."""
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    rstd = _rstd(tl.sum(_square(xf), axis=0), H, eps)
     y = _round_to(xf * rstd, x.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_row + offs, _round_to(w * y, o_row.dtype.element_ty), mask=mask)
@@ -82,9 +105,8 @@ def rms_norm_kernel(
                 r = tl.load(r_row + offs, mask=mask, other=0.0)
                 x = _round_to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
                 tl.store(ro_row + offs, x, mask=mask)
-            xf = x.to(tl.float32)
-            acc += xf * xf
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + eps)
+            acc += _square(x.to(tl.float32))
+        rstd = _rstd(tl.sum(acc, axis=0), H, eps)
         # Fresh names in the second sweep: nothing here is carried over from the first loop.
         for start2 in range(0, H, BLOCK):
             offs2 = start2 + tl.arange(0, BLOCK)

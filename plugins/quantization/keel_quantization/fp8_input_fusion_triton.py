@@ -50,6 +50,25 @@ def _round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
+def _square(x):
+    """float32 x * x rounded as a product, never contracted with the sum into an FMA (`mul.rn`). This and `_rstd`
+    are kernels-triton's, so the norm is rms_norm_kernel's bit for bit whatever either launch's `enable_fp_fusion`."""
+    if _INTERPRETED:
+        return x * x
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rstd(sum_sq, H, eps):
+    """rsqrt(sum_sq / H + eps) with the add rounded on its own (`add.rn`), never fused with the division's multiply."""
+    mean = sum_sq / H
+    if _INTERPRETED:
+        return tl.rsqrt(mean + eps)
+    return tl.rsqrt(tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [mean, eps], dtype=tl.float32,
+                                              is_pure=True, pack=1))
+
+
+@triton.jit
 def _quantize_groups(v, q_row, s_row, stride_sg, static_ptr, offs, mask, W, first_group, BLOCK: tl.constexpr,
                      GROUP: tl.constexpr, STATIC: tl.constexpr, HW_CVT: tl.constexpr):
     """Store BLOCK values v (float32, on the model dtype's grid; zeros past the row) at offs as e4m3 with one scale
@@ -92,8 +111,7 @@ def _rms_norm_quant_kernel(
     x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_r, res_out_ptr, offs, live, HAS_RESIDUAL)
     if HAS_RESIDUAL:
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=live)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    rstd = _rstd(tl.sum(_square(x.to(tl.float32)), axis=0), H, eps)
     q_row, s_row = q_ptr + row * stride_q, s_ptr + row * stride_sm
     if GROUP < BLOCK:
         o2 = tl.arange(0, CHUNK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [groups, GROUP]
