@@ -230,6 +230,32 @@ def _fp8_scales(sm_scale_log2, k_scale_ptr, v_scale_ptr, FP8_KV: tl.constexpr):
 
 
 @triton.jit
+def _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """The cache block of each key position in the tile at n_start, [BLOCK_N] int64 (0 outside [key_lo, seq_len))."""
+    pos = n_start + tl.arange(0, BLOCK_N)
+    in_ctx = (pos < seq_len) & (pos >= key_lo)
+    return tl.load(bt_row_ptr + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_words(cache_ptr, cache_kv_stride, block, kv_head, n_start, seq_len, key_lo,
+              NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              PAGE: tl.constexpr):
+    """One key tile's K and V of an e4m3 cache as int32 words, [BLOCK_N, BLOCK_D // 4] each (HEAD % 4 == 0),
+    zeros outside [key_lo, seq_len), from its blocks (`_tile_blocks`): loaded into registers, converted only when
+    the tile is attended."""
+    pos = n_start + tl.arange(0, BLOCK_N)
+    in_ctx = (pos < seq_len) & (pos >= key_lo)
+    slot = block * PAGE + pos % PAGE
+    dw = tl.arange(0, BLOCK_D // 4)
+    w_off = slot[:, None] * (NUM_KV_HEADS * HEAD // 4) + kv_head * (HEAD // 4) + dw[None, :]
+    w_mask = in_ctx[:, None] & (dw[None, :] < HEAD // 4)
+    words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    return (tl.load(words_ptr + w_off, mask=w_mask, other=0),
+            tl.load(words_ptr + cache_kv_stride // 4 + w_off, mask=w_mask, other=0))
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row_ptr, kv_head, n_start, seq_len,
     q_pos,  # [BLOCK_M] int32 position of each row's query token
@@ -238,21 +264,19 @@ def _attend_tile(
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     FP8_KV: tl.constexpr,
-    FP8_WORDS: tl.constexpr = False,  # FP8_KV read as int32 words (_e4m3_words_to_f16); q an fp16 operand
+    FP8_WORDS: tl.constexpr = False,  # FP8_KV as int32 words (_kv_words, _e4m3_words_to_f16); q an fp16 operand
+    k_words=None, v_words=None,  # FP8_WORDS: this tile's words, loaded by the caller (`_kv_words`)
 ):
     pos = n_start + tl.arange(0, BLOCK_N)
     in_ctx = (pos < seq_len) & (pos >= key_lo)
-    block = tl.load(bt_row_ptr + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
-    slot = block * PAGE + pos % PAGE
     d = tl.arange(0, BLOCK_D)
-    kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
-    kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
-    if FP8_WORDS:  # the e4m3 cache as int32 words (HEAD % 4 == 0), fp16 tiles for an fp16 q operand
-        dw = tl.arange(0, BLOCK_D // 4)
-        w_off = slot[:, None] * (NUM_KV_HEADS * HEAD // 4) + kv_head * (HEAD // 4) + dw[None, :]
-        w_mask = in_ctx[:, None] & (dw[None, :] < HEAD // 4)
-        words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        k = _e4m3_words_to_f16(tl.load(words_ptr + w_off, mask=w_mask, other=0), BLOCK_N, BLOCK_D)
+    if not FP8_WORDS:
+        block = tl.load(bt_row_ptr + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        slot = block * PAGE + pos % PAGE
+        kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
+        kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
+    if FP8_WORDS:  # fp16 tiles for an fp16 q operand
+        k = _e4m3_words_to_f16(k_words, BLOCK_N, BLOCK_D)
     else:
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if FP8_KV:  # the stored e4m3 value, exact in q's dtype (fp16 for bf16 models); its scale is in sm_scale_log2
@@ -274,8 +298,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_WORDS:
-        v = tl.load(words_ptr + cache_kv_stride // 4 + w_off, mask=w_mask, other=0)
-        v = _e4m3_words_to_f16(v, BLOCK_N, BLOCK_D)
+        v = _e4m3_words_to_f16(v_words, BLOCK_N, BLOCK_D)
     else:
         v = tl.load(cache_ptr + cache_kv_stride + kv_off, mask=kv_mask, other=0.0)
         if FP8_KV:  # likewise; v_scale multiplies the output once
@@ -406,11 +429,31 @@ def split_decode_kernel(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     qk_scale, v_scale = _fp8_scales(sm_scale_log2, k_scale_ptr, v_scale_ptr, FP8_KV)
     q, qk_scale = _q_operand(q, qk_scale, FP8_KV)
-    for n_start in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
-            qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV, FP8_WORDS,
-        )
+    if FP8_WORDS:
+        # Software-pipelined by hand, in registers: the next tile's words are loaded before this tile is attended,
+        # from block numbers loaded an iteration earlier still, so no load waits on another inside an iteration.
+        # The compiler's pipelining staged the words through shared memory, waited for every copy at the top of the
+        # loop and sent the next tile's only after its page index's load, late in the body (sm_90 SASS, Triton
+        # 3.6). Prefetches past the context are masked off.
+        k_words, v_words = _kv_words(cache_ptr, cache_kv_stride, _tile_blocks(bt_row, lo, hi, key_lo, BLOCK_N, PAGE),
+                                     kv_head, lo, hi, key_lo, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE)
+        blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, hi, key_lo, BLOCK_N, PAGE)
+        for n_start in range(lo, hi, BLOCK_N):
+            blocks_after = _tile_blocks(bt_row, n_start + 2 * BLOCK_N, hi, key_lo, BLOCK_N, PAGE)
+            k_next, v_next = _kv_words(cache_ptr, cache_kv_stride, blocks_next, kv_head, n_start + BLOCK_N, hi,
+                                       key_lo, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
+                qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV, True,
+                k_words, v_words,
+            )
+            k_words, v_words, blocks_next = k_next, v_next, blocks_after
+    else:
+        for n_start in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
+                qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV,
+            )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # per split: the reduce is linear in it
     if DIRECT:  # an empty context gives 0, as the reduce does
