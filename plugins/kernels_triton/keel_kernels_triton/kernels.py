@@ -231,6 +231,17 @@ def mla_rope_kernel(
 
 
 @triton.jit
+def _exp_neg(g):
+    """exp(-g) as tl.exp(-g) compiles it, ex2(RN(g * -log2(e))), in two instructions: the product with the negated
+    constant (tl.exp negated g first, a separate add) and the flush-to-zero ex2, which differs from tl.exp's only
+    where the result is subnormal (g > 87) -- there 1 + exp(-g) is 1 either way (the silu, its only use)."""
+    if _INTERPRETED:
+        return tl.exp(-g)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def silu_and_mul_kernel(
     x_ptr,  # [rows, 2 * D] (row stride stride_x): gate, then up
     out_ptr,  # [rows, D] (row stride stride_o)
@@ -245,5 +256,5 @@ def silu_and_mul_kernel(
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
     # torch: silu in float32 rounded to the activation dtype, then the product rounded again.
-    s = _round_to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
+    s = _round_to(g / (1.0 + _exp_neg(g)), dt).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, _round_to(s * u, dt), mask=mask)

@@ -151,10 +151,22 @@ def _norm_output(x, rstd, w_ptr, offs, live, DT: tl.constexpr):
 
 
 @triton.jit
+def _exp_neg(g):
+    """exp(-g) as tl.exp(-g) compiles it, ex2(RN(g * -log2(e))), in two instructions: the product with the negated
+    constant (tl.exp negated g first, a separate add) and the flush-to-zero ex2, which differs from tl.exp's only
+    where the result is subnormal (g > 87) -- there 1 + exp(-g) is 1 either way (the silu, its only use).
+    kernels-triton's twin."""
+    if _INTERPRETED:
+        return tl.exp(-g)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _silu_mul(x_row, offs, mask, D, DT: tl.constexpr):
     g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_row + D + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _round_to(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
+    s = _round_to(g / (1.0 + _exp_neg(g)), DT).to(tl.float32)
     return _round_to(s * u, DT).to(tl.float32)
 
 
