@@ -90,7 +90,9 @@ def _quotient(x, scale, rcp, BOUNDED: tl.constexpr):
     IEEE Trans. Computers 2004). Three instructions an element where div_rn took ~12 and a branch.
     - Exact while the remainder q * scale - x does not underflow: scale >= QUOTIENT_MIN_SCALE and
       |x / scale| >= 2^-11. Smaller quotients (|x| at most a few ulps off) store as e4m3 zeros either way.
-    - The remainder is q * scale - x, not x - q * scale, so that -0 / scale stays -0 (+0 + -0 is +0).
+    - The remainder is q * scale - x, not x - q * scale, and the correction multiplies it by -rcp, so that
+      -0 / scale stays -0 (+0 + -0 is +0). -rcp is rcp's sign bit flipped: Triton compiles -r as 0 - r, which
+      is +0 for r = +0 (on an H100 every -0 input came out +0).
     - An infinite scale (an amax of inf) gives x / inf (+-0, or NaN for inf / inf): the FMA takes FLT_MAX.
     - BOUNDED: |x| <= 448 * scale (a dynamic scale). Otherwise the product is clamped to 2^16 first, where it
       only saturates, so that it never overflows to inf (inf - inf would be NaN, not 448)."""
@@ -98,7 +100,13 @@ def _quotient(x, scale, rcp, BOUNDED: tl.constexpr):
     if not BOUNDED:
         q = tl.minimum(tl.maximum(q, -_SATURATED), _SATURATED)
     r = tl.math.fma(q, tl.minimum(scale, _FLT_MAX), -x)
-    return tl.math.fma(-r, rcp, q)
+    return tl.math.fma(r, _negated(rcp), q)
+
+
+@triton.jit
+def _negated(v):
+    """-v with the sign bit flipped, so -(+0) is -0 (Triton's unary minus is 0 - v)."""
+    return (v.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
 
 
 @triton.jit
