@@ -36,7 +36,10 @@ _BATCH_LAUNCH_FP8 = (64, 2, 2)
 # byte path's are. A CUDA graph's launch sees max_model_len, not the step's contexts, so it cannot pick per
 # context: off until the long-context loss is understood. Since then the word path pipelines itself in registers
 # (split_decode_kernel: the next tile's words loaded before this tile is attended, from block numbers loaded an
-# iteration earlier; 32-token loop 516 -> 621 instructions, 138 -> 186 registers); unmeasured.
+# iteration earlier; 32-token loop 516 -> 621 instructions, 138 -> 186 registers). On an H100 (a4b3a3e,
+# h100-fp8-quotient-c06cd97.json) it is within 1-2% of bytes at the engine's launch, ahead at both shapes
+# (64 x 1024: 68.5 against 70.0 us, the long-context loss gone; 1024 x 192: 237.5 against 239.5): not worth a
+# default until the H200, where the un-pipelined words were 14% ahead at 1024 x 192, has run it.
 _FP8_WORDS = False
 
 
