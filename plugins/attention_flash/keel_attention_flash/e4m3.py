@@ -49,11 +49,11 @@ def _quotient(x, scale):
     """x / scale with div_rn's bits, scale a positive float32 scalar >= _QUOTIENT_MIN_SCALE: the reciprocal once,
     then q = RN(x * rcp), within an ulp, and one Markstein step, q - RN(q * scale - x) * rcp in two FMAs, which
     rounds it correctly while the remainder does not underflow (quotients past 2^-11; smaller ones store as zeros
-    either way). q * scale - x rather than x - q * scale, times -rcp with its sign bit flipped (Triton's -r is
-    0 - r, +0 for r = +0), keeps -0 / scale at -0; the product is clamped to 2^16,
-    where it only saturates, so that it never overflows (inf - inf would be NaN, not 448). Three instructions an
-    element, and two compares, where div_rn took ~12 and a branch. The twin of keel_quantization's `_quotient`
-    (static scales); tests/test_e4m3.py compares the bytes with quantize_kv's."""
+    either way). The remainder q * scale - x times -rcp (its sign bit flipped: Triton's -r is 0 - r, +0 for
+    r = +0) keeps -0 / scale at -0. The product is clamped to 2^16, where it only saturates, so that it never
+    overflows (inf - inf would be NaN, not 448). Three instructions an element, and two compares, where div_rn
+    took ~12 and a branch. The twin of keel_quantization's `_quotient` (static scales); tests/test_e4m3.py
+    compares the bytes with quantize_kv's."""
     rcp = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     q = tl.minimum(tl.maximum(x * rcp, -_SATURATED), _SATURATED)
     r = tl.math.fma(q, scale, -x)
