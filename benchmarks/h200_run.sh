@@ -34,6 +34,8 @@
 #   act-quant h200_fp8_act_quant.py: fp8 activation quantization per launch variant at Llama-8B's inputs
 #   fp8-fusion h200_fp8_input_fusion.py: the quantization fused into RMSNorm / SiluAndMul against the unfused pair,
 #             the fused SiluAndMul per launch variant (FUSION_ARGS=--groups: block fp8's kernels too)
+#   fast-accum h200_fp8_fast_accum.py: torch._scaled_mm row-wise at Llama-8B's shapes, M 1024 / 8192, with and without
+#             use_fast_accum (time and error; vLLM's sm_90 W8A8 kernel accumulates fast), ~20 s
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   fp8-words  h200_decode_attention.py --fp8 --fp8-words: triton_flash / triton_mla decode over an fp8 cache read as
@@ -199,6 +201,8 @@ for part in "$@"; do
                   >"$W/fp8-fusion.log" 2>&1; cut -c1-400 "$W/fp8-fusion.log" | tail -16;;
     act-quant) timeout 90 python3 benchmarks/h200_fp8_act_quant.py --out "$W/h200-fp8-act-quant.json" \
                  >"$W/act-quant.log" 2>&1; tail -n 20 "$W/act-quant.log" | cut -c1-400;;
+    fast-accum) timeout 90 python3 benchmarks/h200_fp8_fast_accum.py --out "$W/h200-fp8-fast-accum.json" \
+                  >"$W/fast-accum.log" 2>&1; tail -n 10 "$W/fast-accum.log" | cut -c1-300;;
     kv-write) timeout 90 python3 benchmarks/h200_kv_write.py --out "$W/h200-kv-write.json" \
                 >"$W/kv-write.log" 2>&1; tail -n 20 "$W/kv-write.log" | cut -c1-400;;
     fp8-words) timeout 200 python3 benchmarks/h200_decode_attention.py --fp8 --fp8-words ${WORDS_ONLY:+--only $WORDS_ONLY} \
