@@ -270,14 +270,12 @@ def _attend_tile(
     pos = n_start + tl.arange(0, BLOCK_N)
     in_ctx = (pos < seq_len) & (pos >= key_lo)
     d = tl.arange(0, BLOCK_D)
-    if not FP8_WORDS:
-        block = tl.load(bt_row_ptr + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
-        slot = block * PAGE + pos % PAGE
-        kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
-        kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
     if FP8_WORDS:  # fp16 tiles for an fp16 q operand
         k = _e4m3_words_to_f16(k_words, BLOCK_N, BLOCK_D)
     else:
+        slot = _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N, PAGE) * PAGE + pos % PAGE
+        kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
+        kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if FP8_KV:  # the stored e4m3 value, exact in q's dtype (fp16 for bf16 models); its scale is in sm_scale_log2
             k = k.to(q.dtype)
