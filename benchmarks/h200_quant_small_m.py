@@ -240,7 +240,10 @@ def sweep(families: list[str], copy_bw_gbps: float, budget_s: float) -> dict:
 
 
 def best_per_bucket(rows: list[dict]) -> dict:
-    """family -> M -> the label with the least total us over the layers that measured it on all of them."""
+    """family -> M -> the label with the least total us over the layers that measured it on all of them, and
+    under "layers" each layer whose own best beat that label on it by small_m_plan.LAYER_MARGIN."""
+    from keel_quantization.small_m_plan import LAYER_MARGIN
+
     out: dict = {}
     for family in {r["family"] for r in rows}:
         for m in sorted({r["m"] for r in rows if r["family"] == family}):
@@ -250,11 +253,19 @@ def best_per_bucket(rows: list[dict]) -> dict:
             best = min(total, key=total.get)
             floor = sum(r["floor_us"] for r in group)
             plan = candidates(family, m).get(best)
+            layers = {}
+            for r in group:
+                own = min(r["us"], key=r["us"].get)
+                own_plan = candidates(family, m).get(own)
+                if own_plan is not None and r["us"][own] * (1 + LAYER_MARGIN) <= r["us"][best]:
+                    layers[r["layer"]] = {"n": r["n"], "k": r["k"], "best": own, "plan": dataclasses.asdict(own_plan),
+                                          "us": r["us"][own], "bucket_best_us": r["us"][best]}
             out.setdefault(family, {})[str(m)] = {
                 "best": best, "plan": None if plan is None else dataclasses.asdict(plan), "total_us": total[best], "default_total_us": total["default"],
                 "bf16_cublas_total_us": sum(r["bf16_cublas_us"] for r in group), "floor_total_us": floor,
                 "w8a8_total_us": sum(r.get("w8a8_us", float("nan")) for r in group),
-                "best_over_floor": total[best] / floor}
+                "best_over_floor": total[best] / floor, "layers": layers,
+                "with_layers_total_us": total[best] - sum(v["bucket_best_us"] - v["us"] for v in layers.values())}
     return out
 
 
@@ -289,6 +300,17 @@ def tables(best: dict) -> dict:
     return out
 
 
+def layer_plans(best: dict) -> dict:
+    """best_per_bucket -> small_m_plan.use_tables' `layers` ((table family, N, K, bucket's largest M) -> plan),
+    for the buckets tables(best) keeps."""
+    from keel_quantization.small_m_plan import SmallMPlan
+
+    kept = {(f, m) for f, rows in tables(best).items() for m, _ in rows}
+    return {(TABLE_KEYS[family], v["n"], v["k"], int(m)): SmallMPlan(**v["plan"])
+            for family, buckets in best.items() for m, b in buckets.items()
+            for v in b.get("layers", {}).values() if (TABLE_KEYS[family], int(m)) in kept}
+
+
 def use_swept_plans(result: dict) -> dict:
     """Make small_m_plan take a sweep's best plans over the shipped tables, for the families it swept -- before
     any layer runs (plans are cached per shape). `result`: this script's JSON, or h200_quant.py's holding a
@@ -296,18 +318,26 @@ def use_swept_plans(result: dict) -> dict:
     from keel_quantization import small_m_plan
 
     best = result.get("cases", {}).get("small-m", result)["best_per_bucket"]
-    small_m_plan.use_tables({**small_m_plan.SHIPPED, **tables(best)})
+    swept = tables(best)
+    # the shipped per-layer plans of the families not swept stay; a swept family's are the sweep's
+    kept = {key: plan for key, plan in small_m_plan.SHIPPED_LAYERS.items() if key[0] not in swept}
+    small_m_plan.use_tables({**small_m_plan.SHIPPED, **swept}, {**kept, **layer_plans(best)})
     return {f: {m: b["best"] for m, b in buckets.items()} for f, buckets in best.items()}
 
 
-def tables_literal(tables: dict) -> str:
-    """small_m_plan.TABLES as Python source (what gets committed once measured)."""
+def tables_literal(tables: dict, layers: dict | None = None) -> str:
+    """small_m_plan.TABLES (and LAYER_PLANS) as Python source (what gets committed once measured)."""
     lines = ["TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {"]
     for family, rows in tables.items():
         lines.append(f"    {family!r}: (")
         lines += [f"        ({m}, {plan!r})," for m, plan in rows]
         lines.append("    ),")
-    return "\n".join([*lines, "}"])
+    lines.append("}")
+    if layers is not None:
+        lines.append("LAYER_PLANS: LayerPlans = {")
+        lines += [f"    {key!r}: {plan!r}," for key, plan in sorted(layers.items())]
+        lines.append("}")
+    return "\n".join(lines)
 
 
 def _sibling(name: str):
@@ -332,7 +362,8 @@ def main() -> None:
     MS_SWEPT = tuple(int(m) for m in ns.ms.split(",")) if ns.ms else None
     if ns.print_tables:
         r = json.loads(Path(ns.print_tables).read_text())
-        print(tables_literal(tables(r.get("cases", {}).get("small-m", r)["best_per_bucket"])))
+        best = r.get("cases", {}).get("small-m", r)["best_per_bucket"]
+        print(tables_literal(tables(best), layer_plans(best)))
         return
     import triton
 

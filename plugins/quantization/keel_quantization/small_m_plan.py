@@ -91,22 +91,58 @@ TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {
 # not depend on its step's batch size); the weight-only GEMM it replaces multiplied unquantized ones.
 SHIPPED = dict(TABLES)
 
+# (family, N, K, the bucket's largest M) -> plan: one layer shape's own plan in a bucket, where the sweep
+# measured it at least LAYER_MARGIN faster on that shape than the bucket's plan (benchmarks/
+# h200_quant_small_m.py's "layers"; least total time over four layers leaves each layer a compromise).
+# It overrides the bucket's row for that shape only; other shapes (other models) take the row.
+# H200 at 0b338b1 (h200-quant-small-m-0b338b1.json; the gemv_fold kernel has since gained only its PDL
+# entry), us a layer, the bucket's plan as the engine ran it -> the layer's: int4 M=1 down (K 14336,
+# FOLD_MAX_K_PER_SPLIT splits the row's plan in 2) 20.1 -> 18.5; M=2 qkv 13.0 -> 12.0, gate_up 44.5 -> 41.7.
+# Predicted: GPTQ Llama-8B's batch-1 decode step -0.05 ms (of 2.96 on the H200), batch 2 -0.1 ms.
+LAYER_MARGIN = 0.03
+LayerPlans = dict[tuple[str, int, int, int], SmallMPlan]
+LAYER_PLANS: LayerPlans = {
+    ("int4", 4096, 14336, 1): SmallMPlan("gemv_fold", 1, 32, 1024, 4, num_warps=8),
+    ("int4", 6144, 4096, 2): SmallMPlan("gemv_fold", 2, 16, 1024),
+    ("int4", 28672, 4096, 2): SmallMPlan("gemv_fold", 2, 32, 512),
+}
+SHIPPED_LAYERS = dict(LAYER_PLANS)
 
-def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]]) -> None:
-    """Replace the measured tables (benchmarks try a sweep's plans in the engine; tests); called before
-    any layer runs: plans are cached per shape."""
+
+def use_tables(tables: dict[str, tuple[tuple[int, SmallMPlan | None], ...]], layers: LayerPlans | None = None
+               ) -> None:
+    """Replace the measured tables and the per-layer plans (none unless given) -- benchmarks try a sweep's
+    plans in the engine, tests pin theirs; called before any layer runs: plans are cached per shape."""
     TABLES.clear()
     TABLES.update({f: tuple(sorted(rows, key=lambda r: r[0])) for f, rows in tables.items()})
+    LAYER_PLANS.clear()
+    LAYER_PLANS.update(layers or {})
     fp8_plan.cache_clear()
     int4_plan.cache_clear()
     w8a8_plan.cache_clear()
 
 
+def use_shipped() -> None:
+    """The committed tables and per-layer plans again (after a test or benchmark replaced them)."""
+    use_tables(SHIPPED, SHIPPED_LAYERS)
+
+
+def _bucket(family: str, m: int) -> tuple[int, SmallMPlan | None] | None:
+    return next(((max_m, plan) for max_m, plan in TABLES.get(family, ()) if m <= max_m), None)
+
+
+def _layer(family: str, m: int, n: int, k: int, group: int) -> SmallMPlan | None:
+    """The plan measured for this layer shape in m's bucket (None: the bucket's row decides)."""
+    bucket = _bucket(family, m)
+    plan = None if bucket is None else LAYER_PLANS.get((family, n, k, bucket[0]))
+    return plan if plan is not None and plan.fits_groups(group) else None
+
+
 def _measured(family: str, m: int, group: int) -> SmallMPlan | None:
-    for max_m, plan in TABLES.get(family, ()):
-        if m <= max_m:
-            return plan if plan is not None and plan.fits_groups(group) else None
-    return None
+    bucket = _bucket(family, m)
+    if bucket is None or bucket[1] is None:
+        return None
+    return bucket[1] if bucket[1].fits_groups(group) else None
 
 
 def _block_m(m: int) -> int:
@@ -116,7 +152,8 @@ def _block_m(m: int) -> int:
 @functools.cache
 def fp8_plan(m: int, n: int, k: int, group_k: int) -> SmallMPlan:
     """The weight-only fp8 GEMM's plan for x [m, k] @ w[n, k]^T with scale groups of group_k inputs."""
-    measured = _measured("fp8_row", m, 0) if group_k >= k else _measured("fp8_block", m, group_k)
+    family, group = ("fp8_row", 0) if group_k >= k else ("fp8_block", group_k)
+    measured = _layer(family, m, n, k, group) or _measured(family, m, group)
     if measured is not None:
         return measured
     if m > 64:  # weight-only checkpoints at prefill sizes: compute-bound, wide tiles
@@ -135,6 +172,9 @@ FOLD_MAX_K_PER_SPLIT = 8192
 @functools.cache
 def int4_plan(m: int, n: int, k: int, group: int) -> SmallMPlan:
     """The int4 GEMM's plan for x [m, k] with `group` > 0 inputs per scale row in order (0: gathered)."""
+    layer = _layer("int4", m, n, k, group if group < k else 0)
+    if layer is not None and not (layer.kernel == "gemv_fold" and group == 0):
+        return layer  # measured on this shape: its split as measured
     measured = _measured("int4", m, group if group < k else 0)
     if measured is not None and not (measured.kernel == "gemv_fold" and group == 0):
         if measured.kernel == "gemv_fold" and -(-k // measured.split_k) > FOLD_MAX_K_PER_SPLIT:
@@ -158,7 +198,8 @@ def w8a8_max_m(per_row: bool) -> int:
 @functools.cache
 def w8a8_plan(m: int, n: int, k: int, group_k: int) -> SmallMPlan:
     """The W8A8 small-M GEMM's plan for x [m, k] (quantized in the kernel) @ w[n, k]^T, scale groups of group_k."""
-    measured = _measured("fp8_row_w8a8", m, 0) if group_k >= k else _measured("fp8_block_w8a8", m, group_k)
+    family, group = ("fp8_row_w8a8", 0) if group_k >= k else ("fp8_block_w8a8", group_k)
+    measured = _layer(family, m, n, k, group) or _measured(family, m, group)
     if measured is not None:
         return measured
     block_m, block_n = 16 if m <= 16 else 32, 64

@@ -144,7 +144,7 @@ def test_plans_and_refusals():
         assert w8a8_plan(32, 4096, 4096, 4096).block_m == 32 and w8a8_plan(1, 28672, 4096, 4096).split_k == 1
         assert w8a8_plan(1, 4096, 14336, 128).block_k == 128 and w8a8_plan(1, 4096, 256, 128).split_k == 1
     finally:
-        small_m_plan.use_tables(small_m_plan.SHIPPED)
+        small_m_plan.use_shipped()
     assert w8a8.misfit(4096) is None and "not a multiple of 16" in w8a8.misfit(4100)
     q, s, gn, gk, _ = operands(32, 64, (16, 32), 0)
     with pytest.raises(ValueError, match="does not fit scale groups"):

@@ -64,6 +64,17 @@ def test_fold_matches_the_reference_on_in_order_groups(plan, m, k, n, group, sym
     assert bool((err <= _bound(x, s, g_idx)).all()), f"max error {err.max():.3g}"
 
 
+def test_fold_splits_an_uneven_tile_count_as_down_proj_does():
+    """small_m_plan's M = 1 plan for Llama-8B's down_proj (1 x 32 x 1024, 8 warps, split 4 over K 14336: 14
+    tiles of whole groups in splits of 4 / 4 / 4 / 2), scaled to K tiles of 64."""
+    x, qw, s, z, g_idx, deq = _case(1, 14 * 64, 64, 32, False, False, seed=14)
+    out = torch.full((1, 64), float("nan"))
+    int4_triton.int4_gemm(x, qw, s, z, g_idx, out=out, group_size=32,
+                          plan=SmallMPlan("gemv_fold", 1, 32, 64, split_k=4, num_warps=8))
+    err = (out.double() - reference_linear(x, deq)).abs()
+    assert bool((err <= _bound(x, s, g_idx)).all()), f"max error {err.max():.3g}"
+
+
 @pytest.mark.parametrize("plan", PLANS[1:3], ids=_id)
 def test_fold_gathers_desc_act_groups_exactly(plan):
     """desc_act: no group per tile, so no folding -- (q - z[g]) s[g] per element, float32-exact products."""
@@ -104,7 +115,7 @@ def test_tables_take_gemv_fold_tiles_of_whole_groups():
         assert small_m_plan.int4_plan(2, 4096, 4096, 128).block_k == 128  # the default: 512 spans groups
         assert small_m_plan.int4_plan(1, 4096, 4096, 96) != fold  # 512 is no multiple of 96
     finally:
-        small_m_plan.use_tables(small_m_plan.SHIPPED)
+        small_m_plan.use_shipped()
     x, qw, s, z, g_idx, _ = _case(1, 128, 16, 32, False, False, seed=3)
     with pytest.raises(ValueError, match="for gemv_fold, a multiple of it"):
         int4_triton.int4_gemm(x, qw, s, z, g_idx, group_size=32, plan=SmallMPlan("gemv_fold", 1, 16, 48))
