@@ -44,6 +44,14 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # The W8A8 small-M GEMM serves up to its measured bound (small_m_plan.w8a8_max_m: 8 per row, 16 per block),
 # the weight-only GEMM (shapes the former does not take) up to this one.
 SMALL_M_MAX_M = 32
+# torch._scaled_mm's `use_fast_accum` on the "scaled_mm" path (per-token x per-channel / per-tensor W8A8, M past
+# the small-M GEMM): the FP8 wgmma's running sum stays in the tensor core over K (~14 bits kept, DeepSeek-V3's
+# report) instead of being promoted to float32 every few K steps. vLLM's sm_90 CUTLASS W8A8 GEMM takes the
+# fast-accumulation schedule for M > 128; at Llama-8B's 8192-token prefill these GEMMs are 83% of the step
+# (H100 profile at a4b3a3e). Off until a device measures its time and error side by side
+# (benchmarks/h200_fp8_fast_accum.py, h200_run.sh part fast-accum, then the engine with it on and off): a
+# numerics decision taken on figures, not assumed.
+FAST_ACCUM = False
 
 
 def _block_k_fits(block: tuple[int, int] | None) -> bool:
@@ -197,7 +205,7 @@ def quantized_linear(
     a_q, a_s = a_q[:m], a_s[:m]
     if path == "scaled_mm":
         out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale.reshape(1, -1),
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
     else:
         from keel_quantization.fp8_triton import fp8_gemm
 
