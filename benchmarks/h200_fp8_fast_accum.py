@@ -1,9 +1,10 @@
 """torch._scaled_mm (row-wise scales, the engine's large-M W8A8 path) with and without `use_fast_accum`, at
 Llama-3-8B's projection shapes and M 1024 / 8192: ms per GEMM, TFLOPS, and how far the fast accumulation's output
-is from the exact one (relative to the output's scale). vLLM's CUTLASS W8A8 kernel for M > 128 on sm_90 uses the
-FP8 fast-accumulation schedule (KernelTmaWarpSpecializedPingpongFP8FastAccum); keel's calls do not.
+is from the exact one (relative to the output's scale); for scale, also one scale per tensor (exact / fast) and
+the bf16 GEMM. vLLM's CUTLASS W8A8 kernel for M > 128 on sm_90 uses the FP8 fast-accumulation schedule
+(KernelTmaWarpSpecializedPingpongFP8FastAccum); keel's calls do not (fp8_native.FAST_ACCUM).
 
-    python benchmarks/h200_fp8_fast_accum.py --out FILE.json    (~20 s)
+    python benchmarks/h200_fp8_fast_accum.py --out FILE.json    (~30 s)
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def main() -> None:
             row["exact_err_rel"] = round((outs[False] - ref).abs().max().item() / scale, 5)
             row["fast_err_rel"] = round((outs[True] - ref).abs().max().item() / scale, 5)
             row["fast_over_exact_time"] = round(row["fast_ms"] / row["exact_ms"], 3)
+            # for scale: one scale per tensor (static input scales with per-tensor weights could take it), and the
+            # bf16 GEMM of the same shape
+            one_a, one_b = sa[:1, :1].reshape(()), sb[:1, :1].reshape(())
+            for fast in (False, True):
+                def g(fast=fast):
+                    return torch._scaled_mm(x, w.t(), scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast)
+                row[f"tensorwise_{'fast' if fast else 'exact'}_ms"] = round(time_ms(g), 4)
+            xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+            row["bf16_ms"] = round(time_ms(lambda: xb @ wb.t()), 4)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if a.out:
