@@ -252,11 +252,12 @@ def best_per_bucket(rows: list[dict]) -> dict:
             total = {lb: sum(r["us"][lb] for r in group) for lb in labels}
             best = min(total, key=total.get)
             floor = sum(r["floor_us"] for r in group)
-            plan = candidates(family, m).get(best)
+            cands = candidates(family, m)
+            plan = cands.get(best)
             layers = {}
             for r in group:
                 own = min(r["us"], key=r["us"].get)
-                own_plan = candidates(family, m).get(own)
+                own_plan = cands.get(own)
                 if own_plan is not None and r["us"][own] * (1 + LAYER_MARGIN) <= r["us"][best]:
                     layers[r["layer"]] = {"n": r["n"], "k": r["k"], "best": own, "plan": dataclasses.asdict(own_plan),
                                           "us": r["us"][own], "bucket_best_us": r["us"][best]}
