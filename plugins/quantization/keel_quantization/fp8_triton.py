@@ -31,11 +31,15 @@ from keel_quantization.splitk_reduce import SplitKOutput, split_range
 def _tile_dot(a, b, acc, UPCAST_DOT: tl.constexpr, HAS_A_SCALE: tl.constexpr, PROMOTE_K: tl.constexpr):
     """a [BM, BK] . b [BK, BN] (+ acc, None: a fresh sum) in float32; fp8 x fp8 sums promoted to float32 every
     PROMOTE_K inputs (None: the compiler's default, over the dot's K)."""
+    # One if / elif / else, not early returns: Triton's code generator still builds (and checks) what follows a
+    # return in a constexpr branch, so the fp8 dot below an upcast 16-wide K tile failed sm_90's K >= 32 check
     if UPCAST_DOT:  # the interpreter has no fp8 dot, float32 none in bf16: the same products in float32
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    if HAS_A_SCALE:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
-    return tl.dot(a, b.to(a.dtype), acc)  # weight-only: widen the fp8 tile to the activations' dtype
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif HAS_A_SCALE:
+        out = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+    else:  # weight-only: widen the fp8 tile to the activations' dtype
+        out = tl.dot(a, b.to(a.dtype), acc)
+    return out
 
 
 @triton.jit

@@ -56,6 +56,12 @@ SCRIPT = textwrap.dedent('''
         compile_(fp8_triton._fp8_gemm_kernel, sig,
                  {"GROUP_N": group_n, "GROUP_K": group_k, "UPCAST_DOT": False, "HAS_A_SCALE": has_a_scale,
                   "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2], "SCALE_AFTER": False}, num_stages=4)
+    # scale groups narrower than the fp8 MMA's 32-wide K (a 16 x 16 block checkpoint): the launcher upcasts the
+    # dot, and the fp8 dot after it must not be built at all (it was, past an early return: on an H100 the engine
+    # stopped at warm-up on such a checkpoint)
+    compile_(fp8_triton._fp8_gemm_kernel, {**sig, "a_ptr": "*fp8e4nv", "c_ptr": "*bf16"},
+             {"GROUP_N": 16, "GROUP_K": 16, "UPCAST_DOT": True, "HAS_A_SCALE": True, "BLOCK_M": 64, "BLOCK_N": 128,
+              "BLOCK_K": 16, "SCALE_AFTER": False}, num_stages=4)
     # per-row scales after the loop (benchmarks/h200_fp8_mid_m.py's candidates): fp8 sums promoted every K tile
     for a_dt, has_a_scale in (("*fp8e4nv", True), ("*bf16", False)):
         sig = {"a_ptr": a_dt, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "M": i32,
