@@ -41,6 +41,11 @@
 #   fp8-words  h200_decode_attention.py --fp8 --fp8-words: triton_flash / triton_mla decode over an fp8 cache read as
 #              bytes and as int32 words (decode_fp8_words), every launch and split count (WORDS_SHAPES, WORDS_ONLY;
 #              FLASH_LAUNCHES: triton_flash's launches instead, e.g. 32x2x3,64x2x3)
+#   ncu-attn  Nsight Compute on triton_flash's decode attention at the 1024-request shape (ncu_decode_attention.py:
+#             fp8 bytes at the engine's launch and 32-token tiles, fp8 words, bf16; NCU_SHAPE, default 1024x192):
+#             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
+#   flash-attn  h200_decode_attention.py --only flash over a bf16 cache (FLASH_SHAPES, default 1024x192,64x1024):
+#             the bf16 decode beside fp8-words' figures (bf16 read at ~94% of copy bandwidth on the H100)
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150;
 #             SMALLM_MS: only these M, e.g. 1,2; SMALLM_SHAPES=dsv2lite: DeepSeek-V2-Lite's dense projections)
 #   quant     h200_quant.py's engine cases (QUANT_CASES; QUANT_INT4_MIN_M: int4's dequantize + cuBLAS threshold;
@@ -209,6 +214,16 @@ for part in "$@"; do
                  ${FLASH_LAUNCHES:+--flash-launches $FLASH_LAUNCHES} \
                  --shapes "${WORDS_SHAPES:-1024x192,256x192,64x1024,1x2048}" --out "$W/h200-decode-fp8-words.json" \
                  >"$W/fp8-words.log" 2>&1; tail -n 10 "$W/fp8-words.log" | cut -c1-400;;
+    ncu-attn) n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+              if [ -z "$n" ]; then echo "ncu-attn: no ncu on this machine"; else
+                timeout 150 "$n" --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+                  --section SchedulerStats --section MemoryWorkloadAnalysis -k regex:split_decode --csv --page details \
+                  python3 benchmarks/ncu_decode_attention.py --shape "${NCU_SHAPE:-1024x192}" \
+                  >"$W/ncu-decode-attention.csv" 2>"$W/ncu-attn.log"
+                grep "^case" "$W/ncu-decode-attention.csv"; tail -n 3 "$W/ncu-attn.log"; fi;;
+    flash-attn) timeout 120 python3 benchmarks/h200_decode_attention.py --only flash \
+                  --shapes "${FLASH_SHAPES:-1024x192,64x1024}" --out "$W/h200-decode-bf16.json" >"$W/flash-attn.log" 2>&1
+                tail -n 4 "$W/flash-attn.log" | cut -c1-300;;
     small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
                --families ${SMALLM_FAMILIES:-fp8_row fp8_block int4_g128} --budget-s "${SMALLM_BUDGET_S:-150}" \
                $([ -n "${SMALLM_MS:-}" ] && echo --ms "$SMALLM_MS") --shapes "${SMALLM_SHAPES:-llama8b}" \
