@@ -3,7 +3,8 @@ Llama-3-8B's projection shapes and M 1024 / 8192: ms per GEMM, TFLOPS, and how f
 product of the same e4m3 operands, beside how far that product is from the unquantized operands' (relative to the
 output's rms); for scale, also one scale per tensor (exact / fast) and
 the bf16 GEMM. vLLM's CUTLASS W8A8 kernel for M > 128 on sm_90 uses the FP8 fast-accumulation schedule
-(KernelTmaWarpSpecializedPingpongFP8FastAccum); keel's calls do not (fp8_native.FAST_ACCUM).
+(KernelTmaWarpSpecializedPingpongFP8FastAccum); keel's follow fp8_native.FAST_ACCUM, on since f49f7fb on
+these figures (h100-fp8-fast-accum-9a71d88.json).
 
     python benchmarks/h200_fp8_fast_accum.py --out FILE.json    (~30 s)
 """
