@@ -103,6 +103,16 @@ def _tiles(m: int, group_k: int, k: int) -> SmallMPlan:
     return SmallMPlan("dot", 32, 64, block_k) if m <= 64 else SmallMPlan("dot", 64, 128, block_k)
 
 
+def dot_constexprs(plan: SmallMPlan, group_n: int, group_k: int, k: int, a_dtype: torch.dtype, has_a_scale: bool,
+                   on_cpu: bool, scale_after: bool = False) -> dict:
+    """The "dot" kernel's constexprs for these operands, as `_launch` passes them; the sm_90 compile test builds the
+    variants real layouts get through this function, so what it compiles is what a GPU launch would."""
+    # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
+    upcast = on_cpu or plan.block_k < 32 or a_dtype == torch.float32
+    return {"GROUP_N": group_n, "GROUP_K": group_k, "UPCAST_DOT": upcast, "HAS_A_SCALE": has_a_scale,
+            "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "SCALE_AFTER": scale_after}
+
+
 def _check(a: torch.Tensor, a_groups: int | None, b_q: torch.Tensor, b_s: torch.Tensor, group_n: int,
            group_k: int, name: str) -> None:
     k = a.shape[1]
@@ -144,16 +154,12 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
             **options, **pdl_kwargs(a))
         return dst.finish()
-    has_a_scale = a_s is not None
+    consts = dot_constexprs(plan, group_n, group_k, k, a.dtype, a_s is not None, a.device.type == "cpu", scale_after)
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE
-    # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
-    upcast = a.device.type == "cpu" or bk < 32 or a.dtype == torch.float32
     _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
         a, a_s, b_q, b_s, dst.buf, m, n, k, dst.k_per_split,
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), b_q.stride(0), b_q.stride(1),
-        b_s.stride(0), b_s.stride(1), scs, scm, scn,
-        GROUP_N=group_n, GROUP_K=group_k, UPCAST_DOT=upcast, HAS_A_SCALE=has_a_scale,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=scale_after, **options, **pdl_kwargs(a),
+        b_s.stride(0), b_s.stride(1), scs, scm, scn, **consts, **options, **pdl_kwargs(a),
     )
     return dst.finish()
 

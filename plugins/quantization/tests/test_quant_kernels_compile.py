@@ -56,12 +56,34 @@ SCRIPT = textwrap.dedent('''
         compile_(fp8_triton._fp8_gemm_kernel, sig,
                  {"GROUP_N": group_n, "GROUP_K": group_k, "UPCAST_DOT": False, "HAS_A_SCALE": has_a_scale,
                   "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2], "SCALE_AFTER": False}, num_stages=4)
-    # scale groups narrower than the fp8 MMA's 32-wide K (a 16 x 16 block checkpoint): the launcher upcasts the
-    # dot, and the fp8 dot after it must not be built at all (it was, past an early return: on an H100 the engine
-    # stopped at warm-up on such a checkpoint)
-    compile_(fp8_triton._fp8_gemm_kernel, {**sig, "a_ptr": "*fp8e4nv", "c_ptr": "*bf16"},
-             {"GROUP_N": 16, "GROUP_K": 16, "UPCAST_DOT": True, "HAS_A_SCALE": True, "BLOCK_M": 64, "BLOCK_N": 128,
-              "BLOCK_K": 16, "SCALE_AFTER": False}, num_stages=4)
+    # the variants the launchers build (fp8_triton.dot_constexprs over the plans these shapes get): W8A8 on fp8
+    # activations (fp8_gemm's tiles) and weight-only in bf16 / fp32 models (small_m_plan.fp8_plan's "dot" plans),
+    # one scale per row or per block (128, and 16 wide), decode and prefill M. Groups narrower than the fp8 MMA's
+    # 32-wide K take an upcast dot, and the fp8 dot beside it must not be built at all: it was, past an early
+    # return, and on an H100 the engine stopped at warm-up on a 16 x 16 block checkpoint
+    import torch
+    from keel_quantization import small_m_plan
+    names = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+    built = set()
+    for a_dtype in (None, torch.bfloat16, torch.float32):  # None: W8A8, fp8 activations
+        for group_n, group_k in ((1, 4096), (128, 128), (16, 16)):
+            # (a float32 model's prefill tiles are left to the GPU tests: ~10 s each to build their float32 dots)
+            for m in ((1,) if a_dtype is torch.float32 else (1, 256)):
+                plan = (fp8_triton._tiles(m, group_k, 4096) if a_dtype is None
+                        else small_m_plan.fp8_plan(m, 4096, 4096, group_k))
+                if plan.kernel != "dot":
+                    continue
+                consts = fp8_triton.dot_constexprs(plan, group_n, group_k, 4096, a_dtype or torch.float8_e4m3fn,
+                                                   a_dtype is None, on_cpu=False)
+                out = "*fp32" if plan.split_k > 1 else names.get(a_dtype, "*bf16")
+                key = (a_dtype, out, tuple(consts.items()), tuple(plan.launch_options().items()))
+                if key in built:
+                    continue
+                built.add(key)
+                compile_(fp8_triton._fp8_gemm_kernel,
+                         {**sig, "a_ptr": names.get(a_dtype, "*fp8e4nv"), "c_ptr": out}, consts,
+                         **plan.launch_options())
+    assert any(dict(c)["UPCAST_DOT"] and dict(c)["HAS_A_SCALE"] for _, _, c, _ in built), built
     # per-row scales after the loop (benchmarks/h200_fp8_mid_m.py's candidates): fp8 sums promoted every K tile
     for a_dt, has_a_scale in (("*fp8e4nv", True), ("*bf16", False)):
         sig = {"a_ptr": a_dt, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "M": i32,
