@@ -116,6 +116,10 @@ SCRIPT = textwrap.dedent('''
                  {"ACT": act, "GROUP_N": 128 if per_tile else 1, "GROUP_K": group_k, "W_PER_TILE": per_tile,
                   "UPCAST_DOT": False, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
                   "QUANT_ROWS": rows, "AMAX_K": max(tiles[2], 4096 // rows), "PROMOTE_K": 32}, num_stages=4)
+    # 16-wide block groups: K tiles under the fp8 MMA's 32, so the launcher upcasts the dot (as fp8_gemm's above)
+    compile_(fp8_w8a8_small_m_triton._fp8_w8a8_small_m_kernel, sig,
+             {"ACT": 2, "GROUP_N": 16, "GROUP_K": 16, "W_PER_TILE": True, "UPCAST_DOT": True, "BLOCK_M": 16,
+              "BLOCK_N": 64, "BLOCK_K": 16, "QUANT_ROWS": 2, "AMAX_K": 2048, "PROMOTE_K": 16}, num_stages=4)
     for y_dt in ("*bf16", "*fp16"):
         sig = {"ws_ptr": "*fp32", "y_ptr": y_dt, "M": i32, "N": i32, "SPLITS": i32,
                **{s: i32 for s in ("stride_ws", "stride_wm", "stride_ym", "stride_yn")}}
