@@ -10,7 +10,8 @@ that situation (metadata max_seq_len 4096, every request's context `ctx`), as gr
 launch gaps), and reports ms per layer and the fraction of measured copy bandwidth the cached K/V (or
 latent) bytes represent. `default` is the split count the engine would choose. --fp8: over an e4m3 cache
 (kv_cache_dtype fp8, scales != 1 folded out of the tiles), its bytes (half of bf16's) in the fraction;
---fp8-words also times each backend reading that cache as int32 words (`decode_fp8_words`) beside bytes.
+--fp8-words also times each backend reading that cache as int32 words (`decode_fp8_words`) beside bytes, and
+triton_flash's words without the next tile loaded ahead (`decode_words_ahead=False`, rows "fp8_words": "inline").
 --mla-prefill: MLA's causal prefill tiles alone (DeepSeek-V2-Lite's 16 heads; prompts x length, as the
 throughput harness's 8192-token steps of 128-token prompts) per (heads, query tokens, key tile, warps, stages)
 of a program, with their TFLOPS (the absorbed form's 2 * (576 + 512) FLOPs per visible query-key pair and head).
@@ -75,7 +76,8 @@ def cache_and_scales(shape: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, t
     return quantize_kv(cache, k_scale, FP8), k_scale, v_scale  # timing only: one scale for K and V
 
 
-def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None) -> float:
+def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None,
+               words_ahead: bool = True) -> float:
     from keel_attention_flash.backend import TritonFlashAttentionBackend
     from keel_attention_flash.impl import TritonFlashAttentionImpl
 
@@ -90,7 +92,8 @@ def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_word
         batch, hkv, d, dtype=torch.bfloat16, device="cuda")
     impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                          kv_cache_dtype=cache.dtype if fp8 else None),
-                                    decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words)
+                                    decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words,
+                                    decode_words_ahead=words_ahead)
     if fp8:
         impl.set_kv_scales(k_scale, v_scale)
     return graph_ms(lambda: impl.forward(q, k, v, cache, md))
@@ -213,11 +216,14 @@ def main() -> None:
         for batch, ctx in shapes:
             kv_bytes = batch * (ctx + 1) * per_token
             best = None
-            words = (None, False, True) if a.fp8_words and a.fp8 else (None,)
+            # flash's words also without the next tile loaded ahead ("inline": fewer registers a thread)
+            words = ((None, False, True) + (("inline",) if kind == "flash" else ())
+                     if a.fp8_words and a.fp8 else (None,))
             for launch, splits, w in ((la, sp, w) for la in launches for sp in split_opts for w in words):
                 extra = {} if w is None else {"fp8_words": w}
+                args = {"fp8_words": True, "words_ahead": False} if w == "inline" else extra
                 try:
-                    ms = case(batch, ctx, splits, launch, a.fp8, **extra)
+                    ms = case(batch, ctx, splits, launch, a.fp8, **args)
                 except Exception as exc:  # noqa: BLE001 -- a config that does not fit is a data point
                     rows.append({"kind": kind, "batch": batch, "ctx": ctx, "launch": launch, "splits": splits,
                                  **extra, "error": repr(exc)[:160]})

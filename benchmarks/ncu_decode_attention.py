@@ -8,8 +8,10 @@ time on an H200: SM-bound, not memory-bound).
 
 Llama-3-8B's GQA (32 q heads, 8 KV heads, head 128; 16-token pages) at the 1024-request harness's decode shape,
 one split (the engine's choice at 1024 requests): the fp8 cache read as bytes at the engine's launch (64-token
-tiles, 2 warps) and with 32-token tiles, as int32 words, and the bf16 cache. Each case runs twice (the first
-compiles); the case order is printed so ncu's rows can be named. No timing here: ncu's numbers are the result.
+tiles, 2 warps) and with 32-token tiles, as int32 words (loaded a tile ahead, as the word path ships, and inline
+at 32-token / 2-warp and 64-token / 4-warp tiles: fewer registers a thread), and the bf16 cache. Each case runs
+twice (the first compiles); the case order is printed so ncu's rows can be named. No timing here: ncu's numbers
+are the result.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from h200_decode_attention import BLOCK, cache_and_scales, common_md
 
-CASES = (  # (name, fp8, launch (tile, warps, stages) or None: the engine's, read fp8 as words)
-    ("fp8_bytes_engine_launch", True, None, False),
-    ("fp8_bytes_32x2x2", True, (32, 2, 2), False),
-    ("fp8_words_engine_launch", True, None, True),
-    ("bf16_engine_launch", False, None, None),
+CASES = (  # (name, fp8, launch (tile, warps, stages) or None: the engine's, read fp8 as words, words loaded ahead)
+    ("fp8_bytes_engine_launch", True, None, False, True),
+    ("fp8_bytes_32x2x2", True, (32, 2, 2), False, True),
+    ("fp8_words_engine_launch", True, None, True, True),
+    ("fp8_words_inline_32x2x2", True, (32, 2, 2), True, False),
+    ("fp8_words_inline_64x4x2", True, (64, 4, 2), True, False),
+    ("bf16_engine_launch", False, None, None, True),
 )
 
 
@@ -48,11 +52,12 @@ def main() -> None:
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(batch, hkv, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(batch, hkv, d, dtype=torch.bfloat16, device="cuda")
-    for name, fp8, launch, words in CASES:
+    for name, fp8, launch, words, ahead in CASES:
         cache, k_scale, v_scale = cache_and_scales((2, num_blocks, BLOCK, hkv, d), fp8)
         impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                              kv_cache_dtype=cache.dtype if fp8 else None),
-                                        decode_splits=1, decode_launch=launch, decode_fp8_words=words)
+                                        decode_splits=1, decode_launch=launch, decode_fp8_words=words,
+                                        decode_words_ahead=ahead)
         if fp8:
             impl.set_kv_scales(k_scale, v_scale)
         for _ in range(2):

@@ -121,12 +121,17 @@ def _attention_cases():
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     decode = {"NUM_KV_HEADS": 8, "GROUP": 4, "G_PAD": 16, "NUM_SPLITS": 1, "HEAD": 128, "BLOCK_D": 128, "PAGE": 16,
               "WINDOW": 0, "PRECISION": "tf32", "DOT_F32": False, "QUERY_LEN": 1, "Q_PAD": 1, "DIRECT": True}
-    for cache, words, tile in (("bf16", False, 32), ("fp8e4nv", False, 32), ("fp8e4nv", True, 32),
-                               ("fp8e4nv", False, 64), ("fp8e4nv", True, 64)):
+    # (cache, words, tile, warps, words loaded ahead)
+    for cache, words, tile, warps, ahead in (("bf16", False, 32, 2, True), ("fp8e4nv", False, 32, 2, True),
+                                             ("fp8e4nv", True, 32, 2, True), ("fp8e4nv", True, 32, 2, False),
+                                             ("fp8e4nv", False, 64, 2, True), ("fp8e4nv", True, 64, 2, True),
+                                             ("fp8e4nv", True, 64, 2, False), ("fp8e4nv", True, 64, 4, False)):
         fp8 = cache != "bf16"
-        yield (f"triton_flash decode {cache}{' words' if words else ''} {tile}-token tile w2 s2",
+        kind = (" words" + ("" if ahead else " inline")) if words else ""
+        yield (f"triton_flash decode {cache}{kind} {tile}-token tile w{warps} s2",
                kernels.split_decode_kernel, {**flash, "cache_ptr": f"*{cache}"},
-               {**decode, "BLOCK_N": tile, "FP8_KV": fp8, "FP8_WORDS": words}, {"num_warps": 2, "num_stages": 2})
+               {**decode, "BLOCK_N": tile, "FP8_KV": fp8, "FP8_WORDS": words, "WORDS_AHEAD": ahead},
+               {"num_warps": warps, "num_stages": 2})
     mla = {"q_c_ptr": "*bf16", "q_pe_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*bf16", "tile_req_ptr": "*i32",
            "tile_q0_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32",
            "stride_bt": i32, **{k: i32 for k in ("stride_qct", "stride_qch", "stride_qpt", "stride_qph", "stride_cb",

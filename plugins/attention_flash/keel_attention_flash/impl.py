@@ -73,7 +73,8 @@ uniform speculative verify step), else the varlen kernel over
     """
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
-                 decode_launch: tuple[int, int, int] | None = None, decode_fp8_words: bool | None = None) -> None:
+                 decode_launch: tuple[int, int, int] | None = None, decode_fp8_words: bool | None = None,
+                 decode_words_ahead: bool = True) -> None:
         self.layer = layer
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
@@ -101,6 +102,8 @@ uniform speculative verify step), else the varlen kernel over
             raise ValueError(f"triton_flash: decode_fp8_words needs an fp8 cache under a 16-bit model and a head size "
                              f"divisible by 4 (cache {layer.cache_dtype}, model {layer.dtype}, head {layer.head_size})")
         self.fp8_words = words_fit and (_FP8_WORDS if decode_fp8_words is None else decode_fp8_words)
+        # the word path's next tile loaded ahead in registers (tuning runs time it off: fewer registers a thread)
+        self.words_ahead = decode_words_ahead
         self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
         self.v_scale: torch.Tensor | None = None
 
@@ -239,7 +242,7 @@ uniform speculative verify step), else the varlen kernel over
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
-            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words,
+            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=self.words_ahead,
             num_warps=warps, num_stages=stages, **pdl_kwargs(q),
         )
         if direct:

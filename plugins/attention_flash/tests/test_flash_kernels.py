@@ -25,7 +25,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
 def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None = None,
-         fp8_scales: tuple[float, float] | None = None, fp8_words: bool | None = None) -> None:
+         fp8_scales: tuple[float, float] | None = None, fp8_words: bool | None = None,
+         words_ahead: bool = True) -> None:
     """`fp8_scales` (k_scale, v_scale): an e4m3 cache, the context written by torch's quantize_kv, the new
     tokens by the kernel; the reference reads it as torch_paged does, (stored * scale) rounded to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
@@ -34,7 +35,8 @@ def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None 
     layer = AttentionLayerConfig(case.num_heads, case.num_kv_heads, case.head_size, 1 / math.sqrt(case.head_size),
                                  dtype, case.block_size, sliding_window=case.sliding_window,
                                  kv_cache_dtype=FP8 if fp8_scales else None)
-    impl = TritonFlashAttentionImpl(layer, decode_splits=splits, decode_fp8_words=fp8_words)
+    impl = TritonFlashAttentionImpl(layer, decode_splits=splits, decode_fp8_words=fp8_words,
+                                    decode_words_ahead=words_ahead)
     keys, values = step.keys, step.values
     if fp8_scales:
         scales = [torch.tensor([s], device=DEVICE) for s in fp8_scales]
@@ -110,14 +112,16 @@ def test_fp8_cache_with_scales_folded_out_of_the_tiles(context_lens, query_lens,
     _run(case, dtype, 12 + sum(context_lens), splits=splits, fp8_scales=(0.05, 0.02))
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_fp8_cache_read_as_words(splits) -> None:
+@pytest.mark.parametrize("splits,ahead", [(1, True), (3, True), (3, False)])
+def test_fp8_cache_read_as_words(splits, ahead) -> None:
     """Decode reading the e4m3 cache as int32 words, four values each converted in registers (interpreted: byte
     by byte; compiled: inline PTX), against the same reference: every word's bytes land at their head positions,
-    through masked tiles, page boundaries and splits. Head size 64, 2 KV heads: words never straddle heads."""
+    through masked tiles, page boundaries and splits, with the next tile's words loaded ahead and without.
+    Head size 64, 2 KV heads: words never straddle heads."""
     case = AttentionCase(context_lens=(0, 90, 37), query_lens=(1, 1, 1), num_heads=6, num_kv_heads=2,
                          head_size=64, block_size=16, num_padding_tokens=2)
-    _run(case, torch.bfloat16, 40 + splits, splits=splits, fp8_scales=(0.05, 0.02), fp8_words=True)
+    _run(case, torch.bfloat16, 40 + splits, splits=splits, fp8_scales=(0.05, 0.02), fp8_words=True,
+         words_ahead=ahead)
 
 
 def test_fp8_words_refused_where_they_cannot_apply() -> None:

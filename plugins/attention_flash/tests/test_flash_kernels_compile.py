@@ -61,10 +61,12 @@ SCRIPT = textwrap.dedent('''
                      {**common, "G_PAD": 16, "NUM_SPLITS": splits, "BLOCK_N": 32 if splits == 1 else 64,
                       "QUERY_LEN": 1, "Q_PAD": 1, "DIRECT": splits == 1, "FP8_WORDS": False},
                      num_warps=2 if splits == 1 else 4, num_stages=2)
-        if fp8:  # the e4m3 cache read as int32 words, converted by inline PTX (the fp8 batch launch's tile)
-            compile_(kernels.split_decode_kernel, read,
-                     {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": 64, "QUERY_LEN": 1, "Q_PAD": 1,
-                      "DIRECT": True, "FP8_WORDS": True}, num_warps=2, num_stages=2)
+        if fp8:  # the e4m3 cache read as int32 words, converted by inline PTX (the fp8 batch launch's tile),
+            # the next tile's words loaded ahead (as shipped) and where each tile is attended
+            for ahead in (True, False):
+                compile_(kernels.split_decode_kernel, read,
+                         {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": 64, "QUERY_LEN": 1, "Q_PAD": 1,
+                          "DIRECT": True, "FP8_WORDS": True, "WORDS_AHEAD": ahead}, num_warps=2, num_stages=2)
         mla = {"k_scale_ptr": "*fp32", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_c_ptr": "*bf16",
                "q_pe_ptr": "*bf16"}
         shape = {"NUM_HEADS": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "PAGE": 16,
