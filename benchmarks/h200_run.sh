@@ -39,8 +39,9 @@
 #   kv-write  h200_kv_write.py: one layer's KV cache write (Llama-8B 8 x 128, DeepSeek's 576 latent) at 1 / 256 /
 #             8192 tokens: fp8 quantized in torch then copied, fp8 quantized in the write kernel, bf16
 #   fp8-words  h200_decode_attention.py --fp8 --fp8-words: triton_flash / triton_mla decode over an fp8 cache read as
-#              bytes and as int32 words (decode_fp8_words; flash's also inline, decode_words_ahead off), every launch and split count (WORDS_SHAPES, WORDS_ONLY;
-#              FLASH_LAUNCHES: triton_flash's launches instead, e.g. 32x2x3,64x2x3)
+#              bytes and as int32 words (decode_fp8_words; flash's also inline, decode_words_ahead off), every
+#              launch and split count (WORDS_SHAPES, WORDS_ONLY; FLASH_LAUNCHES: triton_flash's launches instead,
+#              e.g. 32x2x3,64x2x3)
 #   ncu-attn  Nsight Compute on triton_flash's decode attention at the 1024-request shape (ncu_decode_attention.py:
 #             fp8 bytes at the engine's launch and 32-token tiles, fp8 words, bf16; NCU_SHAPE, default 1024x192):
 #             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
