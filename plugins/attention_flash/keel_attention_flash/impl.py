@@ -41,6 +41,14 @@ _BATCH_LAUNCH_FP8 = (64, 2, 2)
 # (64 x 1024: 68.5 against 70.0 us, the long-context loss gone; 1024 x 192: 237.5 against 239.5): not worth a
 # default until the H200, where the un-pipelined words were 14% ahead at 1024 x 192, has run it.
 _FP8_WORDS = False
+# The word path's next tile loaded ahead in registers, or each tile's words loaded where it is attended (fewer
+# registers: sm_90 SASS 32-token tile 621 -> 523 instructions, 186 -> 144 registers). Ahead pays where each
+# program's loop latency shows (few programs: 64 x 1024 tokens, 512 programs, one wave); inline where many waves
+# hide it behind more resident warps. The inline form is the word path measured on the H200 at ef63271: 1024 x 192
+# tokens (8,192 programs) 205 against bytes' 236 us, 64 x 1024 74 against 68. From this many programs (requests x
+# KV heads x splits) a launch takes inline words; None: always ahead. Unset until the engine has run both
+# (benchmarks/h200_decode_attention.py --fp8-words rows "inline"; ncu_decode_attention.py).
+_WORDS_INLINE_MIN_PROGRAMS: int | None = None
 
 
 def _pow2(n: int) -> int:
@@ -74,7 +82,7 @@ uniform speculative verify step), else the varlen kernel over
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
                  decode_launch: tuple[int, int, int] | None = None, decode_fp8_words: bool | None = None,
-                 decode_words_ahead: bool = True) -> None:
+                 decode_words_ahead: bool | None = None) -> None:
         self.layer = layer
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
@@ -102,10 +110,16 @@ uniform speculative verify step), else the varlen kernel over
             raise ValueError(f"triton_flash: decode_fp8_words needs an fp8 cache under a 16-bit model and a head size "
                              f"divisible by 4 (cache {layer.cache_dtype}, model {layer.dtype}, head {layer.head_size})")
         self.fp8_words = words_fit and (_FP8_WORDS if decode_fp8_words is None else decode_fp8_words)
-        # the word path's next tile loaded ahead in registers (tuning runs time it off: fewer registers a thread)
+        # the word path's next tile loaded ahead in registers; None: by the launch's program count
+        # (_WORDS_INLINE_MIN_PROGRAMS)
         self.words_ahead = decode_words_ahead
         self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
         self.v_scale: torch.Tensor | None = None
+
+    def _words_ahead(self, programs: int) -> bool:
+        if self.words_ahead is not None:
+            return self.words_ahead
+        return _WORDS_INLINE_MIN_PROGRAMS is None or programs < _WORDS_INLINE_MIN_PROGRAMS
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Called once by the attention layer when its cache is fp8 (float32 [1] each)."""
@@ -235,6 +249,7 @@ uniform speculative verify step), else the varlen kernel over
             block_n = min(block_n, self.block_n)
         if ql > 1 and q_pad * g_pad >= 64:
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
+        ahead = self._words_ahead(b * self.num_kv_heads * splits)
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse, out, out.stride(0), out.stride(1),
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
@@ -242,7 +257,7 @@ uniform speculative verify step), else the varlen kernel over
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
-            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=self.words_ahead,
+            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=ahead,
             num_warps=warps, num_stages=stages, **pdl_kwargs(q),
         )
         if direct:

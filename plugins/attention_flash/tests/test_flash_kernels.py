@@ -112,7 +112,7 @@ def test_fp8_cache_with_scales_folded_out_of_the_tiles(context_lens, query_lens,
     _run(case, dtype, 12 + sum(context_lens), splits=splits, fp8_scales=(0.05, 0.02))
 
 
-@pytest.mark.parametrize("splits,ahead", [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("splits,ahead", [(1, True), (3, True), (1, False), (3, False)])
 def test_fp8_cache_read_as_words(splits, ahead) -> None:
     """Decode reading the e4m3 cache as int32 words, four values each converted in registers (interpreted: byte
     by byte; compiled: inline PTX), against the same reference: every word's bytes land at their head positions,
@@ -122,6 +122,20 @@ def test_fp8_cache_read_as_words(splits, ahead) -> None:
                          head_size=64, block_size=16, num_padding_tokens=2)
     _run(case, torch.bfloat16, 40 + splits, splits=splits, fp8_scales=(0.05, 0.02), fp8_words=True,
          words_ahead=ahead)
+
+
+def test_words_ahead_follows_the_launch_programs(monkeypatch) -> None:
+    """The word path loads the next tile ahead below _WORDS_INLINE_MIN_PROGRAMS programs and inline from it on
+    (always ahead while it is unset); a tuning run's decode_words_ahead overrides both."""
+    from keel_attention_flash import impl as flash_impl
+
+    layer = AttentionLayerConfig(32, 8, 128, 128**-0.5, torch.bfloat16, 16, kv_cache_dtype=FP8)
+    by_rule = TritonFlashAttentionImpl(layer, decode_fp8_words=True)
+    assert by_rule._words_ahead(8192)
+    monkeypatch.setattr(flash_impl, "_WORDS_INLINE_MIN_PROGRAMS", 2048)
+    assert by_rule._words_ahead(512) and not by_rule._words_ahead(2048) and not by_rule._words_ahead(8192)
+    assert TritonFlashAttentionImpl(layer, decode_fp8_words=True, decode_words_ahead=True)._words_ahead(8192)
+    assert not TritonFlashAttentionImpl(layer, decode_fp8_words=True, decode_words_ahead=False)._words_ahead(1)
 
 
 def test_fp8_words_refused_where_they_cannot_apply() -> None:
