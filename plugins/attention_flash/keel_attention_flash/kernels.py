@@ -265,12 +265,16 @@ def _attend_tile(
     PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     FP8_KV: tl.constexpr,
     FP8_WORDS: tl.constexpr = False,  # FP8_KV as int32 words (_kv_words, _e4m3_words_to_f16); q an fp16 operand
-    k_words=None, v_words=None,  # FP8_WORDS: this tile's words, loaded by the caller (`_kv_words`)
+    k_words=None, v_words=None,  # FP8_WORDS: this tile's words if the caller loaded them ahead, else loaded here
 ):
     pos = n_start + tl.arange(0, BLOCK_N)
     in_ctx = (pos < seq_len) & (pos >= key_lo)
     d = tl.arange(0, BLOCK_D)
     if FP8_WORDS:  # fp16 tiles for an fp16 q operand
+        if k_words is None:
+            k_words, v_words = _kv_words(cache_ptr, cache_kv_stride,
+                                         _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N, PAGE), kv_head,
+                                         n_start, seq_len, key_lo, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE)
         k = _e4m3_words_to_f16(k_words, BLOCK_N, BLOCK_D)
     else:
         slot = _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N, PAGE) * PAGE + pos % PAGE
@@ -447,23 +451,14 @@ def split_decode_kernel(
                 k_words, v_words,
             )
             k_words, v_words, blocks_next = k_next, v_next, blocks_after
-    elif FP8_WORDS:
-        # Each tile's words loaded where it is attended: no next tile held in registers (sm_90 SASS, Triton 3.6, a
-        # 32-token tile at 2 warps: 523 instructions and 144 registers a thread, against 621 and 186 ahead)
-        for n_start in range(lo, hi, BLOCK_N):
-            k_words, v_words = _kv_words(cache_ptr, cache_kv_stride,
-                                         _tile_blocks(bt_row, n_start, hi, key_lo, BLOCK_N, PAGE), kv_head, n_start,
-                                         hi, key_lo, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
-                qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV, True,
-                k_words, v_words,
-            )
     else:
+        # Words (not ahead): each tile's loaded where it is attended, no next tile held in registers (sm_90 SASS,
+        # Triton 3.6, a 32-token tile at 2 warps: 523 instructions and 144 registers a thread, against 621 and 186
+        # ahead)
         for n_start in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
-                qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV,
+                qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV, FP8_WORDS,
             )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # per split: the reduce is linear in it
