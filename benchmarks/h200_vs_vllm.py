@@ -342,6 +342,12 @@ class LazyWork:
             "steps": len(self.steps),
             "step_s_total": round(sum(s for s, _, _ in self.steps), 3),
             "slowest_steps": [[round(s * 1000, 1), tok, reqs] for s, tok, reqs in steps[:12]],
+            # steps that prefill (more tokens than requests) and decode-only steps: (count, total s), so that the
+            # round's wall can be set against the step profile's GPU time of each kind
+            "prefill_steps": [sum(1 for _, tok, reqs in steps if tok > reqs),
+                              round(sum(s for s, tok, reqs in steps if tok > reqs), 3)],
+            "decode_steps": [sum(1 for _, tok, reqs in steps if tok <= reqs),
+                             round(sum(s for s, tok, reqs in steps if tok <= reqs), 3)],
             "median_step_ms": round(steps[len(steps) // 2][0] * 1000, 2) if steps else None,
         }
 

@@ -24,7 +24,7 @@
 #   keel-llama keel-dsv2 vllm-llama vllm-dsv2    one engine, one model (dsv2: from the checkpoint)
 #   keel-llama-Q vllm-llama-Q                   Llama-8B with dummy weights quantized as Q: fp8-tensor, fp8-block, gptq
 #   keel-dsv2-Q vllm-dsv2-Q                     DSV2-Lite the same way (each engine draws its own weights: routing differs)
-#   diag-llama diag-dsv2                         keel with --diagnose (what runs lazily per round)
+#   diag-llama(-Q) diag-dsv2                    keel with --diagnose (what runs lazily per round)
 #   OUT=<dir> KEEL_COMMIT=<sha> bash benchmarks/h200_vs_vllm.sh install keel-llama ...
 set -u
 OUT=${OUT:-/tmp/keel-h200}
@@ -81,7 +81,7 @@ print('dsv2lite fp8-block checkpoint written', round(time.perf_counter() - t, 1)
       d=$(case $part in *-act-*) echo $GPTQ_ACT_CKPT;; *) echo $GPTQ_CKPT;; esac)
       timeout 420 $B --arch llama8b --engines ${part%%-*} --model-dir $d --vllm-site $VSITE \
         --out "$OUT/$part.json" 2>&1 | tail -c 1500;;
-    keel-llama|vllm-llama|diag-llama|keel-llama-*|vllm-llama-*)
+    keel-llama|vllm-llama|diag-llama|keel-llama-*|vllm-llama-*|diag-llama-*)
       e=${part%%-*}; [ $e = diag ] && e="keel --diagnose"
       q=${part#*-llama}; q=${q#-}  # keel-llama-fp8-tensor: dummy weights in that layout (fp8-tensor, fp8-block, gptq)
       timeout 420 $B --arch llama8b --engines $e --vllm-site $VSITE $([ -n "$q" ] && echo --quantization $q) \
