@@ -9,7 +9,8 @@ time on an H200: SM-bound, not memory-bound).
 Llama-3-8B's GQA (32 q heads, 8 KV heads, head 128; 16-token pages) at the 1024-request harness's decode shape,
 one split (the engine's choice at 1024 requests): the fp8 cache read as bytes at the engine's launch (64-token
 tiles, 2 warps) and with 32-token tiles, as int32 words (loaded a tile ahead, as the word path ships, and inline
-at 32-token / 2-warp and 64-token / 4-warp tiles: fewer registers a thread), and the bf16 cache. Each case runs
+at 32-token / 2-warp, 64-token / 4-warp, 32-token / 4-warp and 64-token / 8-warp tiles: fewer registers a thread,
+more warps resident), and the bf16 cache. Each case runs
 twice (the first compiles); the case order is printed so ncu's rows can be named. No timing here: ncu's numbers
 are the result.
 """
@@ -31,6 +32,8 @@ CASES = (  # (name, fp8, launch (tile, warps, stages) or None: the engine's, rea
     ("fp8_words_engine_launch", True, None, True, True),
     ("fp8_words_inline_32x2x2", True, (32, 2, 2), True, False),
     ("fp8_words_inline_64x4x2", True, (64, 4, 2), True, False),
+    ("fp8_words_inline_32x4x2", True, (32, 4, 2), True, False),
+    ("fp8_words_inline_64x8x2", True, (64, 8, 2), True, False),
     ("bf16_engine_launch", False, None, None, True),
 )
 

@@ -125,7 +125,8 @@ def _attention_cases():
     for cache, words, tile, warps, ahead in (("bf16", False, 32, 2, True), ("fp8e4nv", False, 32, 2, True),
                                              ("fp8e4nv", True, 32, 2, True), ("fp8e4nv", True, 32, 2, False),
                                              ("fp8e4nv", False, 64, 2, True), ("fp8e4nv", True, 64, 2, True),
-                                             ("fp8e4nv", True, 64, 2, False), ("fp8e4nv", True, 64, 4, False)):
+                                             ("fp8e4nv", True, 64, 2, False), ("fp8e4nv", True, 64, 4, False),
+                                             ("fp8e4nv", True, 32, 4, False), ("fp8e4nv", True, 64, 8, False)):
         fp8 = cache != "bf16"
         kind = (" words" + ("" if ahead else " inline")) if words else ""
         yield (f"triton_flash decode {cache}{kind} {tile}-token tile w{warps} s2",
