@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from keel_attention_flash import kernels, mla_kernels
+    from keel_attention_flash.impl import _BATCH_LAUNCH, _BATCH_LAUNCH_FP8, _SPLIT_LAUNCH
 
     def compile_(fn, ptrs, consts, **options):
         """Pointer types by name (else *i32 for tables); scalars i32 but the float32 score scale."""
@@ -56,17 +57,21 @@ SCRIPT = textwrap.dedent('''
                   "PRECISION": "tf32", "DOT_F32": False, "FP8_KV": fp8}
         compile_(kernels.varlen_paged_attention_kernel, read,
                  {**common, "G_PAD": 4, "BLOCK_Q": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+        batch = _BATCH_LAUNCH_FP8 if fp8 else _BATCH_LAUNCH  # the impl's own launches (tile, warps, stages)
         for splits in (1, 4):
+            tile, warps, stages = batch if splits == 1 else _SPLIT_LAUNCH
             compile_(kernels.split_decode_kernel, read,
-                     {**common, "G_PAD": 16, "NUM_SPLITS": splits, "BLOCK_N": 32 if splits == 1 else 64,
+                     {**common, "G_PAD": 16, "NUM_SPLITS": splits, "BLOCK_N": tile,
                       "QUERY_LEN": 1, "Q_PAD": 1, "DIRECT": splits == 1, "FP8_WORDS": False},
-                     num_warps=2 if splits == 1 else 4, num_stages=2)
+                     num_warps=warps, num_stages=stages)
         if fp8:  # the e4m3 cache read as int32 words, converted by inline PTX (the fp8 batch launch's tile),
             # the next tile's words loaded ahead (as shipped) and where each tile is attended
+            tile, warps, stages = _BATCH_LAUNCH_FP8
             for ahead in (True, False):
                 compile_(kernels.split_decode_kernel, read,
-                         {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": 64, "QUERY_LEN": 1, "Q_PAD": 1,
-                          "DIRECT": True, "FP8_WORDS": True, "WORDS_AHEAD": ahead}, num_warps=2, num_stages=2)
+                         {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": tile, "QUERY_LEN": 1, "Q_PAD": 1,
+                          "DIRECT": True, "FP8_WORDS": True, "WORDS_AHEAD": ahead}, num_warps=warps,
+                         num_stages=stages)
         mla = {"k_scale_ptr": "*fp32", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_c_ptr": "*bf16",
                "q_pe_ptr": "*bf16"}
         shape = {"NUM_HEADS": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "PAGE": 16,
