@@ -3,6 +3,7 @@ DeepSeek-V2-Lite's MLA (triton_mla) over batch x context x split count x launch 
 
     python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8 [--fp8-words]] [--only flash|mla]
         [--shapes 256x192,...] [--mla-prefill]
+    python benchmarks/h200_decode_attention.py --best-inline FILE.json   # the fastest inline-words launch in it
 
 The graphs are captured with max_seq_len = max_model_len (4096 here), so the split count a batch size
 gets is fixed at capture while real contexts are often far shorter; this sweep times the kernels in
@@ -165,7 +166,29 @@ def mla_prefill_case(prompts: int, length: int, launch, fp8: bool = False) -> fl
     return _events_ms(lambda: impl._prefill(q_c, q_pe, cache, md, o_latent), iters=20, warmup=3)
 
 
+def best_inline_launch(path: str, batch: int = 1024) -> tuple[int, int, int]:
+    """The launch (tile, warps, stages) of the fastest one-split triton_flash row reading the fp8 cache as inline
+    words at `batch` requests in a --fp8-words result file; its row and the bytes default's go to stderr. The
+    fp8-attn-ab part of h200_run.sh sets the engine's fp8 batch launch to it."""
+    rows = [r for r in json.loads(Path(path).read_text())["rows"]
+            if r["kind"] == "flash" and r["batch"] == batch and "us" in r]
+    inline = [r for r in rows if r.get("fp8_words") == "inline" and r["splits"] in (None, 1)]
+    if not inline:
+        raise SystemExit(f"no inline-words row at batch {batch} in {path}")
+    best = min(inline, key=lambda r: r["us"])
+    default = next((r["us"] for r in rows if r["launch"] is None and r["splits"] is None and "fp8_words" not in r),
+                   None)
+    print(f"best inline words {best['us']} us at {best['launch']} (bytes at the engine's launch {default} us)",
+          file=sys.stderr)
+    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8
+
+    return tuple(best["launch"] or _BATCH_LAUNCH_FP8)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--best-inline"]:  # h200_run.sh's fp8-attn-ab: print "tile, warps, stages"
+        print(", ".join(map(str, best_inline_launch(sys.argv[2]))))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")

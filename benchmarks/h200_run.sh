@@ -42,6 +42,10 @@
 #              bytes and as int32 words (decode_fp8_words; flash's also inline, decode_words_ahead off), every
 #              launch and split count (WORDS_SHAPES, WORDS_ONLY; FLASH_LAUNCHES: triton_flash's launches instead,
 #              e.g. 32x2x3,64x2x3)
+#   fp8-attn-ab  one call's decision on the fp8 decode attention: the fp8-words sweep at 1024 x 192 (FLASH_LAUNCHES,
+#             WORDS_SHAPES), then keel-llama-fp8-tensor as shipped ($W/ab-shipped.json) and with inline words at the
+#             sweep's fastest launch ($W/ab-words.json: _FP8_WORDS, _WORDS_INLINE_MIN_PROGRAMS = 2048 and that
+#             _BATCH_LAUNCH_FP8 set by sed, restored after); set MAX_NUM_SEQS=1024 KV_CACHE_DTYPE=fp8
 #   ncu-attn  Nsight Compute on triton_flash's decode attention at the 1024-request shape (ncu_decode_attention.py:
 #             fp8 bytes at the engine's launch and 32-token tiles, fp8 words, bf16; NCU_SHAPE, default 1024x192):
 #             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
@@ -135,7 +139,7 @@ profile_ab() {
 }
 for part in "$@"; do
   start=$(date +%s)
-  case $part in keel-*|diag*|swept-*|profile-*|host-*|quant|spec|bitmask|gc|moe-prefill-ab)
+  case $part in keel-*|diag*|swept-*|profile-*|host-*|quant|spec|bitmask|gc|moe-prefill-ab|fp8-attn-ab)
     [ -n "$xgrammar_ok" ] || { python3 -c 'import xgrammar' 2>/dev/null && xgrammar_ok=1; }
     [ -n "$xgrammar_ok" ] || { echo "== $part: skipped: xgrammar does not import (carry .whl, run part wheels first)"
                                continue; };;
@@ -218,6 +222,22 @@ for part in "$@"; do
                  ${FLASH_LAUNCHES:+--flash-launches $FLASH_LAUNCHES} \
                  --shapes "${WORDS_SHAPES:-1024x192,256x192,64x1024,1x2048}" --out "$W/h200-decode-fp8-words.json" \
                  >"$W/fp8-words.log" 2>&1; tail -n 10 "$W/fp8-words.log" | cut -c1-400;;
+    fp8-attn-ab)  # sweep, pick, then the harness as shipped and with inline words at the picked launch
+      timeout 200 python3 benchmarks/h200_decode_attention.py --fp8 --fp8-words --only flash \
+        --flash-launches "${FLASH_LAUNCHES:-32x2x2,64x4x2,32x4x2,64x8x2}" --shapes "${WORDS_SHAPES:-1024x192}" \
+        --out "$W/h200-decode-fp8-words.json" >"$W/fp8-words.log" 2>&1; tail -n 3 "$W/fp8-words.log" | cut -c1-400
+      L=$(python3 benchmarks/h200_decode_attention.py --best-inline "$W/h200-decode-fp8-words.json")
+      f=plugins/attention_flash/keel_attention_flash/impl.py; cp $f /tmp/impl-ab.py
+      OUT=$W bash benchmarks/h200_vs_vllm.sh keel-llama-fp8-tensor
+      mv "$W/keel-llama-fp8-tensor.json" "$W/ab-shipped.json"
+      if [ -n "$L" ]; then
+        sed -i -e "s/^_FP8_WORDS = False/_FP8_WORDS = True/" -e "s/^_BATCH_LAUNCH_FP8 = .*/_BATCH_LAUNCH_FP8 = ($L)/" \
+          -e "s/^_WORDS_INLINE_MIN_PROGRAMS: int | None = None/_WORDS_INLINE_MIN_PROGRAMS: int | None = 2048/" $f
+        grep -E "^(_FP8_WORDS|_WORDS_INLINE_MIN_PROGRAMS|_BATCH_LAUNCH_FP8)" $f | tee "$W/ab-words-settings.txt"
+        OUT=$W bash benchmarks/h200_vs_vllm.sh keel-llama-fp8-tensor
+        mv "$W/keel-llama-fp8-tensor.json" "$W/ab-words.json"
+      fi
+      cp /tmp/impl-ab.py $f;;
     ncu-attn) n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
               if [ -z "$n" ]; then echo "ncu-attn: no ncu on this machine"; else
                 timeout 150 "$n" --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
