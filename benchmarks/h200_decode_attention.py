@@ -3,7 +3,7 @@ DeepSeek-V2-Lite's MLA (triton_mla) over batch x context x split count x launch 
 
     python benchmarks/h200_decode_attention.py [--out FILE.json] [--quick] [--fp8 [--fp8-words]] [--only flash|mla]
         [--shapes 256x192,...] [--mla-prefill]
-    python benchmarks/h200_decode_attention.py --best-inline FILE.json   # the fastest inline-words launch in it
+    python benchmarks/h200_decode_attention.py --best-fp8 FILE.json   # the fastest fp8 launch in it (fp8-attn-ab)
 
 The graphs are captured with max_seq_len = max_model_len (4096 here), so the split count a batch size
 gets is fixed at capture while real contexts are often far shorter; this sweep times the kernels in
@@ -79,6 +79,11 @@ def cache_and_scales(shape: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, t
 
 def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None,
                words_ahead: bool = True) -> float:
+    """`launch` (tile, warps, stages), or with a fourth element True: block numbers loaded a tile ahead
+    (`decode_blocks_ahead`)."""
+    blocks_ahead = None
+    if launch is not None and len(launch) == 4:
+        launch, blocks_ahead = tuple(launch[:3]), bool(launch[3])
     from keel_attention_flash.backend import TritonFlashAttentionBackend
     from keel_attention_flash.impl import TritonFlashAttentionImpl
 
@@ -94,7 +99,7 @@ def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_word
     impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                          kv_cache_dtype=cache.dtype if fp8 else None),
                                     decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words,
-                                    decode_words_ahead=words_ahead)
+                                    decode_words_ahead=words_ahead, decode_blocks_ahead=blocks_ahead)
     if fp8:
         impl.set_kv_scales(k_scale, v_scale)
     return graph_ms(lambda: impl.forward(q, k, v, cache, md))
@@ -166,28 +171,31 @@ def mla_prefill_case(prompts: int, length: int, launch, fp8: bool = False) -> fl
     return _events_ms(lambda: impl._prefill(q_c, q_pe, cache, md, o_latent), iters=20, warmup=3)
 
 
-def best_inline_launch(path: str, batch: int = 1024) -> tuple[int, int, int]:
-    """The launch (tile, warps, stages) of the fastest one-split triton_flash row reading the fp8 cache as inline
-    words at `batch` requests in a --fp8-words result file; its row and the bytes default's go to stderr. The
-    fp8-attn-ab part of h200_run.sh sets the engine's fp8 batch launch to it."""
-    rows = [r for r in json.loads(Path(path).read_text())["rows"]
-            if r["kind"] == "flash" and r["batch"] == batch and "us" in r]
-    inline = [r for r in rows if r.get("fp8_words") == "inline" and r["splits"] in (None, 1)]
-    if not inline:
-        raise SystemExit(f"no inline-words row at batch {batch} in {path}")
-    best = min(inline, key=lambda r: r["us"])
-    default = next((r["us"] for r in rows if r["launch"] is None and r["splits"] is None and "fp8_words" not in r),
-                   None)
-    print(f"best inline words {best['us']} us at {best['launch']} (bytes at the engine's launch {default} us)",
-          file=sys.stderr)
+def best_fp8_launch(path: str, batch: int = 1024) -> str:
+    """The fastest one-split triton_flash row at `batch` requests of a --fp8-words result file that reads the fp8
+    cache as bytes or as words loaded where attended: "bytes|inline TILE, WARPS, STAGES BLOCKS_AHEAD" (0 / 1).
+    Its row and the engine's default's go to stderr. The fp8-attn-ab part of h200_run.sh sets the impl's
+    constants to it."""
     from keel_attention_flash.impl import _BATCH_LAUNCH_FP8
 
-    return tuple(best["launch"] or _BATCH_LAUNCH_FP8)
+    rows = [r for r in json.loads(Path(path).read_text())["rows"]
+            if r["kind"] == "flash" and r["batch"] == batch and "us" in r and r["splits"] in (None, 1)]
+    rows = [r for r in rows if r.get("fp8_words") in (None, False, "inline")]
+    if not rows:
+        raise SystemExit(f"no one-split bytes / inline-words row at batch {batch} in {path}")
+    best = min(rows, key=lambda r: r["us"])
+    default = next((r["us"] for r in rows if r["launch"] is None and r["splits"] is None and "fp8_words" not in r),
+                   None)
+    print(f"fastest {best} (the engine's default {default} us)", file=sys.stderr)
+    launch = list(best["launch"] or _BATCH_LAUNCH_FP8)
+    ahead = int(len(launch) == 4 and bool(launch[3]))
+    mode = "inline" if best.get("fp8_words") == "inline" else "bytes"
+    return f"{mode} {launch[0]}, {launch[1]}, {launch[2]} {ahead}"
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--best-inline"]:  # h200_run.sh's fp8-attn-ab: print "tile, warps, stages"
-        print(", ".join(map(str, best_inline_launch(sys.argv[2]))))
+    if sys.argv[1:2] == ["--best-fp8"]:  # h200_run.sh's fp8-attn-ab
+        print(best_fp8_launch(sys.argv[2]))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -196,8 +204,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("flash", "mla"), default=None, help="decode sweep of one backend only")
     ap.add_argument("--shapes", default="", help="decode (batch x context) pairs, e.g. 256x192,256x640")
     ap.add_argument("--flash-launches", default="", metavar="NxWxS,...",
-                    help="triton_flash's launches (key tile x warps x stages) instead of the list here; the "
-                         "engine's default is always timed too")
+                    help="triton_flash's launches (key tile x warps x stages, a trailing b: block numbers loaded "
+                         "a tile ahead) instead of the list here; the engine's default is always timed too")
     ap.add_argument("--fp8-words", action="store_true",
                     help="with --fp8: each case with the cache read as bytes and as int32 words (fp8_words)")
     ap.add_argument("--mla-prefill", nargs="*", default=None, metavar="PROMPTSxLEN",
@@ -227,7 +235,10 @@ def main() -> None:
         flash_launches = [None, (32, 2, 2), (64, 2, 2), (64, 4, 2), (32, 2, 1)]
         mla_launches = [None, (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2)]
     if a.flash_launches:
-        flash_launches = [None] + [tuple(int(v) for v in la.split("x")) for la in a.flash_launches.split(",")]
+        # "64x4x3b": block numbers loaded a tile ahead (a fourth element, True)
+        flash_launches = [None] + [tuple(int(v) for v in la.rstrip("b").split("x")) + ((True,) if la.endswith("b")
+                                                                                        else ())
+                                   for la in a.flash_launches.split(",")]
     rows = []
     # Cached bytes per context token and layer: K and V of 8 KV heads x 128; one 576-wide latent (2 bytes
     # an element in bf16, 1 in fp8).

@@ -43,9 +43,11 @@
 #              launch and split count (WORDS_SHAPES, WORDS_ONLY; FLASH_LAUNCHES: triton_flash's launches instead,
 #              e.g. 32x2x3,64x2x3)
 #   fp8-attn-ab  one call's decision on the fp8 decode attention: the fp8-words sweep at 1024 x 192 (FLASH_LAUNCHES,
-#             WORDS_SHAPES), then keel-llama-fp8-tensor as shipped ($W/ab-shipped.json) and with inline words at the
-#             sweep's fastest launch ($W/ab-words.json: _FP8_WORDS, _WORDS_INLINE_MIN_PROGRAMS = 2048 and that
-#             _BATCH_LAUNCH_FP8 set by sed, restored after); set MAX_NUM_SEQS=1024 KV_CACHE_DTYPE=fp8
+#             a trailing b: block numbers loaded a tile ahead; WORDS_SHAPES), its fastest one-split launch over bytes
+#             and inline words (h200_decode_attention.py --best-fp8), then keel-llama-fp8-tensor as shipped
+#             ($W/ab-shipped.json) and with that launch ($W/ab-picked.json: impl.py's _BATCH_LAUNCH_FP8, _BLOCKS_AHEAD,
+#             _FP8_WORDS and _WORDS_INLINE_MIN_PROGRAMS = 2048 set by sed, restored after); with MAX_NUM_SEQS=1024
+#             KV_CACHE_DTYPE=fp8
 #   ncu-attn  Nsight Compute on triton_flash's decode attention at the 1024-request shape (ncu_decode_attention.py:
 #             fp8 bytes at the engine's launch and 32-token tiles, fp8 words, bf16; NCU_SHAPE, default 1024x192):
 #             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
@@ -222,20 +224,26 @@ for part in "$@"; do
                  ${FLASH_LAUNCHES:+--flash-launches $FLASH_LAUNCHES} \
                  --shapes "${WORDS_SHAPES:-1024x192,256x192,64x1024,1x2048}" --out "$W/h200-decode-fp8-words.json" \
                  >"$W/fp8-words.log" 2>&1; tail -n 10 "$W/fp8-words.log" | cut -c1-400;;
-    fp8-attn-ab)  # sweep, pick, then the harness as shipped and with inline words at the picked launch
-      timeout 200 python3 benchmarks/h200_decode_attention.py --fp8 --fp8-words --only flash \
-        --flash-launches "${FLASH_LAUNCHES:-32x2x2,64x4x2,32x4x2,64x8x2}" --shapes "${WORDS_SHAPES:-1024x192}" \
-        --out "$W/h200-decode-fp8-words.json" >"$W/fp8-words.log" 2>&1; tail -n 3 "$W/fp8-words.log" | cut -c1-400
-      L=$(python3 benchmarks/h200_decode_attention.py --best-inline "$W/h200-decode-fp8-words.json")
+    fp8-attn-ab)  # sweep, pick, then the harness as shipped and with the picked launch
+      timeout 240 python3 benchmarks/h200_decode_attention.py --fp8 --fp8-words --only flash \
+        --flash-launches "${FLASH_LAUNCHES:-64x2x3b,32x2x3b,64x4x3b,32x4x3b,64x4x2,32x2x2}" \
+        --shapes "${WORDS_SHAPES:-1024x192}" --out "$W/h200-decode-fp8-words.json" >"$W/fp8-words.log" 2>&1
+      tail -n 3 "$W/fp8-words.log" | cut -c1-400
+      sel=$(python3 benchmarks/h200_decode_attention.py --best-fp8 "$W/h200-decode-fp8-words.json")
+      echo "picked: $sel"  # "bytes|inline TILE, WARPS, STAGES BLOCKS_AHEAD"
       f=plugins/attention_flash/keel_attention_flash/impl.py; cp $f /tmp/impl-ab.py
       OUT=$W bash benchmarks/h200_vs_vllm.sh keel-llama-fp8-tensor
       mv "$W/keel-llama-fp8-tensor.json" "$W/ab-shipped.json"
-      if [ -n "$L" ]; then
-        sed -i -e "s/^_FP8_WORDS = False/_FP8_WORDS = True/" -e "s/^_BATCH_LAUNCH_FP8 = .*/_BATCH_LAUNCH_FP8 = ($L)/" \
+      if [ -n "$sel" ]; then
+        mode=${sel%% *} rest=${sel#* }; ahead=${rest##* } launch=${rest% *}
+        sed -i -e "s/^_BATCH_LAUNCH_FP8 = .*/_BATCH_LAUNCH_FP8 = ($launch)/" $f
+        [ "$ahead" = 1 ] && sed -i -e "s/^_BLOCKS_AHEAD = False/_BLOCKS_AHEAD = True/" $f
+        [ "$mode" = inline ] && sed -i -e "s/^_FP8_WORDS = False/_FP8_WORDS = True/" \
           -e "s/^_WORDS_INLINE_MIN_PROGRAMS: int | None = None/_WORDS_INLINE_MIN_PROGRAMS: int | None = 2048/" $f
-        grep -E "^(_FP8_WORDS|_WORDS_INLINE_MIN_PROGRAMS|_BATCH_LAUNCH_FP8)" $f | tee "$W/ab-words-settings.txt"
+        grep -E "^(_FP8_WORDS|_WORDS_INLINE_MIN_PROGRAMS|_BATCH_LAUNCH_FP8|_BLOCKS_AHEAD)" $f \
+          | tee "$W/ab-picked-settings.txt"
         OUT=$W bash benchmarks/h200_vs_vllm.sh keel-llama-fp8-tensor
-        mv "$W/keel-llama-fp8-tensor.json" "$W/ab-words.json"
+        mv "$W/keel-llama-fp8-tensor.json" "$W/ab-picked.json"
       fi
       cp /tmp/impl-ab.py $f;;
     ncu-attn) n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -10,7 +10,8 @@ Llama-3-8B's GQA (32 q heads, 8 KV heads, head 128; 16-token pages) at the 1024-
 one split (the engine's choice at 1024 requests): the fp8 cache read as bytes at the engine's launch (64-token
 tiles, 2 warps) and with 32-token tiles, as int32 words (loaded a tile ahead, as the word path ships, and inline
 at 32-token / 2-warp, 64-token / 4-warp, 32-token / 4-warp and 64-token / 8-warp tiles: fewer registers a thread,
-more warps resident), and the bf16 cache. Each case runs
+more warps resident), with block numbers loaded a tile ahead and three stages (the only form Triton pipelines
+deeper than a tile), and the bf16 cache. Each case runs
 twice (the first compiles); the case order is printed so ncu's rows can be named. No timing here: ncu's numbers
 are the result.
 """
@@ -26,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from h200_decode_attention import BLOCK, cache_and_scales, common_md
 
-CASES = (  # (name, fp8, launch (tile, warps, stages) or None: the engine's, read fp8 as words, words loaded ahead)
+CASES = (  # (name, fp8, launch (tile, warps, stages[, True: block numbers loaded ahead]) or None: the engine's,
+    # read fp8 as words, words loaded ahead)
     ("fp8_bytes_engine_launch", True, None, False, True),
     ("fp8_bytes_32x2x2", True, (32, 2, 2), False, True),
     ("fp8_words_engine_launch", True, None, True, True),
@@ -34,6 +36,9 @@ CASES = (  # (name, fp8, launch (tile, warps, stages) or None: the engine's, rea
     ("fp8_words_inline_64x4x2", True, (64, 4, 2), True, False),
     ("fp8_words_inline_32x4x2", True, (32, 4, 2), True, False),
     ("fp8_words_inline_64x8x2", True, (64, 8, 2), True, False),
+    ("fp8_bytes_64x2x3_blocks_ahead", True, (64, 2, 3, True), False, True),
+    ("fp8_words_inline_64x4x3_blocks_ahead", True, (64, 4, 3, True), True, False),
+    ("fp8_words_inline_32x2x3_blocks_ahead", True, (32, 2, 3, True), True, False),
     ("bf16_engine_launch", False, None, None, True),
 )
 
@@ -59,8 +64,9 @@ def main() -> None:
         cache, k_scale, v_scale = cache_and_scales((2, num_blocks, BLOCK, hkv, d), fp8)
         impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                              kv_cache_dtype=cache.dtype if fp8 else None),
-                                        decode_splits=1, decode_launch=launch, decode_fp8_words=words,
-                                        decode_words_ahead=ahead)
+                                        decode_splits=1, decode_launch=launch and tuple(launch[:3]),
+                                        decode_fp8_words=words, decode_words_ahead=ahead,
+                                        decode_blocks_ahead=bool(launch and len(launch) == 4))
         if fp8:
             impl.set_kv_scales(k_scale, v_scale)
         for _ in range(2):

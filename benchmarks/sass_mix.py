@@ -121,18 +121,21 @@ def _attention_cases():
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     decode = {"NUM_KV_HEADS": 8, "GROUP": 4, "G_PAD": 16, "NUM_SPLITS": 1, "HEAD": 128, "BLOCK_D": 128, "PAGE": 16,
               "WINDOW": 0, "PRECISION": "tf32", "DOT_F32": False, "QUERY_LEN": 1, "Q_PAD": 1, "DIRECT": True}
-    # (cache, words, tile, warps, words loaded ahead)
-    for cache, words, tile, warps, ahead in (("bf16", False, 32, 2, True), ("fp8e4nv", False, 32, 2, True),
-                                             ("fp8e4nv", True, 32, 2, True), ("fp8e4nv", True, 32, 2, False),
-                                             ("fp8e4nv", False, 64, 2, True), ("fp8e4nv", True, 64, 2, True),
-                                             ("fp8e4nv", True, 64, 2, False), ("fp8e4nv", True, 64, 4, False),
-                                             ("fp8e4nv", True, 32, 4, False), ("fp8e4nv", True, 64, 8, False)):
+    # (cache, words, tile, warps, words loaded ahead[, stages, block numbers loaded ahead])
+    for cache, words, tile, warps, ahead, *more in (
+            ("bf16", False, 32, 2, True), ("fp8e4nv", False, 32, 2, True), ("fp8e4nv", True, 32, 2, True),
+            ("fp8e4nv", True, 32, 2, False), ("fp8e4nv", False, 64, 2, True), ("fp8e4nv", True, 64, 2, True),
+            ("fp8e4nv", True, 64, 2, False), ("fp8e4nv", True, 64, 4, False), ("fp8e4nv", True, 32, 4, False),
+            ("fp8e4nv", True, 64, 8, False), ("fp8e4nv", False, 64, 2, True, 3, True),
+            ("fp8e4nv", True, 64, 4, False, 3, True), ("fp8e4nv", True, 32, 2, False, 3, True)):
         fp8 = cache != "bf16"
+        stages, blocks = more or (2, False)
         kind = (" words" + ("" if ahead else " inline")) if words else ""
-        yield (f"triton_flash decode {cache}{kind} {tile}-token tile w{warps} s2",
+        yield (f"triton_flash decode {cache}{kind} {tile}-token tile w{warps} s{stages}"
+               f"{' blocks ahead' if blocks else ''}",
                kernels.split_decode_kernel, {**flash, "cache_ptr": f"*{cache}"},
-               {**decode, "BLOCK_N": tile, "FP8_KV": fp8, "FP8_WORDS": words, "WORDS_AHEAD": ahead},
-               {"num_warps": warps, "num_stages": 2})
+               {**decode, "BLOCK_N": tile, "FP8_KV": fp8, "FP8_WORDS": words, "WORDS_AHEAD": ahead,
+                "BLOCKS_AHEAD": blocks}, {"num_warps": warps, "num_stages": stages})
     mla = {"q_c_ptr": "*bf16", "q_pe_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*bf16", "tile_req_ptr": "*i32",
            "tile_q0_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32",
            "stride_bt": i32, **{k: i32 for k in ("stride_qct", "stride_qch", "stride_qpt", "stride_qph", "stride_cb",

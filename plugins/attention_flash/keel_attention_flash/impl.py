@@ -49,6 +49,16 @@ _FP8_WORDS = False
 # KV heads x splits) a launch takes inline words; None: always ahead. Unset until the engine has run both
 # (benchmarks/h200_decode_attention.py --fp8-words rows "inline"; ncu_decode_attention.py).
 _WORDS_INLINE_MIN_PROGRAMS: int | None = None
+# The decode loop (bytes, or words not loaded ahead) with each tile's block numbers loaded an iteration early
+# (split_decode_kernel's BLOCKS_AHEAD). Without it a tile's key / value addresses come from a block-table load in
+# the same iteration, and Triton 3.6 pipelines no deeper than one tile whatever num_stages says: the sm_90 SASS
+# waits for every copy at the top of the loop (DEPBAR.LE SB0, 0x0) and issues the next tile's copies at its end, after
+# the block-table load, so each iteration pays a full load latency. With it and num_stages 3 the wait keeps the next
+# tile's copies in flight (DEPBAR.LE SB0, 0x2), at the same registers (inline words 64-token / 4-warp 108, 536
+# instructions; bytes 64 / 2 254 -> 206). The H200's fp8 decode took a near-constant ~3.3-3.8 us per key tile
+# whatever its instruction count, as such a loop would. Off until a device has timed it (h200_run.sh part
+# fp8-attn-ab, launches like 64x4x3b).
+_BLOCKS_AHEAD = False
 
 
 def _pow2(n: int) -> int:
@@ -82,7 +92,7 @@ uniform speculative verify step), else the varlen kernel over
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
                  decode_launch: tuple[int, int, int] | None = None, decode_fp8_words: bool | None = None,
-                 decode_words_ahead: bool | None = None) -> None:
+                 decode_words_ahead: bool | None = None, decode_blocks_ahead: bool | None = None) -> None:
         self.layer = layer
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
@@ -113,6 +123,8 @@ uniform speculative verify step), else the varlen kernel over
         # the word path's next tile loaded ahead in registers; None: by the launch's program count
         # (_WORDS_INLINE_MIN_PROGRAMS)
         self.words_ahead = decode_words_ahead
+        # block numbers an iteration early in the decode loop (_BLOCKS_AHEAD)
+        self.blocks_ahead = _BLOCKS_AHEAD if decode_blocks_ahead is None else decode_blocks_ahead
         self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
         self.v_scale: torch.Tensor | None = None
 
@@ -257,7 +269,7 @@ uniform speculative verify step), else the varlen kernel over
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
-            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=ahead,
+            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=ahead, BLOCKS_AHEAD=self.blocks_ahead,
             num_warps=warps, num_stages=stages, **pdl_kwargs(q),
         )
         if direct:

@@ -266,18 +266,20 @@ def _attend_tile(
     FP8_KV: tl.constexpr,
     FP8_WORDS: tl.constexpr = False,  # FP8_KV as int32 words (_kv_words, _e4m3_words_to_f16); q an fp16 operand
     k_words=None, v_words=None,  # FP8_WORDS: this tile's words if the caller loaded them ahead, else loaded here
+    blocks=None,  # this tile's cache blocks (_tile_blocks) if the caller loaded them ahead, else loaded here
 ):
     pos = n_start + tl.arange(0, BLOCK_N)
     in_ctx = (pos < seq_len) & (pos >= key_lo)
     d = tl.arange(0, BLOCK_D)
+    if blocks is None:
+        blocks = _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N, PAGE)
     if FP8_WORDS:  # fp16 tiles for an fp16 q operand
         if k_words is None:
-            k_words, v_words = _kv_words(cache_ptr, cache_kv_stride,
-                                         _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N, PAGE), kv_head,
-                                         n_start, seq_len, key_lo, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE)
+            k_words, v_words = _kv_words(cache_ptr, cache_kv_stride, blocks, kv_head, n_start, seq_len, key_lo,
+                                         NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE)
         k = _e4m3_words_to_f16(k_words, BLOCK_N, BLOCK_D)
     else:
-        slot = _tile_blocks(bt_row_ptr, n_start, seq_len, key_lo, BLOCK_N, PAGE) * PAGE + pos % PAGE
+        slot = blocks * PAGE + pos % PAGE
         kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + d[None, :]
         kv_mask = in_ctx[:, None] & (d[None, :] < HEAD)
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -388,6 +390,7 @@ def split_decode_kernel(
     QUERY_LEN: tl.constexpr, Q_PAD: tl.constexpr, DIRECT: tl.constexpr, FP8_KV: tl.constexpr,
     FP8_WORDS: tl.constexpr = False, PDL: tl.constexpr = False,
     WORDS_AHEAD: tl.constexpr = True,  # FP8_WORDS: the next tile's words loaded before this one is attended
+    BLOCKS_AHEAD: tl.constexpr = False,  # not WORDS_AHEAD: the next tile's block numbers loaded before this one
 ):
     """Flash-decoding: one program = one request x one KV head x one slice of the context.
 
@@ -455,11 +458,19 @@ def split_decode_kernel(
         # Words (not ahead): each tile's loaded where it is attended, no next tile held in registers (sm_90 SASS,
         # Triton 3.6, a 32-token tile at 2 warps: 523 instructions and 144 registers a thread, against 621 and 186
         # ahead)
+        # BLOCKS_AHEAD: the block numbers a tile's loads address come from the iteration before (a loop-carried
+        # value), not from a load in the same iteration, so the key / value loads wait on one load, not two.
+        blocks = None
+        if BLOCKS_AHEAD:
+            blocks = _tile_blocks(bt_row, lo, hi, key_lo, BLOCK_N, PAGE)
         for n_start in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, cache_ptr, cache_kv_stride, bt_row, kv_head, n_start, hi, q_pos_rows, key_lo,
                 qk_scale, NUM_KV_HEADS, HEAD, BLOCK_D, BLOCK_N, PAGE, WINDOW, PRECISION, DOT_F32, FP8_KV, FP8_WORDS,
+                blocks=blocks,
             )
+            if BLOCKS_AHEAD:  # the next tile's (masked off past the slice)
+                blocks = _tile_blocks(bt_row, n_start + BLOCK_N, hi, key_lo, BLOCK_N, PAGE)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale  # per split: the reduce is linear in it
     if DIRECT:  # an empty context gives 0, as the reduce does

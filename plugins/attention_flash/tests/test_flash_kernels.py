@@ -26,7 +26,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None = None,
          fp8_scales: tuple[float, float] | None = None, fp8_words: bool | None = None,
-         words_ahead: bool = True) -> None:
+         words_ahead: bool = True, blocks_ahead: bool | None = None) -> None:
     """`fp8_scales` (k_scale, v_scale): an e4m3 cache, the context written by torch's quantize_kv, the new
     tokens by the kernel; the reference reads it as torch_paged does, (stored * scale) rounded to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +36,7 @@ def _run(case: AttentionCase, dtype: torch.dtype, seed: int, splits: int | None 
                                  dtype, case.block_size, sliding_window=case.sliding_window,
                                  kv_cache_dtype=FP8 if fp8_scales else None)
     impl = TritonFlashAttentionImpl(layer, decode_splits=splits, decode_fp8_words=fp8_words,
-                                    decode_words_ahead=words_ahead)
+                                    decode_words_ahead=words_ahead, decode_blocks_ahead=blocks_ahead)
     keys, values = step.keys, step.values
     if fp8_scales:
         scales = [torch.tensor([s], device=DEVICE) for s in fp8_scales]
@@ -122,6 +122,17 @@ def test_fp8_cache_read_as_words(splits, ahead) -> None:
                          head_size=64, block_size=16, num_padding_tokens=2)
     _run(case, torch.bfloat16, 40 + splits, splits=splits, fp8_scales=(0.05, 0.02), fp8_words=True,
          words_ahead=ahead)
+
+
+@pytest.mark.parametrize("cache,splits", [("bf16", 1), ("fp8", 3), ("words", 1), ("words", 3)])
+def test_decode_with_block_numbers_loaded_ahead(cache, splits) -> None:
+    """The decode loop with each tile's block numbers loaded an iteration early (BLOCKS_AHEAD): over a bf16
+    cache, an fp8 cache read as bytes and as words loaded where attended, through masked tiles, page boundaries,
+    splits (a split's last prefetch runs past its slice and is masked off) and an empty context."""
+    case = AttentionCase(context_lens=(0, 90, 37), query_lens=(1, 1, 1), num_heads=6, num_kv_heads=2,
+                         head_size=64, block_size=16, num_padding_tokens=2)
+    fp8 = {} if cache == "bf16" else {"fp8_scales": (0.05, 0.02), "fp8_words": cache == "words", "words_ahead": False}
+    _run(case, torch.bfloat16, 60 + splits, splits=splits, blocks_ahead=True, **fp8)
 
 
 def test_words_ahead_follows_the_launch_programs(monkeypatch) -> None:

@@ -72,6 +72,13 @@ SCRIPT = textwrap.dedent('''
                          {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": tile, "QUERY_LEN": 1, "Q_PAD": 1,
                           "DIRECT": True, "FP8_WORDS": True, "WORDS_AHEAD": ahead}, num_warps=warps,
                          num_stages=stages)
+            # block numbers loaded a tile ahead (BLOCKS_AHEAD) with three stages, bytes and words loaded where
+            # attended: the launches the fp8-attn-ab sweep times
+            for words in (False, True):
+                compile_(kernels.split_decode_kernel, read,
+                         {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": tile, "QUERY_LEN": 1, "Q_PAD": 1,
+                          "DIRECT": True, "FP8_WORDS": words, "WORDS_AHEAD": False, "BLOCKS_AHEAD": True},
+                         num_warps=warps, num_stages=3)
         mla = {"k_scale_ptr": "*fp32", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_c_ptr": "*bf16",
                "q_pe_ptr": "*bf16"}
         shape = {"NUM_HEADS": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "PAGE": 16,
