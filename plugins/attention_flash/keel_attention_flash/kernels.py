@@ -459,7 +459,8 @@ def split_decode_kernel(
         # Triton 3.6, a 32-token tile at 2 warps: 523 instructions and 144 registers a thread, against 621 and 186
         # ahead)
         # BLOCKS_AHEAD: the block numbers a tile's loads address come from the iteration before (a loop-carried
-        # value), not from a load in the same iteration, so the key / value loads wait on one load, not two.
+        # value), not from a load in the same iteration, so the pipeliner can issue its key / value copies more
+        # than a tile ahead (num_stages >= 3; impl._BLOCKS_AHEAD has the sm_90 SASS).
         blocks = None
         if BLOCKS_AHEAD:
             blocks = _tile_blocks(bt_row, lo, hi, key_lo, BLOCK_N, PAGE)
