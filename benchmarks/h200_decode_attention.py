@@ -77,13 +77,18 @@ def cache_and_scales(shape: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, t
     return quantize_kv(cache, k_scale, FP8), k_scale, v_scale  # timing only: one scale for K and V
 
 
+def flash_launch(launch) -> tuple[tuple[int, int, int] | None, bool]:
+    """A triton_flash launch of this script, (tile, warps, stages) or with a fourth element True (block numbers
+    loaded a tile ahead), or None (the engine's) -> (decode_launch, decode_blocks_ahead)."""
+    if launch is None:
+        return None, False
+    return tuple(launch[:3]), len(launch) == 4 and bool(launch[3])
+
+
 def flash_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None,
                words_ahead: bool = True) -> float:
-    """`launch` (tile, warps, stages), or with a fourth element True: block numbers loaded a tile ahead
-    (`decode_blocks_ahead`)."""
-    blocks_ahead = None
-    if launch is not None and len(launch) == 4:
-        launch, blocks_ahead = tuple(launch[:3]), bool(launch[3])
+    """`launch`: see `flash_launch`."""
+    launch, blocks_ahead = flash_launch(launch)
     from keel_attention_flash.backend import TritonFlashAttentionBackend
     from keel_attention_flash.impl import TritonFlashAttentionImpl
 
@@ -187,10 +192,10 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     default = next((r["us"] for r in rows if r["launch"] is None and r["splits"] is None and "fp8_words" not in r),
                    None)
     print(f"fastest {best} (the engine's default {default} us)", file=sys.stderr)
-    launch = list(best["launch"] or _BATCH_LAUNCH_FP8)
-    ahead = int(len(launch) == 4 and bool(launch[3]))
+    launch, ahead = flash_launch(best["launch"])
+    tile, warps, stages = launch or _BATCH_LAUNCH_FP8
     mode = "inline" if best.get("fp8_words") == "inline" else "bytes"
-    return f"{mode} {launch[0]}, {launch[1]}, {launch[2]} {ahead}"
+    return f"{mode} {tile}, {warps}, {stages} {int(ahead)}"
 
 
 def main() -> None:

@@ -11,9 +11,8 @@ one split (the engine's choice at 1024 requests): the fp8 cache read as bytes at
 tiles, 2 warps) and with 32-token tiles, as int32 words (loaded a tile ahead, as the word path ships, and inline
 at 32-token / 2-warp, 64-token / 4-warp, 32-token / 4-warp and 64-token / 8-warp tiles: fewer registers a thread,
 more warps resident), with block numbers loaded a tile ahead and three stages (the only form Triton pipelines
-deeper than a tile), and the bf16 cache. Each case runs
-twice (the first compiles); the case order is printed so ncu's rows can be named. No timing here: ncu's numbers
-are the result.
+deeper than a tile), and the bf16 cache. Each case runs twice (the first compiles); the case order is printed
+so ncu's rows can be named. No timing here: ncu's numbers are the result.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_decode_attention import BLOCK, cache_and_scales, common_md
+from h200_decode_attention import BLOCK, cache_and_scales, common_md, flash_launch
 
 CASES = (  # (name, fp8, launch (tile, warps, stages[, True: block numbers loaded ahead]) or None: the engine's,
     # read fp8 as words, words loaded ahead)
@@ -64,9 +63,9 @@ def main() -> None:
         cache, k_scale, v_scale = cache_and_scales((2, num_blocks, BLOCK, hkv, d), fp8)
         impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                              kv_cache_dtype=cache.dtype if fp8 else None),
-                                        decode_splits=1, decode_launch=launch and tuple(launch[:3]),
+                                        decode_splits=1, decode_launch=flash_launch(launch)[0],
                                         decode_fp8_words=words, decode_words_ahead=ahead,
-                                        decode_blocks_ahead=bool(launch and len(launch) == 4))
+                                        decode_blocks_ahead=flash_launch(launch)[1])
         if fp8:
             impl.set_kv_scales(k_scale, v_scale)
         for _ in range(2):

@@ -54,7 +54,7 @@ _WORDS_INLINE_MIN_PROGRAMS: int | None = None
 # the same iteration, and Triton 3.6 pipelines no deeper than one tile whatever num_stages says: the sm_90 SASS
 # waits for every copy at the top of the loop (DEPBAR.LE SB0, 0x0) and issues the next tile's copies at its end, after
 # the block-table load, so each iteration pays a full load latency. With it and num_stages 3 the wait keeps the next
-# tile's copies in flight (DEPBAR.LE SB0, 0x2), at the same registers (inline words 64-token / 4-warp 108, 536
+# tile's copies in flight (DEPBAR.LE SB0, 0x2), at no more registers (inline words 64-token / 4-warp 108, 536
 # instructions; bytes 64 / 2 254 -> 206). The H200's fp8 decode took a near-constant ~3.3-3.8 us per key tile
 # whatever its instruction count, as such a loop would. Off until a device has timed it (h200_run.sh part
 # fp8-attn-ab, launches like 64x4x3b).

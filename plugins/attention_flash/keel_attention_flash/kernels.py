@@ -455,9 +455,9 @@ def split_decode_kernel(
             )
             k_words, v_words, blocks_next = k_next, v_next, blocks_after
     else:
-        # Words (not ahead): each tile's loaded where it is attended, no next tile held in registers (sm_90 SASS,
-        # Triton 3.6, a 32-token tile at 2 warps: 523 instructions and 144 registers a thread, against 621 and 186
-        # ahead)
+        # A bf16 cache, fp8 bytes, or words loaded where each tile is attended: no next tile held in registers
+        # (words: sm_90 SASS, Triton 3.6, a 32-token tile at 2 warps, 523 instructions and 144 registers a thread,
+        # against 621 and 186 ahead)
         # BLOCKS_AHEAD: the block numbers a tile's loads address come from the iteration before (a loop-carried
         # value), not from a load in the same iteration, so the pipeliner can issue its key / value copies more
         # than a tile ahead (num_stages >= 3; impl._BLOCKS_AHEAD has the sm_90 SASS).

@@ -103,7 +103,7 @@ def _tiles(m: int, group_k: int, k: int) -> SmallMPlan:
     return SmallMPlan("dot", 32, 64, block_k) if m <= 64 else SmallMPlan("dot", 64, 128, block_k)
 
 
-def dot_constexprs(plan: SmallMPlan, group_n: int, group_k: int, k: int, a_dtype: torch.dtype, has_a_scale: bool,
+def dot_constexprs(plan: SmallMPlan, group_n: int, group_k: int, a_dtype: torch.dtype, has_a_scale: bool,
                    on_cpu: bool, scale_after: bool = False) -> dict:
     """The "dot" kernel's constexprs for these operands, as `_launch` passes them; the sm_90 compile test builds the
     variants real layouts get through this function, so what it compiles is what a GPU launch would."""
@@ -154,7 +154,7 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
             **options, **pdl_kwargs(a))
         return dst.finish()
-    consts = dot_constexprs(plan, group_n, group_k, k, a.dtype, a_s is not None, a.device.type == "cpu", scale_after)
+    consts = dot_constexprs(plan, group_n, group_k, a.dtype, a_s is not None, a.device.type == "cpu", scale_after)
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE
     _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](
         a, a_s, b_q, b_s, dst.buf, m, n, k, dst.k_per_split,

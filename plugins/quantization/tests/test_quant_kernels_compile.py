@@ -73,8 +73,8 @@ SCRIPT = textwrap.dedent('''
                         else small_m_plan.fp8_plan(m, 4096, 4096, group_k))
                 if plan.kernel != "dot":
                     continue
-                consts = fp8_triton.dot_constexprs(plan, group_n, group_k, 4096, a_dtype or torch.float8_e4m3fn,
-                                                   a_dtype is None, on_cpu=False)
+                consts = fp8_triton.dot_constexprs(plan, group_n, group_k, a_dtype or torch.float8_e4m3fn, a_dtype is None,
+                                                   on_cpu=False)
                 out = "*fp32" if plan.split_k > 1 else names.get(a_dtype, "*bf16")
                 key = (a_dtype, out, tuple(consts.items()), tuple(plan.launch_options().items()))
                 if key in built:
