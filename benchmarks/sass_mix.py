@@ -144,10 +144,14 @@ def _attention_cases():
     shape = {"NUM_HEADS": 16, "BLOCK_H": 16, "BLOCK_Q": 1, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64,
              "BLOCK_N": 32, "PAGE": 16, "NUM_SPLITS": 1, "TILED": False, "TILE_Q0": False, "SPLIT_OUT": False,
              "PRECISION": "tf32", "DOT_F32": False, "QUERY_LEN": 1}
-    for cache, words in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
-        yield (f"triton_mla decode {cache}{' words' if words else ''} w4 s2", mla_kernels.mla_attention_kernel,
-               {**mla, "cache_ptr": f"*{cache}"}, {**shape, "FP8_KV": cache != "bf16", "FP8_WORDS": words},
-               {"num_warps": 4, "num_stages": 2})
+    # (cache, words, stages, block numbers loaded a tile ahead)
+    for cache, words, stages, blocks in (("bf16", False, 2, False), ("fp8e4nv", False, 2, False),
+                                         ("fp8e4nv", True, 2, False), ("bf16", False, 3, True),
+                                         ("fp8e4nv", False, 3, True), ("fp8e4nv", True, 3, True)):
+        yield (f"triton_mla decode {cache}{' words' if words else ''} w4 s{stages}{' blocks ahead' if blocks else ''}",
+               mla_kernels.mla_attention_kernel, {**mla, "cache_ptr": f"*{cache}"},
+               {**shape, "FP8_KV": cache != "bf16", "FP8_WORDS": words, "BLOCKS_AHEAD": blocks},
+               {"num_warps": 4, "num_stages": stages})
     rope = {"pos_ptr": "*i64", "q_ptr": "*bf16", "q_out_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
             "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "num_write": i32,
             **{k: i32 for k in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",

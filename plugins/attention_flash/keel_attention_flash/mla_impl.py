@@ -26,6 +26,13 @@ from keel_attention_flash.pdl import pdl_kwargs
 # instructions a thread, 255 -> 204 registers, no byte loads from shared memory (bf16 cache: 841; Triton 3.6,
 # benchmarks/sass_mix.py --attention).
 _FP8_WORDS = False
+# The decode loop takes each key tile's block numbers from the iteration before (BLOCKS_AHEAD), with three stages
+# by default. sm_90 SASS (Triton 3.6, 16 heads, 32-token tiles, 4 warps): as shipped the loop waits for every
+# latent copy at its top (DEPBAR.LE SB0, 0x0), so no tile's loads overlap the tile before; ahead with three stages
+# the wait leaves the next tile's in flight (0x2; fp8 bytes 0x1). Loop instructions / registers a thread: bf16
+# 841 / 206 -> 924 / 176; fp8 words 981 / 204 -> 1,112 / 194 (benchmarks/sass_mix.py --attention). Off until
+# measured.
+_BLOCKS_AHEAD = False
 
 
 class TritonMLAImpl:
@@ -35,14 +42,15 @@ class TritonMLAImpl:
     `process_weights_after_loading` is called once by the layer after weight loading; `forward` every
     step. `decode_splits` fixes the split count of the decode kernel (tests); by default it follows
     `choose_num_splits`. `decode_launch` = (heads per program, key tile, warps, stages) of the decode
-    kernel and `prefill_launch` = (heads per program, query tokens per program, key tile, warps, stages) of
-    the prefill tiles, for tuning runs.
+    kernel (`decode_blocks_ahead`: its loop loads block numbers a tile ahead, `_BLOCKS_AHEAD`) and
+    `prefill_launch` = (heads per program, query tokens per program, key tile, warps, stages) of the prefill
+    tiles, for tuning runs.
     """
 
     def __init__(self, layer: AttentionLayerConfig, decode_splits: int | None = None,
                  decode_launch: tuple[int, int, int, int] | None = None,
                  prefill_launch: tuple[int, int, int, int, int] | None = None,
-                 decode_fp8_words: bool | None = None) -> None:
+                 decode_fp8_words: bool | None = None, decode_blocks_ahead: bool | None = None) -> None:
         extra = dict(layer.extra)
         self.num_heads = layer.num_heads
         self.kv_lora_rank: int = extra["kv_lora_rank"]
@@ -60,8 +68,11 @@ class TritonMLAImpl:
         # inside shared memory.
         f32_wide = wide and layer.dtype == torch.float32
         key_tile = (16 if f32_wide else 32) if wide else 64
-        # 4 warps: on the H200 (benchmarks/h200_decode_attention.py) 8 warps cost 10-30% at every batch.
-        self.decode_launch = decode_launch or (block_h, key_tile, 8 if f32_wide else 4, 1 if f32_wide else 2)
+        self.blocks_ahead = _BLOCKS_AHEAD if decode_blocks_ahead is None else decode_blocks_ahead
+        # 4 warps: on the H200 (benchmarks/h200_decode_attention.py) 8 warps cost 10-30% at every batch. Block
+        # numbers a tile ahead pipeline only with a third stage.
+        stages = 1 if f32_wide else (3 if self.blocks_ahead else 2)
+        self.decode_launch = decode_launch or (block_h, key_tile, 8 if f32_wide else 4, stages)
         # Prefill tiles: rows = tokens x heads; 16 heads per program, as many tokens as fit 32/64 rows.
         self.prefill_block_h = max(1, min(_pow2(self.num_heads), 16))
         self.prefill_block_q = max(1, (32 if wide else 64) // self.prefill_block_h)
@@ -168,7 +179,7 @@ class TritonMLAImpl:
                 kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                 tile_req: torch.Tensor | None, tile_q0: torch.Tensor | None, md: TritonMLAMetadata,
                 block_h: int, block_q: int, block_n: int, splits: int, warps: int, stages: int,
-                query_len: int = 1, fp8_words: bool = False) -> None:
+                query_len: int = 1, fp8_words: bool = False, blocks_ahead: bool = False) -> None:
         """One launch of the latent kernel: decode tiles into split partials (`lse` given) or prefill
         tiles straight into the latent output."""
         common = md.common
@@ -187,7 +198,8 @@ class TritonMLAImpl:
             PAGE=kv_cache.shape[1], NUM_SPLITS=splits, TILED=tile_req is not None,
             TILE_Q0=tile_q0 is not None, SPLIT_OUT=split_out,
             PRECISION=self.precision, DOT_F32=q_c.device.type == "cpu", QUERY_LEN=query_len, FP8_KV=self.fp8_kv,
-            FP8_WORDS=fp8_words, num_warps=warps, num_stages=stages, **pdl_kwargs(q_c),
+            FP8_WORDS=fp8_words, BLOCKS_AHEAD=blocks_ahead, num_warps=warps, num_stages=stages,
+            **pdl_kwargs(q_c),
         )
 
     def _decode(self, q_c: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: TritonMLAMetadata,
@@ -209,13 +221,15 @@ class TritonMLAImpl:
                                                          _sm_count(q_c.device), programs_per_sm=1)
         if splits == 1:  # one split: straight into the latent output, no partials and no reduce
             self._launch((b, head_blocks, 1), q_c, q_pe, kv_cache, o_latent, None, md.decode_reqs, None,
-                         md, block_h, block_q, block_n, 1, warps, stages, query_len=ql, fp8_words=self.fp8_words)
+                         md, block_h, block_q, block_n, 1, warps, stages, query_len=ql, fp8_words=self.fp8_words,
+                         blocks_ahead=self.blocks_ahead)
             return
         part_out = torch.empty((b * ql, splits, self.num_heads, self.kv_lora_rank), dtype=torch.float32,
                                device=q_c.device)
         part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
         self._launch((b, head_blocks, splits), q_c, q_pe, kv_cache, part_out, part_lse, md.decode_reqs, None,
-                     md, block_h, block_q, block_n, splits, warps, stages, query_len=ql, fp8_words=self.fp8_words)
+                     md, block_h, block_q, block_n, splits, warps, stages, query_len=ql, fp8_words=self.fp8_words,
+                         blocks_ahead=self.blocks_ahead)
         tiled = md.decode_reqs is not None
         mla_kernels.mla_split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from keel_attention_flash.e4m3 import quantize_e4m3_bits
-from keel_attention_flash.kernels import _e4m3_words_to_f16, _pow2_at_or_below
+from keel_attention_flash.kernels import _e4m3_words_to_f16, _pow2_at_or_below, _tile_blocks
 from keel_attention_flash.pdl import pdl_enter
 
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -91,6 +91,7 @@ def mla_attention_kernel(
     DOT_F32: tl.constexpr, QUERY_LEN: tl.constexpr, FP8_KV: tl.constexpr,
     FP8_WORDS: tl.constexpr = False,  # FP8_KV read as int32 words, fp16 operands (triton_flash's _attend_tile)
     PDL: tl.constexpr = False,
+    BLOCKS_AHEAD: tl.constexpr = False,  # each key tile's block numbers loaded in the iteration before
 ):
     """One program: BLOCK_Q query tokens of one request x BLOCK_H heads x one slice of the keys.
 
@@ -154,10 +155,20 @@ def mla_attention_kernel(
     if FP8_KV:
         out_scale = tl.load(k_scale_ptr)
         qk_scale = sm_scale_log2 * out_scale
+    # BLOCKS_AHEAD: a tile's latent loads address blocks loaded in the iteration before (a loop-carried value), not
+    # by a load in the same iteration, so the pipeliner can issue them more than a tile ahead (num_stages >= 3);
+    # as triton_flash's split_decode_kernel (impl._BLOCKS_AHEAD has the sm_90 SASS).
+    blocks = None
+    if BLOCKS_AHEAD:
+        blocks = _tile_blocks(bt_row, lo, hi, 0, BLOCK_N, PAGE)
     for n_start in range(lo, hi, BLOCK_N):
         pos = n_start + tl.arange(0, BLOCK_N)
         in_ctx = pos < hi
-        block = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        if BLOCKS_AHEAD:
+            block = blocks
+            blocks = _tile_blocks(bt_row, n_start + BLOCK_N, hi, 0, BLOCK_N, PAGE)  # the next tile's
+        else:
+            block = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
         if FP8_WORDS:  # a slot's 576 bytes as 144 words (LORA, ROPE, strides multiples of 4)
             words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (
                 block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs) // 4

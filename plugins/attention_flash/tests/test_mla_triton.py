@@ -96,7 +96,7 @@ def nan_empty(monkeypatch):
 
 
 def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, dtype=torch.float32,
-             atol=2e-5, k_scale=None, fp8_words=None):
+             atol=2e-5, k_scale=None, fp8_words=None, blocks_ahead=None):
     """`k_scale`: an e4m3 latent cache (the context quantized by torch's quantize_kv, NaN elsewhere), the
     reference reading it as torch_mla does, (stored * k_scale) rounded to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
@@ -105,7 +105,7 @@ def run_case(context_lens, query_lens, bs, *, seed=0, splits=None, pad_rows=0, d
     w_uv = torch.randn(H, V, L, generator=gen, dtype=torch.float64) / L**0.5
     q = torch.randn(new_latents.shape[0], H, N + R, generator=gen, dtype=torch.float64)
     layer = mla_layer(bs, dtype, kv_cache_dtype=FP8 if k_scale else None)
-    impl = TritonMLAImpl(layer, decode_splits=splits, decode_fp8_words=fp8_words)
+    impl = TritonMLAImpl(layer, decode_splits=splits, decode_fp8_words=fp8_words, decode_blocks_ahead=blocks_ahead)
     impl.process_weights_after_loading(w_uk.to(DEVICE, dtype), w_uv.to(DEVICE, dtype))
     md = TritonMLABackend.get_metadata_builder(torch.device(DEVICE)).build(common)
     dev = new_latents.to(DEVICE, dtype)
@@ -189,6 +189,19 @@ def test_fp8_latent_cache_read_as_words(splits):
              atol=5e-2, k_scale=0.02, pad_rows=2, fp8_words=True)
     run_case((0, 17, 9), (21, 1, 5), 4, seed=26, splits=splits, dtype=torch.bfloat16, atol=5e-2, k_scale=0.02,
              fp8_words=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_block_numbers_loaded_a_tile_ahead(splits):
+    """BLOCKS_AHEAD: the decode loop carries the next key tile's block numbers from the iteration before (three
+    stages); contexts of several 64-token tiles in each split, a partial last tile and empty splits, in float32, bf16 and over an fp8
+    latent cache read as bytes and as words, each against the reference of the loop as shipped."""
+    ctx, ql = (0, 5, 31, 70, 300), (1, 1, 1, 1, 1)  # 64-token tiles: 300 is two or more a split
+    run_case(ctx, ql, 4, seed=40 + splits, splits=splits, blocks_ahead=True)
+    run_case(ctx, ql, 8, seed=50 + splits, splits=splits, dtype=torch.bfloat16, atol=5e-2, blocks_ahead=True)
+    for words in (False, True):
+        run_case(ctx, ql, 8, seed=60 + splits, splits=splits, dtype=torch.bfloat16, atol=5e-2, k_scale=0.02,
+                 pad_rows=2, fp8_words=words, blocks_ahead=True)
 
 
 def test_fp8_latent_words_refused_where_they_cannot_apply():
