@@ -32,7 +32,9 @@ def compile_sm90(fn, sig: dict, consts: dict, ones=ONES, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts, sig = dict(consts), dict(sig)
+    # a constexpr the case leaves out takes its default, as a launch that omits it does
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+    sig = dict(sig)
     if "PDL" in fn.arg_names and "PDL" not in consts:  # the kernel plugins' programmatic dependent launch
         consts["PDL"] = False
     for name in ones:

@@ -72,6 +72,14 @@ def mla_write_latent_kernel(
 
 
 @triton.jit
+def _carried_or_loaded(blocks, bt_row, pos, in_ctx, PAGE: tl.constexpr):
+    """This key tile's cache blocks: the ones the loop carried from the iteration before, else loaded now."""
+    if blocks is None:
+        blocks = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+    return blocks
+
+
+@triton.jit
 def mla_attention_kernel(
     q_c_ptr,  # [T, H, L] query folded through W_UK, last dim contiguous
     q_pe_ptr,  # [T, H, R] rotated rope query, last dim contiguous
@@ -164,11 +172,9 @@ def mla_attention_kernel(
     for n_start in range(lo, hi, BLOCK_N):
         pos = n_start + tl.arange(0, BLOCK_N)
         in_ctx = pos < hi
-        if BLOCKS_AHEAD:
-            block = blocks
-            blocks = _tile_blocks(bt_row, n_start + BLOCK_N, hi, 0, BLOCK_N, PAGE)  # the next tile's
-        else:
-            block = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        block = _carried_or_loaded(blocks, bt_row, pos, in_ctx, PAGE)
+        if BLOCKS_AHEAD:  # the next tile's (masked off past the slice)
+            blocks = _tile_blocks(bt_row, n_start + BLOCK_N, hi, 0, BLOCK_N, PAGE)
         if FP8_WORDS:  # a slot's 576 bytes as 144 words (LORA, ROPE, strides multiples of 4)
             words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (
                 block * stride_cb + (pos % PAGE).to(tl.int64) * stride_cs) // 4

@@ -26,6 +26,8 @@ SCRIPT = textwrap.dedent('''
         """Pointer types by name (else *i32 for tables); scalars i32 but the float32 score scale."""
         if "PDL" in fn.arg_names:  # compiled as sm_90 launches it: programmatic dependent launch on
             consts = {**consts, "PDL": True}
+        # a constexpr the case leaves out takes its default, as a launch that omits it does (not an i32 argument)
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         sig = {}
         for name in fn.arg_names:
             if name in consts:
@@ -88,6 +90,12 @@ SCRIPT = textwrap.dedent('''
                      {**shape, "BLOCK_H": 16, "BLOCK_Q": 1, "BLOCK_N": 32, "NUM_SPLITS": 4, "TILED": True,
                       "TILE_Q0": False, "SPLIT_OUT": True, "QUERY_LEN": 1, "FP8_WORDS": words},
                      num_warps=4, num_stages=2)
+        # block numbers a tile ahead with three stages (impl._BLOCKS_AHEAD), bytes or words, one split
+        for words in (False, True) if fp8 else (False,):
+            compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*bf16", "lse_ptr": "*bf16"},
+                     {**shape, "BLOCK_H": 16, "BLOCK_Q": 1, "BLOCK_N": 32, "NUM_SPLITS": 1, "TILED": True,
+                      "TILE_Q0": False, "SPLIT_OUT": False, "QUERY_LEN": 1, "FP8_WORDS": words,
+                      "BLOCKS_AHEAD": True}, num_warps=4, num_stages=3)
         compile_(mla_kernels.mla_attention_kernel, {**mla, "out_ptr": "*bf16", "lse_ptr": "*bf16"},
                  {**shape, "BLOCK_H": 16, "BLOCK_Q": 2, "BLOCK_N": 32, "NUM_SPLITS": 1, "TILED": True,
                   "TILE_Q0": True, "SPLIT_OUT": False, "QUERY_LEN": 1}, num_warps=4, num_stages=2)

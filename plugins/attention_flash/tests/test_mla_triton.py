@@ -194,8 +194,8 @@ def test_fp8_latent_cache_read_as_words(splits):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_block_numbers_loaded_a_tile_ahead(splits):
     """BLOCKS_AHEAD: the decode loop carries the next key tile's block numbers from the iteration before (three
-    stages); contexts of several 64-token tiles in each split, a partial last tile and empty splits, in float32, bf16 and over an fp8
-    latent cache read as bytes and as words, each against the reference of the loop as shipped."""
+    stages); contexts of several 64-token tiles in each split, a partial last tile and empty splits, in float32,
+    bf16 and over an fp8 latent cache read as bytes and as words, against the reference the shipped loop meets."""
     ctx, ql = (0, 5, 31, 70, 300), (1, 1, 1, 1, 1)  # 64-token tiles: 300 is two or more a split
     run_case(ctx, ql, 4, seed=40 + splits, splits=splits, blocks_ahead=True)
     run_case(ctx, ql, 8, seed=50 + splits, splits=splits, dtype=torch.bfloat16, atol=5e-2, blocks_ahead=True)
