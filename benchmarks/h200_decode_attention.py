@@ -131,10 +131,15 @@ def mla_impl(num_blocks: int, fp8: bool, **launch):
 
 
 def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words: bool | None = None) -> float:
+    """`launch`: (heads, key tile, warps, stages), a fifth element True: block numbers loaded a tile ahead; None: the
+    engine's."""
     from keel_attention_flash.mla_backend import TritonMLABackend
 
+    ahead = launch is not None and len(launch) == 5 and bool(launch[4])
+    launch = None if launch is None else tuple(launch[:4])
     common, num_blocks = common_md(batch, ctx)
-    impl, cache = mla_impl(num_blocks, fp8, decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words)
+    impl, cache = mla_impl(num_blocks, fp8, decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words,
+                           decode_blocks_ahead=ahead)
     impl.process_weights_after_loading(torch.randn(H, N, L, dtype=torch.bfloat16, device="cuda") / L**0.5,
                                        torch.randn(H, V, L, dtype=torch.bfloat16, device="cuda") / L**0.5)
     md = TritonMLABackend.get_metadata_builder(torch.device("cuda")).build(common)
@@ -198,6 +203,11 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     return f"{mode} {tile}, {warps}, {stages} {int(ahead)}"
 
 
+def _launch(text: str) -> tuple:
+    """'64x4x3b' -> (64, 4, 3, True): a trailing b, block numbers loaded a tile ahead (a last element True)."""
+    return tuple(int(v) for v in text.rstrip("b").split("x")) + ((True,) if text.endswith("b") else ())
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--best-fp8"]:  # h200_run.sh's fp8-attn-ab
         print(best_fp8_launch(sys.argv[2]))
@@ -211,6 +221,9 @@ def main() -> None:
     ap.add_argument("--flash-launches", default="", metavar="NxWxS,...",
                     help="triton_flash's launches (key tile x warps x stages, a trailing b: block numbers loaded "
                          "a tile ahead) instead of the list here; the engine's default is always timed too")
+    ap.add_argument("--mla-launches", default="", metavar="HxNxWxS,...",
+                    help="triton_mla's decode launches (heads x key tile x warps x stages, a trailing b: block "
+                         "numbers loaded a tile ahead) instead of the list here; the engine's default is timed too")
     ap.add_argument("--fp8-words", action="store_true",
                     help="with --fp8: each case with the cache read as bytes and as int32 words (fp8_words)")
     ap.add_argument("--mla-prefill", nargs="*", default=None, metavar="PROMPTSxLEN",
@@ -241,9 +254,9 @@ def main() -> None:
         mla_launches = [None, (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2)]
     if a.flash_launches:
         # "64x4x3b": block numbers loaded a tile ahead (a fourth element, True)
-        flash_launches = [None] + [tuple(int(v) for v in la.rstrip("b").split("x")) + ((True,) if la.endswith("b")
-                                                                                        else ())
-                                   for la in a.flash_launches.split(",")]
+        flash_launches = [None] + [_launch(la) for la in a.flash_launches.split(",")]
+    if a.mla_launches:
+        mla_launches = [None] + [_launch(la) for la in a.mla_launches.split(",")]
     rows = []
     # Cached bytes per context token and layer: K and V of 8 KV heads x 128; one 576-wide latent (2 bytes
     # an element in bf16, 1 in fp8).
