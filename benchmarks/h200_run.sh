@@ -53,7 +53,7 @@
 #             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
 #   flash-attn  h200_decode_attention.py --only flash over a bf16 cache (FLASH_SHAPES, default 1024x192,64x1024):
 #             the bf16 decode beside fp8-words' figures (bf16 read at ~94% of copy bandwidth on the H100)
-#   mla-attn  h200_decode_attention.py --only mla, bf16 then fp8 (bytes and words): the shipped decode loop against
+#   mla-attn-ab  h200_decode_attention.py --only mla, bf16 then fp8 (bytes and words): the shipped decode loop against
 #             block numbers loaded a tile ahead (MLA_LAUNCHES, heads x tile x warps x stages, a trailing b; MLA_SHAPES,
 #             default 256x192,256x640,64x1024,1x2048), into $W/h200-decode-mla-{bf16,fp8}.json (~4-6 min)
 #   small-m   h200_quant_small_m.py: decode-size GEMM plans per family (SMALLM_FAMILIES; SMALLM_BUDGET_S, default 150;
@@ -259,13 +259,13 @@ for part in "$@"; do
     flash-attn) timeout 120 python3 benchmarks/h200_decode_attention.py --only flash \
                   --shapes "${FLASH_SHAPES:-1024x192,64x1024}" --out "$W/h200-decode-bf16.json" >"$W/flash-attn.log" 2>&1
                 tail -n 4 "$W/flash-attn.log" | cut -c1-300;;
-    mla-attn)  # triton_mla's decode, the shipped loop against block numbers a tile ahead, bf16 then fp8
+    mla-attn-ab)  # triton_mla's decode, the shipped loop against block numbers a tile ahead, bf16 then fp8
       for c in bf16 fp8; do
         timeout 170 python3 benchmarks/h200_decode_attention.py --only mla $([ $c = fp8 ] && echo --fp8 --fp8-words) \
           --mla-launches "${MLA_LAUNCHES:-16x32x4x2,16x32x4x3b,16x64x4x3b,16x32x4x4b,16x16x4x3b}" \
           --shapes "${MLA_SHAPES:-256x192,256x640,64x1024,1x2048}" --out "$W/h200-decode-mla-$c.json" \
-          >"$W/mla-attn-$c.log" 2>&1
-        tail -n 4 "$W/mla-attn-$c.log" | cut -c1-400
+          >"$W/mla-attn-ab-$c.log" 2>&1
+        tail -n 4 "$W/mla-attn-ab-$c.log" | cut -c1-400
       done;;
     small-m) timeout $(( ${SMALLM_BUDGET_S:-150} + 90 )) python3 benchmarks/h200_quant_small_m.py \
                --families ${SMALLM_FAMILIES:-fp8_row fp8_block int4_g128} --budget-s "${SMALLM_BUDGET_S:-150}" \

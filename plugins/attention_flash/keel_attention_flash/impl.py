@@ -26,8 +26,10 @@ _SPLIT_LAUNCH = (64, 4, 2)
 # An fp8 cache's batch launch: its tiles hold half the bytes, and 64-token tiles move what bf16's 32 do per
 # iteration (H100, benchmarks/h200_decode_attention.py --fp8: 64 x 1024 tokens 70 vs 100 us a layer; at 256 /
 # 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us). H200 at ef63271: 64 x 1024 68 vs 95,
-# 1024 x 192 236 vs 217 (h200-fp8-1024-ef63271.json): the long contexts' 1.4x outweighs the short ones' 0.92x
-_BATCH_LAUNCH_FP8 = (64, 2, 2)
+# 1024 x 192 236 vs 217 (h200-fp8-1024-ef63271.json): the long contexts' 1.4x outweighs the short ones' 0.92x.
+# Since block numbers are loaded a tile ahead (_BLOCKS_AHEAD), 32-token tiles at three stages: H100 at f11a884
+# (h100-fp8-attn-ab-f11a884.json), 1024 x 192 inline words 188 us against the (64, 2, 2) bytes' 240.
+_BATCH_LAUNCH_FP8 = (32, 2, 3)
 # Decode over an fp8 cache reads it as int32 words converted in registers (kernels._e4m3_words_to_f16). sm_90 SASS
 # of the 32-token loop 701 -> 516 instructions a thread, no byte loads from shared memory (bf16 cache: 423; Triton
 # 3.6, benchmarks/sass_mix.py --attention); predicted 1024 x 192 tokens 238 -> ~160-180 us a layer. Measured (H200,
@@ -39,16 +41,21 @@ _BATCH_LAUNCH_FP8 = (64, 2, 2)
 # iteration earlier; 32-token loop 516 -> 621 instructions, 138 -> 186 registers). On an H100 (a4b3a3e,
 # h100-fp8-quotient-c06cd97.json) it is within 1-2% of bytes at the engine's launch, ahead at both shapes
 # (64 x 1024: 68.5 against 70.0 us, the long-context loss gone; 1024 x 192: 237.5 against 239.5): not worth a
-# default until the H200, where the un-pipelined words were 14% ahead at 1024 x 192, has run it.
-_FP8_WORDS = False
+# default until the H200, where the un-pipelined words were 14% ahead at 1024 x 192, has run it. On since the
+# words loaded where attended take their block numbers a tile ahead (_BLOCKS_AHEAD): H100 at f11a884, 1024 x 192
+# 188 us against bytes' 214 at the same launch; the 1,000-request harness 27,902 / 28,410 -> 28,814 / 29,241 out
+# tok/s (h100-fp8-attn-ab-f11a884.json).
+_FP8_WORDS = True
 # The word path's next tile loaded ahead in registers, or each tile's words loaded where it is attended (fewer
 # registers: sm_90 SASS 32-token tile 621 -> 523 instructions, 186 -> 144 registers). Ahead pays where each
 # program's loop latency shows (few programs: 64 x 1024 tokens, 512 programs, one wave); inline where many waves
 # hide it behind more resident warps. The inline form is the word path measured on the H200 at ef63271: 1024 x 192
 # tokens (8,192 programs) 205 against bytes' 236 us, 64 x 1024 74 against 68. From this many programs (requests x
 # KV heads x splits) a launch takes inline words; None: always ahead. Unset until the engine has run both
-# (benchmarks/h200_decode_attention.py --fp8-words rows "inline"; ncu_decode_attention.py).
-_WORDS_INLINE_MIN_PROGRAMS: int | None = None
+# (benchmarks/h200_decode_attention.py --fp8-words rows "inline"; ncu_decode_attention.py). 2048: the 1024 x 192
+# step (8,192 programs) takes inline words with block numbers ahead (188 us on the H100, against 234 ahead in
+# registers); the 64 x 1024 step (512) keeps words ahead in registers.
+_WORDS_INLINE_MIN_PROGRAMS: int | None = 2048
 # The decode loop (bytes, or words not loaded ahead) with each tile's block numbers loaded an iteration early
 # (split_decode_kernel's BLOCKS_AHEAD). Without it a tile's key / value addresses come from a block-table load in
 # the same iteration, and Triton 3.6 pipelines no deeper than one tile whatever num_stages says: the sm_90 SASS
@@ -56,9 +63,9 @@ _WORDS_INLINE_MIN_PROGRAMS: int | None = None
 # the block-table load, so each iteration pays a full load latency. With it and num_stages 3 the wait keeps the next
 # tile's copies in flight (DEPBAR.LE SB0, 0x2), at no more registers (inline words 64-token / 4-warp 108, 536
 # instructions; bytes 64 / 2 254 -> 206). The H200's fp8 decode took a near-constant ~3.3-3.8 us per key tile
-# whatever its instruction count, as such a loop would. Off until a device has timed it (h200_run.sh part
-# fp8-attn-ab, launches like 64x4x3b).
-_BLOCKS_AHEAD = False
+# whatever its instruction count, as such a loop would. Prediction: 1024 x 192 fp8 decode 1.3-2x faster, the
+# harness +5-12%. Measured (H100, f11a884, h200_run.sh part fp8-attn-ab): 240 -> 188 us (1.28x), the harness +3%.
+_BLOCKS_AHEAD = True
 
 
 def _pow2(n: int) -> int:

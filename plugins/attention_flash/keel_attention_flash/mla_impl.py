@@ -24,15 +24,18 @@ from keel_attention_flash.pdl import pdl_kwargs
 # Decode over an fp8 latent cache reads it as int32 words converted in registers, with fp16 operands (triton_flash's
 # _FP8_WORDS). Off until measured: sm_90 SASS of the decode loop (16 heads, 32-token tiles) 1,508 -> 981
 # instructions a thread, 255 -> 204 registers, no byte loads from shared memory (bf16 cache: 841; Triton 3.6,
-# benchmarks/sass_mix.py --attention).
-_FP8_WORDS = False
+# benchmarks/sass_mix.py --attention). On with block numbers a tile ahead (_BLOCKS_AHEAD): H100 at f11a884
+# (h100-mla-attn-ab-f11a884.json), us at 256 x 192 / 256 x 640 / 64 x 1024 / 1 x 2048: shipped bytes 56.8 / 124.8 /
+# 68.6 / 34.3, words ahead 54.5 / 115.5 / 61.8 / 32.4 (bytes ahead 56.3 / 126.9 / 66.1 / 34.9: no gain).
+_FP8_WORDS = True
 # The decode loop takes each key tile's block numbers from the iteration before (BLOCKS_AHEAD), with three stages
 # by default. sm_90 SASS (Triton 3.6, 16 heads, 32-token tiles, 4 warps): as shipped the loop waits for every
 # latent copy at its top (DEPBAR.LE SB0, 0x0), so no tile's loads overlap the tile before; ahead with three stages
 # the wait leaves the next tile's in flight (0x2; fp8 bytes 0x1). Loop instructions / registers a thread: bf16
-# 841 / 206 -> 924 / 176; fp8 words 981 / 204 -> 1,112 / 194 (benchmarks/sass_mix.py --attention). Off until
-# measured.
-_BLOCKS_AHEAD = False
+# 841 / 206 -> 924 / 176; fp8 words 981 / 204 -> 1,112 / 194 (benchmarks/sass_mix.py --attention). H100 at
+# f11a884, bf16 cache, us at 256 x 192 / 256 x 640 / 64 x 1024 / 1 x 2048: 51.6 / 102.8 / 59.5 / 28.4 as shipped,
+# 48.6 / 92.8 / 56.0 / 28.1 ahead (16 heads, 32-token tiles, 4 warps, 3 stages); 64-token tiles or 4 stages lose.
+_BLOCKS_AHEAD = True
 
 
 class TritonMLAImpl:

@@ -142,6 +142,7 @@ def test_words_ahead_follows_the_launch_programs(monkeypatch) -> None:
 
     layer = AttentionLayerConfig(32, 8, 128, 128**-0.5, torch.bfloat16, 16, kv_cache_dtype=FP8)
     by_rule = TritonFlashAttentionImpl(layer, decode_fp8_words=True)
+    monkeypatch.setattr(flash_impl, "_WORDS_INLINE_MIN_PROGRAMS", None)
     assert by_rule._words_ahead(8192)
     monkeypatch.setattr(flash_impl, "_WORDS_INLINE_MIN_PROGRAMS", 2048)
     assert by_rule._words_ahead(512) and not by_rule._words_ahead(2048) and not by_rule._words_ahead(8192)
