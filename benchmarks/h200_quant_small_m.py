@@ -139,6 +139,11 @@ def candidates(family: str, m: int) -> dict:
                 continue
             for split in GEMV_SPLITS:
                 out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
+                if m == 1 and family != "int4_g128" and bk >= 512:  # fp8_gemv_triton's loop forms at the
+                    # shipped tile's K: inputs in the weight tile's layout (num_stages 1), next weights ahead too (2)
+                    for stages, form in ((1, "xtile"), (2, "ahead")):
+                        out[f"gemv 1x{bn}x{bk} {form} s{split}"] = SmallMPlan("gemv", 1, bn, bk, split,
+                                                                             num_stages=stages)
     return out
 
 

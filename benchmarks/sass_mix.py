@@ -4,7 +4,7 @@ constants, other ints and pointers divisible by 16), then Triton's bundled cuobj
 backward branch. A count of what a thread issues per iteration predicts issue-bound kernels before a device
 call (h200_int4_wdeq.py: 471 vs 322 instructions a tile predicted 1.46x, measured 1.4-1.8x).
 
-    python benchmarks/sass_mix.py               # the int4 cases: GEMM, fold GEMV plans, dequantize
+    python benchmarks/sass_mix.py               # the int4 cases: GEMM, fold GEMV plans, dequantize; fp8 GEMV forms
     python benchmarks/sass_mix.py --attention   # triton_flash / triton_mla decode over bf16 and fp8 caches (the
                                                 # fp8 ones read as bytes and as words), the fused W8A8 input
                                                 # quantizations, the rope-and-cache write
@@ -16,13 +16,14 @@ triton==3.6.0`, then PYTHONPATH=DIR).
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ONES = ("stride_xk", "stride_qn", "stride_sn", "stride_yn")
+ONES = ("stride_xk", "stride_qn", "stride_sn", "stride_yn", "stride_bk", "stride_bsk", "stride_cn")
 MMA_ONLY = "--mma" in sys.argv  # only the int4 mma cases
 ATTENTION = "--attention" in sys.argv  # the attention plugin's cases instead
 
@@ -186,10 +187,27 @@ def _fused_quant_cases():
             "HW_CVT": True}, {"num_warps": 16})
 
 
+def _fp8_gemv_cases():
+    """The weight-only fp8 GEMV at M = 1 (fp8_gemv_triton; Llama-8B's fp8_row plan 1x8x512, one scale over K) in its
+    three loop forms, the plan's num_stages None / 1 / 2."""
+    from keel_quantization import fp8_gemv_triton
+
+    i32 = "i32"
+    sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "static_ptr": "*fp32",
+           **{k: i32 for k in ("M", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_xk", "stride_bn", "stride_bk",
+                               "stride_bsn", "stride_bsk", "stride_cs", "stride_cm", "stride_cn")}}
+    for label, form in (("", {}), (" inputs in the tile's layout", {"X_TILE": True}),
+                        (" and weights ahead", {"X_TILE": True, "AHEAD": True})):
+        yield (f"fp8 gemv 1x8x512 w4{label} (M = 1)", fp8_gemv_triton._fp8_gemv_kernel, sig,
+               {"GROUP_N": 1, "GROUP_K": 4096, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SCALE_AFTER": True,
+                "ACT": 0, "M": 1, **form}, {"num_warps": 4})
+
+
 def main() -> None:
     import json
 
-    for name, fn, sig, consts, options in _attention_cases() if ATTENTION else _int4_cases():
+    cases = _attention_cases() if ATTENTION else itertools.chain(_int4_cases(), _fp8_gemv_cases())
+    for name, fn, sig, consts, options in cases:
         if ATTENTION:  # no int is specialized to 1 there (the int4 cases' unit strides)
             print(name, json.dumps(loop_mix(compile_sm90(fn, sig, consts, ones=(), **options))))
             continue

@@ -146,13 +146,13 @@ def _launch(a, a_s, b_q, b_s, group_n, group_k, out_dtype, plan: SmallMPlan, out
     if plan.kernel == "gemv":
         if a_s is not None:
             raise ValueError("fp8_gemm: the gemv kernel is weight-only (no activation scales)")
-        from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
+        from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel, launch_args
 
         _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
             a, b_q, b_s, dst.buf, m, n, k, dst.k_per_split, a.stride(0), a.stride(1), b_q.stride(0), b_q.stride(1),
             b_s.stride(0), b_s.stride(1), scs, scm, scn,
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=group_k >= k,
-            **options, **pdl_kwargs(a))
+            **launch_args(plan), **pdl_kwargs(a))
         return dst.finish()
     consts = dot_constexprs(plan, group_n, group_k, a.dtype, a_s is not None, a.device.type == "cpu", scale_after)
     a_s = b_s if a_s is None else a_s  # unread without HAS_A_SCALE

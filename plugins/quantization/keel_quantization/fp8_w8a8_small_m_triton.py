@@ -185,14 +185,14 @@ def fp8_w8a8_small_m_gemm(
     amax_k = max(bk, min(triton.next_power_of_2(k), AMAX_ELEMENTS // quant_rows))
     static = input_scale.float().reshape(1) if act == 0 else w_s  # unread unless static
     if plan.kernel == "gemv":  # no MMA: the weight-only GEMV's loop on the quantized activations
-        from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel
+        from keel_quantization.fp8_gemv_triton import _fp8_gemv_kernel, launch_args
 
         amax_k = max(bk, min(triton.next_power_of_2(k), AMAX_ELEMENTS // bm))  # its tile: [BLOCK_M, AMAX_K]
         _fp8_gemv_kernel[(triton.cdiv(n, bn), dst.splits, triton.cdiv(m, bm))](
             x, w_q, w_s, dst.buf, m, n, k, dst.k_per_split, x.stride(0), x.stride(1), w_q.stride(0),
             w_q.stride(1), w_s.stride(0), w_s.stride(1), scs, scm, scn, GROUP_N=group_n, GROUP_K=group_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_AFTER=not w_per_tile, static_ptr=static,
-            ACT=GEMV_ACT[act], AMAX_K=amax_k, **plan.launch_options(), **pdl_kwargs(x))
+            ACT=GEMV_ACT[act], AMAX_K=amax_k, **launch_args(plan), **pdl_kwargs(x))
         return dst.finish()
     # the interpreter has no fp8 dot; fp8 MMA instructions take K tiles of 32 and more
     upcast = x.device.type == "cpu" or bk < 32

@@ -27,6 +27,9 @@ SCRIPT = textwrap.dedent('''
     def compile_(fn, sig, consts, **options):
         if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
             consts = {**consts, "PDL": True}
+        # a constexpr the case leaves out takes its default, as a launch that omits it does
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in sig},
+                  **consts}
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
         assert "cubin" in out.asm
@@ -103,6 +106,11 @@ SCRIPT = textwrap.dedent('''
                                                          "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
                                                          "SCALE_AFTER": group_k >= 4096, "ACT": act,
                                                          "AMAX_K": 4096 // tiles[0]})
+        if tiles[0] == 1:  # the loop forms (plan num_stages 1 / 2): inputs in the weight tile's layout, weights ahead
+            for form in ({"X_TILE": True}, {"X_TILE": True, "AHEAD": True}):
+                compile_(fp8_gemv_triton._fp8_gemv_kernel, sig,
+                         {"GROUP_N": group_n, "GROUP_K": group_k, "BLOCK_M": 1, "BLOCK_N": tiles[1],
+                          "BLOCK_K": tiles[2], "SCALE_AFTER": group_k >= 4096, "ACT": act, "AMAX_K": 4096, **form})
     w8a8_strides = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_wsn", "stride_wsk", "stride_cs",
                     "stride_cm", "stride_cn")
     # per token over K (one split, bf16 out; 4 splits, fp32 partials), static, block fp8 (a scale per K tile)
