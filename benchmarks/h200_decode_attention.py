@@ -186,7 +186,7 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     cache as bytes or as words loaded where attended: "bytes|inline TILE, WARPS, STAGES BLOCKS_AHEAD" (0 / 1).
     Its row and the engine's default's go to stderr. The fp8-attn-ab part of h200_run.sh sets the impl's
     constants to it."""
-    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8
+    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8_MANY
 
     rows = [r for r in json.loads(Path(path).read_text())["rows"]
             if r["kind"] == "flash" and r["batch"] == batch and "us" in r and r["splits"] in (None, 1)]
@@ -198,7 +198,7 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
                    None)
     print(f"fastest {best} (the engine's default {default} us)", file=sys.stderr)
     launch, ahead = flash_launch(best["launch"])
-    tile, warps, stages = launch or _BATCH_LAUNCH_FP8
+    tile, warps, stages = launch or _BATCH_LAUNCH_FP8_MANY  # the engine's launch at 1024 requests (8,192 programs)
     mode = "inline" if best.get("fp8_words") == "inline" else "bytes"
     return f"{mode} {tile}, {warps}, {stages} {int(ahead)}"
 

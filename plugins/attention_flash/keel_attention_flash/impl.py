@@ -27,9 +27,13 @@ _SPLIT_LAUNCH = (64, 4, 2)
 # iteration (H100, benchmarks/h200_decode_attention.py --fp8: 64 x 1024 tokens 70 vs 100 us a layer; at 256 /
 # 1024 x 192 within the run-to-run spread, 69 vs 68 and 238 vs 225-238 us). H200 at ef63271: 64 x 1024 68 vs 95,
 # 1024 x 192 236 vs 217 (h200-fp8-1024-ef63271.json): the long contexts' 1.4x outweighs the short ones' 0.92x.
-# Since block numbers are loaded a tile ahead (_BLOCKS_AHEAD), 32-token tiles at three stages: H100 at f11a884
-# (h100-fp8-attn-ab-f11a884.json), 1024 x 192 inline words 188 us against the (64, 2, 2) bytes' 240.
-_BATCH_LAUNCH_FP8 = (32, 2, 3)
+# From _WORDS_INLINE_MIN_PROGRAMS programs, with block numbers loaded a tile ahead (_BLOCKS_AHEAD), 32-token tiles
+# at three stages (_BATCH_LAUNCH_FP8_MANY): H100 at f11a884 (h100-fp8-attn-ab-f11a884.json), 1024 x 192 (8,192
+# programs) inline words 188 us against the (64, 2, 2) bytes' 240. Below it they lose: H100 at f7e3a77
+# (h100-fp8-attn-verify-f7e3a77.json), 64 x 1024 (512 programs) 71.5 against (64, 2, 2) words ahead 67.5, 256 x 640
+# (2,048) 169.3 against 162.5.
+_BATCH_LAUNCH_FP8 = (64, 2, 2)
+_BATCH_LAUNCH_FP8_MANY = (32, 2, 3)
 # Decode over an fp8 cache reads it as int32 words converted in registers (kernels._e4m3_words_to_f16). sm_90 SASS
 # of the 32-token loop 701 -> 516 instructions a thread, no byte loads from shared memory (bf16 cache: 423; Triton
 # 3.6, benchmarks/sass_mix.py --attention); predicted 1024 x 192 tokens 238 -> ~160-180 us a layer. Measured (H200,
@@ -52,10 +56,11 @@ _FP8_WORDS = True
 # hide it behind more resident warps. The inline form is the word path measured on the H200 at ef63271: 1024 x 192
 # tokens (8,192 programs) 205 against bytes' 236 us, 64 x 1024 74 against 68. From this many programs (requests x
 # KV heads x splits) a launch takes inline words; None: always ahead. Unset until the engine has run both
-# (benchmarks/h200_decode_attention.py --fp8-words rows "inline"; ncu_decode_attention.py). 2048: the 1024 x 192
-# step (8,192 programs) takes inline words with block numbers ahead (188 us on the H100, against 234 ahead in
-# registers); the 64 x 1024 step (512) keeps words ahead in registers.
-_WORDS_INLINE_MIN_PROGRAMS: int | None = 2048
+# (benchmarks/h200_decode_attention.py --fp8-words rows "inline"; ncu_decode_attention.py). 4096: the 1024 x 192
+# step (8,192 programs) takes inline words with block numbers ahead at _BATCH_LAUNCH_FP8_MANY (188 us on the H100,
+# against 234 ahead in registers); 64 x 1024 (512) and 256 x 640 (2,048) keep words ahead in registers at
+# _BATCH_LAUNCH_FP8 (67.5 and 162.5 us; inline there 72.9 and 160.5). 4,096 itself is unmeasured.
+_WORDS_INLINE_MIN_PROGRAMS: int | None = 4096
 # The decode loop (bytes, or words not loaded ahead) with each tile's block numbers loaded an iteration early
 # (split_decode_kernel's BLOCKS_AHEAD). Without it a tile's key / value addresses come from a block-table load in
 # the same iteration, and Triton 3.6 pipelines no deeper than one tile whatever num_stages says: the sm_90 SASS
@@ -65,6 +70,7 @@ _WORDS_INLINE_MIN_PROGRAMS: int | None = 2048
 # instructions; bytes 64 / 2 254 -> 206). The H200's fp8 decode took a near-constant ~3.3-3.8 us per key tile
 # whatever its instruction count, as such a loop would. Prediction: 1024 x 192 fp8 decode 1.3-2x faster, the
 # harness +5-12%. Measured (H100, f11a884, h200_run.sh part fp8-attn-ab): 240 -> 188 us (1.28x), the harness +3%.
+# On where measured: an fp8 cache's many-program launch (_BATCH_LAUNCH_FP8_MANY, inline words or bytes).
 _BLOCKS_AHEAD = True
 
 
@@ -130,13 +136,17 @@ uniform speculative verify step), else the varlen kernel over
         # the word path's next tile loaded ahead in registers; None: by the launch's program count
         # (_WORDS_INLINE_MIN_PROGRAMS)
         self.words_ahead = decode_words_ahead
-        # block numbers an iteration early in the decode loop (_BLOCKS_AHEAD)
-        self.blocks_ahead = _BLOCKS_AHEAD if decode_blocks_ahead is None else decode_blocks_ahead
+        # block numbers an iteration early in the decode loop: a tuning run's choice, else _BLOCKS_AHEAD's at the
+        # launch it was measured in (an fp8 cache's many-program launch)
+        self.blocks_ahead = decode_blocks_ahead
         self.k_scale: torch.Tensor | None = None  # fp8 caches: the layer's scales (keel.layers.kv_scales)
         self.v_scale: torch.Tensor | None = None
 
-    def _words_ahead(self, programs: int) -> bool:
-        if self.words_ahead is not None:
+    def _words_ahead(self, programs: int, rule_only: bool = False) -> bool:
+        """Whether a launch of `programs` programs loads the next tile's words ahead in registers (below
+        _WORDS_INLINE_MIN_PROGRAMS; a tuning run's decode_words_ahead unless `rule_only`, which also picks the fp8
+        batch launch)."""
+        if self.words_ahead is not None and not rule_only:
             return self.words_ahead
         return _WORDS_INLINE_MIN_PROGRAMS is None or programs < _WORDS_INLINE_MIN_PROGRAMS
 
@@ -260,15 +270,20 @@ uniform speculative verify step), else the varlen kernel over
         part_out = torch.empty((parts, splits, self.num_heads, self.head_size), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((parts, splits, self.num_heads), dtype=torch.float32, device=q.device)
+        programs = b * self.num_kv_heads * splits
+        ahead = self._words_ahead(programs)
+        many = self.fp8_kv and splits == 1 and not self._words_ahead(programs, rule_only=True)
+        blocks_ahead = _BLOCKS_AHEAD and many if self.blocks_ahead is None else self.blocks_ahead
         if self.decode_launch is not None:
             block_n, warps, stages = self.decode_launch
         else:
-            batch = _BATCH_LAUNCH_FP8 if self.fp8_kv else _BATCH_LAUNCH
+            batch = _BATCH_LAUNCH
+            if self.fp8_kv:
+                batch = _BATCH_LAUNCH_FP8_MANY if many else _BATCH_LAUNCH_FP8
             block_n, warps, stages = batch if splits == 1 else _SPLIT_LAUNCH
             block_n = min(block_n, self.block_n)
         if ql > 1 and q_pad * g_pad >= 64:
             warps = max(warps, 8)  # a tall tile: more warps keep the float32 accumulator in registers
-        ahead = self._words_ahead(b * self.num_kv_heads * splits)
         kernels.split_decode_kernel[(b, self.num_kv_heads, splits)](
             q, kv_cache, kv_cache.stride(0), part_out, part_lse, out, out.stride(0), out.stride(1),
             common.query_start_loc, common.seq_lens, common.block_table, common.block_table.stride(0),
@@ -276,7 +291,7 @@ uniform speculative verify step), else the varlen kernel over
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=g_pad, NUM_SPLITS=splits,
             HEAD=self.head_size, BLOCK_D=self.block_d, BLOCK_N=block_n, PAGE=page, WINDOW=self.window,
             PRECISION=self.precision, DOT_F32=q.device.type == "cpu", QUERY_LEN=ql, Q_PAD=q_pad, DIRECT=direct,
-            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=ahead, BLOCKS_AHEAD=self.blocks_ahead,
+            FP8_KV=self.fp8_kv, FP8_WORDS=self.fp8_words, WORDS_AHEAD=ahead, BLOCKS_AHEAD=blocks_ahead,
             num_warps=warps, num_stages=stages, **pdl_kwargs(q),
         )
         if direct:

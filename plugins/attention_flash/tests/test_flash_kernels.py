@@ -192,6 +192,12 @@ def test_default_decode_launch_follows_the_split_count(monkeypatch) -> None:
         _run(case, torch.float32, 11, splits=splits)
     _run(case, torch.bfloat16, 11, splits=1, fp8_scales=(0.05, 0.02))
     assert seen == [(1, *impl_mod._BATCH_LAUNCH), (4, *impl_mod._SPLIT_LAUNCH), (1, *impl_mod._BATCH_LAUNCH_FP8)]
+    # from _WORDS_INLINE_MIN_PROGRAMS programs (here 4: 2 requests x 2 KV heads) the fp8 cache takes the
+    # many-program launch, whatever a tuning run's decode_words_ahead says
+    monkeypatch.setattr(impl_mod, "_WORDS_INLINE_MIN_PROGRAMS", 4)
+    _run(case, torch.bfloat16, 11, splits=1, fp8_scales=(0.05, 0.02))
+    _run(case, torch.bfloat16, 11, splits=1, fp8_scales=(0.05, 0.02), words_ahead=True)
+    assert seen[3:] == [(1, *impl_mod._BATCH_LAUNCH_FP8_MANY)] * 2
 
 
 @triton.jit

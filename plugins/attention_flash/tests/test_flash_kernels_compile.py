@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from keel_attention_flash import kernels, mla_kernels
-    from keel_attention_flash.impl import _BATCH_LAUNCH, _BATCH_LAUNCH_FP8, _SPLIT_LAUNCH
+    from keel_attention_flash.impl import _BATCH_LAUNCH, _BATCH_LAUNCH_FP8, _BATCH_LAUNCH_FP8_MANY, _SPLIT_LAUNCH
 
     def compile_(fn, ptrs, consts, **options):
         """Pointer types by name (else *i32 for tables); scalars i32 but the float32 score scale."""
@@ -74,13 +74,14 @@ SCRIPT = textwrap.dedent('''
                          {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": tile, "QUERY_LEN": 1, "Q_PAD": 1,
                           "DIRECT": True, "FP8_WORDS": True, "WORDS_AHEAD": ahead}, num_warps=warps,
                          num_stages=stages)
-            # block numbers loaded a tile ahead (BLOCKS_AHEAD) with three stages, bytes and words loaded where
-            # attended: the launches the fp8-attn-ab sweep times
+            # the many-program launch: block numbers loaded a tile ahead (BLOCKS_AHEAD), bytes and words loaded
+            # where attended (as shipped)
+            tile, warps, stages = _BATCH_LAUNCH_FP8_MANY
             for words in (False, True):
                 compile_(kernels.split_decode_kernel, read,
                          {**common, "G_PAD": 16, "NUM_SPLITS": 1, "BLOCK_N": tile, "QUERY_LEN": 1, "Q_PAD": 1,
                           "DIRECT": True, "FP8_WORDS": words, "WORDS_AHEAD": False, "BLOCKS_AHEAD": True},
-                         num_warps=warps, num_stages=3)
+                         num_warps=warps, num_stages=stages)
         mla = {"k_scale_ptr": "*fp32", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "q_c_ptr": "*bf16",
                "q_pe_ptr": "*bf16"}
         shape = {"NUM_HEADS": 16, "LORA": 512, "BLOCK_L": 512, "ROPE": 64, "BLOCK_R": 64, "PAGE": 16,
