@@ -77,11 +77,12 @@ def cache_and_scales(shape: tuple[int, ...], fp8: bool) -> tuple[torch.Tensor, t
     return quantize_kv(cache, k_scale, FP8), k_scale, v_scale  # timing only: one scale for K and V
 
 
-def flash_launch(launch) -> tuple[tuple[int, int, int] | None, bool]:
+def flash_launch(launch) -> tuple[tuple[int, int, int] | None, bool | None]:
     """A triton_flash launch of this script, (tile, warps, stages) or with a fourth element True (block numbers
-    loaded a tile ahead), or None (the engine's) -> (decode_launch, decode_blocks_ahead)."""
+    loaded a tile ahead), or None (the engine's: launch and block numbers as the engine picks them) ->
+    (decode_launch, decode_blocks_ahead)."""
     if launch is None:
-        return None, False
+        return None, None
     return tuple(launch[:3]), len(launch) == 4 and bool(launch[3])
 
 
@@ -135,7 +136,7 @@ def mla_case(batch: int, ctx: int, splits, launch, fp8: bool = False, fp8_words:
     engine's."""
     from keel_attention_flash.mla_backend import TritonMLABackend
 
-    ahead = launch is not None and len(launch) == 5 and bool(launch[4])
+    ahead = None if launch is None else len(launch) == 5 and bool(launch[4])  # None: as the engine picks it
     launch = None if launch is None else tuple(launch[:4])
     common, num_blocks = common_md(batch, ctx)
     impl, cache = mla_impl(num_blocks, fp8, decode_splits=splits, decode_launch=launch, decode_fp8_words=fp8_words,
@@ -186,7 +187,7 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     cache as bytes or as words loaded where attended: "bytes|inline TILE, WARPS, STAGES BLOCKS_AHEAD" (0 / 1).
     Its row and the engine's default's go to stderr. The fp8-attn-ab part of h200_run.sh sets the impl's
     constants to it."""
-    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8_MANY
+    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8_MANY, _BLOCKS_AHEAD
 
     rows = [r for r in json.loads(Path(path).read_text())["rows"]
             if r["kind"] == "flash" and r["batch"] == batch and "us" in r and r["splits"] in (None, 1)]
@@ -199,6 +200,7 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     print(f"fastest {best} (the engine's default {default} us)", file=sys.stderr)
     launch, ahead = flash_launch(best["launch"])
     tile, warps, stages = launch or _BATCH_LAUNCH_FP8_MANY  # the engine's launch at 1024 requests (8,192 programs)
+    ahead = _BLOCKS_AHEAD if ahead is None else ahead
     mode = "inline" if best.get("fp8_words") == "inline" else "bytes"
     return f"{mode} {tile}, {warps}, {stages} {int(ahead)}"
 

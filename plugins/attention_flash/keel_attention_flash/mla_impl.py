@@ -22,7 +22,7 @@ from keel_attention_flash.mla_metadata import TritonMLAMetadata
 from keel_attention_flash.pdl import pdl_kwargs
 
 # Decode over an fp8 latent cache reads it as int32 words converted in registers, with fp16 operands (triton_flash's
-# _FP8_WORDS). Off until measured: sm_90 SASS of the decode loop (16 heads, 32-token tiles) 1,508 -> 981
+# _FP8_WORDS). sm_90 SASS of the decode loop (16 heads, 32-token tiles) 1,508 -> 981
 # instructions a thread, 255 -> 204 registers, no byte loads from shared memory (bf16 cache: 841; Triton 3.6,
 # benchmarks/sass_mix.py --attention). On with block numbers a tile ahead (_BLOCKS_AHEAD): H100 at f11a884
 # (h100-mla-attn-ab-f11a884.json), us at 256 x 192 / 256 x 640 / 64 x 1024 / 1 x 2048: shipped bytes 56.8 / 124.8 /
@@ -232,7 +232,7 @@ class TritonMLAImpl:
         part_lse = torch.empty((b * ql, splits, self.num_heads), dtype=torch.float32, device=q_c.device)
         self._launch((b, head_blocks, splits), q_c, q_pe, kv_cache, part_out, part_lse, md.decode_reqs, None,
                      md, block_h, block_q, block_n, splits, warps, stages, query_len=ql, fp8_words=self.fp8_words,
-                         blocks_ahead=self.blocks_ahead)
+                     blocks_ahead=self.blocks_ahead)
         tiled = md.decode_reqs is not None
         mla_kernels.mla_split_reduce_kernel[(b * ql, self.num_heads)](
             part_out, part_lse, o_latent, md.decode_reqs if tiled else md.common.query_start_loc,
