@@ -61,11 +61,11 @@ def main() -> None:
     v = torch.randn(batch, hkv, d, dtype=torch.bfloat16, device="cuda")
     for name, fp8, launch, words, ahead in CASES:
         cache, k_scale, v_scale = cache_and_scales((2, num_blocks, BLOCK, hkv, d), fp8)
+        decode_launch, blocks_ahead = flash_launch(launch)
         impl = TritonFlashAttentionImpl(AttentionLayerConfig(h, hkv, d, d**-0.5, torch.bfloat16, BLOCK,
                                                              kv_cache_dtype=cache.dtype if fp8 else None),
-                                        decode_splits=1, decode_launch=flash_launch(launch)[0],
-                                        decode_fp8_words=words, decode_words_ahead=ahead,
-                                        decode_blocks_ahead=flash_launch(launch)[1])
+                                        decode_splits=1, decode_launch=decode_launch, decode_fp8_words=words,
+                                        decode_words_ahead=ahead, decode_blocks_ahead=blocks_ahead)
         if fp8:
             impl.set_kv_scales(k_scale, v_scale)
         for _ in range(2):

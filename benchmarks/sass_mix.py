@@ -33,9 +33,9 @@ def compile_sm90(fn, sig: dict, consts: dict, ones=ONES, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # a constexpr the case leaves out takes its default, as a launch that omits it does
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-    sig = dict(sig)
+    from keel.testing.sm90_compile import constexpr_defaults
+
+    consts, sig = {**constexpr_defaults(fn, consts), **consts}, dict(sig)  # as a launch that leaves them out
     if "PDL" in fn.arg_names and "PDL" not in consts:  # the kernel plugins' programmatic dependent launch
         consts["PDL"] = False
     for name in ones:

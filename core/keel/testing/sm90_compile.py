@@ -22,3 +22,11 @@ def run_sm90_compile_script(script: str) -> None:
     if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("triton has no ptxas here")
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def constexpr_defaults(fn, given) -> dict:
+    """The defaults of `fn`'s constexpr parameters (a Triton JITFunction's `params`) that `given` (names a compile
+    script already sets) leaves out: a launch that omits one compiles its default as a constant, and a script
+    must do the same -- left out of the signature it compiles as an i32 argument, so an `if` on it becomes a
+    runtime branch of a program no launch runs."""
+    return {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in given}

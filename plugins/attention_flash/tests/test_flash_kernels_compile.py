@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from keel.testing.sm90_compile import constexpr_defaults
     from keel_attention_flash import kernels, mla_kernels
     from keel_attention_flash.impl import _BATCH_LAUNCH, _BATCH_LAUNCH_FP8, _BATCH_LAUNCH_FP8_MANY, _SPLIT_LAUNCH
 
@@ -26,8 +27,7 @@ SCRIPT = textwrap.dedent('''
         """Pointer types by name (else *i32 for tables); scalars i32 but the float32 score scale."""
         if "PDL" in fn.arg_names:  # compiled as sm_90 launches it: programmatic dependent launch on
             consts = {**consts, "PDL": True}
-        # a constexpr the case leaves out takes its default, as a launch that omits it does (not an i32 argument)
-        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+        consts = {**constexpr_defaults(fn, consts), **consts}  # as a launch that leaves them out
         sig = {}
         for name in fn.arg_names:
             if name in consts:

@@ -16,13 +16,13 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from keel.testing.sm90_compile import constexpr_defaults
     from keel_kernels_triton import kernels as K
 
     def compile_(fn, sig, consts):
         if "PDL" in fn.arg_names:  # compiled as sm_90 launches it: programmatic dependent launch on
             sig, consts = {**sig, "PDL": "constexpr"}, {**consts, "PDL": True}
-        # a constexpr the case leaves out takes its default, as a launch that omits it does
-        extra = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in sig}
+        extra = constexpr_defaults(fn, sig)  # as a launch that leaves them out
         sig, consts = {**sig, **{k: "constexpr" for k in extra}}, {**extra, **consts}
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         assert "cubin" in out.asm

@@ -21,15 +21,14 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from keel.testing.sm90_compile import constexpr_defaults
     from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_triton,
                                    gather_columns, int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
             consts = {**consts, "PDL": True}
-        # a constexpr the case leaves out takes its default, as a launch that omits it does
-        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in sig},
-                  **consts}
+        consts = {**constexpr_defaults(fn, {**sig, **consts}), **consts}  # as a launch that leaves them out
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
         assert "cubin" in out.asm
