@@ -187,7 +187,7 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     cache as bytes or as words loaded where attended: "bytes|inline TILE, WARPS, STAGES BLOCKS_AHEAD" (0 / 1).
     Its row and the engine's default's go to stderr. The fp8-attn-ab part of h200_run.sh sets the impl's
     constants to it."""
-    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8_MANY, _BLOCKS_AHEAD
+    from keel_attention_flash.impl import _BATCH_LAUNCH_FP8_MANY, _BLOCKS_AHEAD, _FP8_WORDS
 
     rows = [r for r in json.loads(Path(path).read_text())["rows"]
             if r["kind"] == "flash" and r["batch"] == batch and "us" in r and r["splits"] in (None, 1)]
@@ -201,7 +201,8 @@ def best_fp8_launch(path: str, batch: int = 1024) -> str:
     launch, ahead = flash_launch(best["launch"])
     tile, warps, stages = launch or _BATCH_LAUNCH_FP8_MANY  # the engine's launch at 1024 requests (8,192 programs)
     ahead = _BLOCKS_AHEAD if ahead is None else ahead
-    mode = "inline" if best.get("fp8_words") == "inline" else "bytes"
+    words = best.get("fp8_words")  # absent: the engine's (inline words past 4,096 programs, where _FP8_WORDS)
+    mode = "inline" if words == "inline" or (words is None and _FP8_WORDS) else "bytes"
     return f"{mode} {tile}, {warps}, {stages} {int(ahead)}"
 
 

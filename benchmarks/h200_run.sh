@@ -45,9 +45,8 @@
 #   fp8-attn-ab  one call's decision on the fp8 decode attention: the fp8-words sweep at 1024 x 192 (FLASH_LAUNCHES,
 #             a trailing b: block numbers loaded a tile ahead; WORDS_SHAPES), its fastest one-split launch over bytes
 #             and inline words (h200_decode_attention.py --best-fp8), then keel-llama-fp8-tensor as shipped
-#             ($W/ab-shipped.json) and with that launch ($W/ab-picked.json: impl.py's _BATCH_LAUNCH_FP8_MANY, _BLOCKS_AHEAD,
-#             _FP8_WORDS and _WORDS_INLINE_MIN_PROGRAMS = 2048 set by sed, restored after); with MAX_NUM_SEQS=1024
-#             KV_CACHE_DTYPE=fp8
+#             ($W/ab-shipped.json) and with that launch ($W/ab-picked.json: impl.py's _BATCH_LAUNCH_FP8_MANY,
+#             _BLOCKS_AHEAD and _FP8_WORDS set by sed, restored after); with MAX_NUM_SEQS=1024 KV_CACHE_DTYPE=fp8
 #   ncu-attn  Nsight Compute on triton_flash's decode attention at the 1024-request shape (ncu_decode_attention.py:
 #             fp8 bytes at the engine's launch and 32-token tiles, fp8 words, bf16; NCU_SHAPE, default 1024x192):
 #             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
@@ -239,10 +238,11 @@ for part in "$@"; do
       mv "$W/keel-llama-fp8-tensor.json" "$W/ab-shipped.json"
       if [ -n "$sel" ]; then
         mode=${sel%% *} rest=${sel#* }; ahead=${rest##* } launch=${rest% *}
-        sed -i -e "s/^_BATCH_LAUNCH_FP8_MANY = .*/_BATCH_LAUNCH_FP8_MANY = ($launch)/" $f
-        [ "$ahead" = 1 ] && sed -i -e "s/^_BLOCKS_AHEAD = False/_BLOCKS_AHEAD = True/" $f
-        [ "$mode" = inline ] && sed -i -e "s/^_FP8_WORDS = False/_FP8_WORDS = True/" \
-          -e "s/^_WORDS_INLINE_MIN_PROGRAMS: int | None = None/_WORDS_INLINE_MIN_PROGRAMS: int | None = 2048/" $f
+        # the pick both ways (the shipped constants are on since e560c05; a False pick turns them off); 1024
+        # requests are past _WORDS_INLINE_MIN_PROGRAMS, so words there are inline
+        sed -i -e "s/^_BATCH_LAUNCH_FP8_MANY = .*/_BATCH_LAUNCH_FP8_MANY = ($launch)/" \
+          -e "s/^_BLOCKS_AHEAD = .*/_BLOCKS_AHEAD = $([ "$ahead" = 1 ] && echo True || echo False)/" \
+          -e "s/^_FP8_WORDS = .*/_FP8_WORDS = $([ "$mode" = inline ] && echo True || echo False)/" $f
         grep -E "^(_FP8_WORDS|_WORDS_INLINE_MIN_PROGRAMS|_BATCH_LAUNCH_FP8_MANY|_BLOCKS_AHEAD)" $f \
           | tee "$W/ab-picked-settings.txt"
         OUT=$W bash benchmarks/h200_vs_vllm.sh keel-llama-fp8-tensor
