@@ -50,6 +50,9 @@
 #   ncu-attn  Nsight Compute on triton_flash's decode attention at the 1024-request shape (ncu_decode_attention.py:
 #             fp8 bytes at the engine's launch and 32-token tiles, fp8 words, bf16; NCU_SHAPE, default 1024x192):
 #             occupancy, issue, stall reasons, DRAM; CSV in $W/ncu-decode-attention.csv (~60 s)
+#   ncu-small-m  Nsight Compute on int4 gemv_fold at M = 1 (ncu_small_m.py: Llama-8B's four layers, shipped plans, then
+#             NCU_FOLD_PLANS, e.g. 1x8x1024,1x16x1024s2): duration, DRAM, occupancy and the stall reasons per issued
+#             instruction (ncu_stalls.py); raw CSV in $W/ncu-small-m.csv, rows in $W/ncu-small-m.json (~60-90 s)
 #   flash-attn  h200_decode_attention.py --only flash over a bf16 cache (FLASH_SHAPES, default 1024x192,64x1024):
 #             the bf16 decode beside fp8-words' figures (bf16 read at ~94% of copy bandwidth on the H100)
 #   mla-attn-ab  h200_decode_attention.py --only mla, bf16 then fp8 (bytes and words): the shipped decode loop against
@@ -256,6 +259,13 @@ for part in "$@"; do
                   python3 benchmarks/ncu_decode_attention.py --shape "${NCU_SHAPE:-1024x192}" \
                   >"$W/ncu-decode-attention.csv" 2>"$W/ncu-attn.log"
                 grep "^case" "$W/ncu-decode-attention.csv"; tail -n 3 "$W/ncu-attn.log"; fi;;
+    ncu-small-m) n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+              if [ -z "$n" ]; then echo "ncu-small-m: no ncu on this machine"; else
+                timeout 240 "$n" --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+                  --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+                  -k regex:gemv_fold --csv --page raw python3 benchmarks/ncu_small_m.py --fold-plans "${NCU_FOLD_PLANS:-}" \
+                  >"$W/ncu-small-m.csv" 2>"$W/ncu-small-m.log"
+                python3 benchmarks/ncu_stalls.py "$W/ncu-small-m.csv" --out "$W/ncu-small-m.json"; tail -n 3 "$W/ncu-small-m.log"; fi;;
     flash-attn) timeout 120 python3 benchmarks/h200_decode_attention.py --only flash \
                   --shapes "${FLASH_SHAPES:-1024x192,64x1024}" --out "$W/h200-decode-bf16.json" >"$W/flash-attn.log" 2>&1
                 tail -n 4 "$W/flash-attn.log" | cut -c1-300;;
