@@ -90,7 +90,13 @@ FOLD_TILES = [(128, 128, 4), (256, 64, 4), (64, 128, 4), (32, 128, 4), (128, 64,
               (32, 512, 4), (16, 1024, 4), (32, 1024, 8)]
 FOLD_SPLITS = (1, 2, 4, 8)
 FOLD_MAX_M = 16
-FOLD_AHEAD_MAX_M = 2  # num_stages 2 (the next tile's words in registers): +~30 registers, +~0.2 instructions
+PIPE_MAX_M = 2  # gemv / gemv_fold with the loop pipelined (num_stages: tl.range copies tiles ahead into shared memory)
+PIPE_STAGES = (3, 4)
+PIPE_MAX_SMEM = 96 * 1024  # bytes of shared memory a program's stages may take
+PIPE_MIN_K = 256  # gemv tiles pipelined: those of BLOCK_K >= this (few, long iterations: the ones a load's latency holds)
+# gemv_fold tiles pipelined (BLOCK_N, BLOCK_K, num_warps): the shipped M = 1 plans' tiles and their neighbours; they
+# run first, so a budget cut drops the unpipelined sweep, not them
+FOLD_PIPE_TILES = [(16, 1024, 4), (32, 1024, 8), (16, 512, 4), (32, 512, 4), (8, 512, 4)]
 
 
 def _fold_fits(bm: int, bn: int, bk: int, warps: int) -> bool:
@@ -99,6 +105,11 @@ def _fold_fits(bm: int, bn: int, bk: int, warps: int) -> bool:
 
 def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
+
+
+def _pipe_stages(m: int, stage_bytes: int) -> tuple[int, ...]:
+    """The pipeline depths swept for a GEMV tile whose loads take stage_bytes of shared memory a stage."""
+    return tuple(s for s in PIPE_STAGES if m <= PIPE_MAX_M and s * stage_bytes <= PIPE_MAX_SMEM)
 
 
 def candidates(family: str, m: int) -> dict:
@@ -113,6 +124,9 @@ def candidates(family: str, m: int) -> dict:
                 if _pow2(m) * bn * bk <= GEMV_MAX_ELEMENTS and (base == "fp8_row" or bk == 128):
                     for split in GEMV_SPLITS:
                         out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
+                        for depth in _pipe_stages(m, bn * bk + 2 * _pow2(m) * bk) if bk >= PIPE_MIN_K else ():
+                            out[f"gemv {_pow2(m)}x{bn}x{bk} p{depth} s{split}"] = SmallMPlan(
+                                "gemv", _pow2(m), bn, bk, split, num_stages=depth)
         for bm in sorted({16, _block_m(m)}):  # M 17-32 in token tiles of 16 too (the weight read twice, from L2)
             for bn, bk, warps in W8A8_TILES[family]:
                 for split in W8A8_SPLITS:
@@ -121,14 +135,16 @@ def candidates(family: str, m: int) -> dict:
         return out
     stages = 4 if family != "int4_g128" else None
     if family == "int4_g128" and m <= FOLD_MAX_M:  # first: a budget cut never skips the new kernel
+        for bn, bk, warps in FOLD_PIPE_TILES:  # words, activations, scales and zeros a stage
+            for depth in _pipe_stages(m, bn * bk // 2 + 2 * _pow2(m) * bk + 4 * bn * max(1, bk // 128)):
+                for split in FOLD_SPLITS[:3]:
+                    out[f"gemv_fold {_pow2(m)}x{bn}x{bk} w{warps} p{depth} s{split}"] = SmallMPlan(
+                        "gemv_fold", _pow2(m), bn, bk, split, num_warps=warps, num_stages=depth)
         for bn, bk, warps in FOLD_TILES:
             if _fold_fits(_pow2(m), bn, bk, warps):
                 for split in FOLD_SPLITS:
                     out[f"gemv_fold {_pow2(m)}x{bn}x{bk} w{warps} s{split}"] = SmallMPlan(
                         "gemv_fold", _pow2(m), bn, bk, split, num_warps=warps)
-                    if m <= FOLD_AHEAD_MAX_M and warps == 4 and bk == 128 and bn <= 128:  # words a tile ahead
-                        out[f"gemv_fold {_pow2(m)}x{bn}x{bk} w{warps} ahead s{split}"] = SmallMPlan(
-                            "gemv_fold", _pow2(m), bn, bk, split, num_warps=warps, num_stages=2)
     for bm in sorted({16, _block_m(m)}):  # M > 16 in M tiles of 16 too: smaller tiles, more programs
         for bn, bk in DOT_TILES[family]:
             for split in DOT_SPLITS:
@@ -139,11 +155,10 @@ def candidates(family: str, m: int) -> dict:
                 continue
             for split in GEMV_SPLITS:
                 out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
-                if m == 1 and family != "int4_g128" and bk >= 512:  # fp8_gemv_triton's loop forms at the
-                    # shipped tile's K: inputs in the weight tile's layout (num_stages 1), next weights ahead too (2)
-                    for stages, form in ((1, "xtile"), (2, "ahead")):
-                        out[f"gemv 1x{bn}x{bk} {form} s{split}"] = SmallMPlan("gemv", 1, bn, bk, split,
-                                                                             num_stages=stages)
+                if family != "int4_g128" and bk >= PIPE_MIN_K:  # fp8_gemv_triton's loop pipelined
+                    for depth in _pipe_stages(m, bn * bk + 2 * _pow2(m) * bk):
+                        out[f"gemv {_pow2(m)}x{bn}x{bk} p{depth} s{split}"] = SmallMPlan(
+                            "gemv", _pow2(m), bn, bk, split, num_stages=depth)
     return out
 
 

@@ -4,7 +4,7 @@ constants, other ints and pointers divisible by 16), then Triton's bundled cuobj
 backward branch. A count of what a thread issues per iteration predicts issue-bound kernels before a device
 call (h200_int4_wdeq.py: 471 vs 322 instructions a tile predicted 1.46x, measured 1.4-1.8x).
 
-    python benchmarks/sass_mix.py               # the int4 cases: GEMM, fold GEMV plans, dequantize; fp8 GEMV forms
+    python benchmarks/sass_mix.py               # the int4 cases: GEMM, fold GEMV plans, dequantize; fp8 GEMV pipelined
     python benchmarks/sass_mix.py --attention   # triton_flash / triton_mla decode over bf16 and fp8 caches (the
                                                 # fp8 ones read as bytes and as words), the fused W8A8 input
                                                 # quantizations, the rope-and-cache write
@@ -88,10 +88,10 @@ def _int4_cases():
     wdeq = {k: v for k, v in gemm.items() if k not in ("g_ptr", "K_PER_SPLIT", "stride_sn", "stride_ys")}
     yield ("h200_int4_wdeq 128x128x64 w8 s3", h200_int4_wdeq._wdeq_kernel, wdeq,
            {"GROUP": 128, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, {"num_warps": 8, "num_stages": 3})
-    for bn, bk, w in ((16, 1024, 4), (32, 1024, 8), (32, 512, 4)):
-        yield (f"int4 gemv_fold 1x{bn}x{bk} w{w} (M = 1)", int4_gemv_fold_triton._int4_gemv_fold_kernel,
+    for bn, bk, w, stages in ((16, 1024, 4, 1), (32, 1024, 8, 1), (32, 512, 4, 1), (16, 512, 4, 1), (16, 512, 4, 4)):
+        yield (f"int4 gemv_fold 1x{bn}x{bk} w{w} p{stages} (M = 1)", int4_gemv_fold_triton._int4_gemv_fold_kernel,
                {k: v for k, v in gemm.items() if k != "M"},
-               {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN": True, "PREFETCH": False},
+               {"M": 1, "GROUP": 128, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN": True, "STAGES": stages},
                {"num_warps": w})
     mma = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16", "M": i32,
            "N": i32, "K": i32, "K_PER_SPLIT": i32, **{s: i32 for s in ("stride_xm", "stride_xk", "stride_qk",
@@ -188,19 +188,18 @@ def _fused_quant_cases():
 
 
 def _fp8_gemv_cases():
-    """The weight-only fp8 GEMV at M = 1 (fp8_gemv_triton; Llama-8B's fp8_row plan 1x8x512, one scale over K) in its
-    three loop forms, the plan's num_stages None / 1 / 2."""
+    """The weight-only fp8 GEMV at M = 1 (fp8_gemv_triton; Llama-8B's fp8_row plan 1x8x512, one scale over K), its
+    loop plain and pipelined (the plan's num_stages: tl.range's)."""
     from keel_quantization import fp8_gemv_triton
 
     i32 = "i32"
     sig = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "static_ptr": "*fp32",
            **{k: i32 for k in ("M", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_xk", "stride_bn", "stride_bk",
                                "stride_bsn", "stride_bsk", "stride_cs", "stride_cm", "stride_cn")}}
-    for label, form in (("", {}), (" inputs in the tile's layout", {"X_TILE": True}),
-                        (" and weights ahead", {"X_TILE": True, "AHEAD": True})):
-        yield (f"fp8 gemv 1x8x512 w4{label} (M = 1)", fp8_gemv_triton._fp8_gemv_kernel, sig,
+    for stages in (1, 3, 4):
+        yield (f"fp8 gemv 1x8x512 w4 p{stages} (M = 1)", fp8_gemv_triton._fp8_gemv_kernel, sig,
                {"GROUP_N": 1, "GROUP_K": 4096, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SCALE_AFTER": True,
-                "ACT": 0, "M": 1, **form}, {"num_warps": 4})
+                "ACT": 0, "M": 1, "STAGES": stages}, {"num_warps": 4})
 
 
 def main() -> None:

@@ -11,14 +11,15 @@ bandwidth on the H200 at 186f88e; predicted ~8-12% faster at M = 1, unmeasured).
 (N / BLOCK_N, splits, M / BLOCK_M) and writes y (one split) or the float32 partials `splitk_reduce` sums.
 Launched through `fp8_triton.fp8_weight_only_gemm` with a "gemv" `SmallMPlan`.
 
-The plan's num_stages picks the loop's form (`launch_args`; Triton's pipeliner has no dot here to pipeline):
-None as above; 1 (X_TILE): at BLOCK_M 1 weight-only the inputs load as a [BLOCK_N, BLOCK_K] tile, every row
-the same inputs from L1, in the weight tile's layout -- as a [BLOCK_K] vector they went through shared memory to
-meet it, 4 barriers an iteration in sm_90 SASS (1x8x512: 136 -> 162 loop instructions, 70 -> 64 registers, no
-barrier); 2 (X_TILE and AHEAD): also the next tile's weights loaded before this tile is multiplied, so a
-program has two tiles of loads in flight, not one (213-232 instructions, 80-83 registers: the carried bytes
-cost ~50 PRMTs). The loop as it ships loads a tile and multiplies it in the same iteration, so each
-iteration pays a load's latency with one tile in flight. Unmeasured; h200_quant_small_m.py sweeps the forms.
+The plan's num_stages is the loop's pipeline depth (`launch_args`, STAGES). A plain loop loads a tile and
+multiplies it in the same iteration, so each iteration pays a load's latency with one tile in flight, and the
+launch's num_stages does not change that: Triton pipelines a loop without a dot only from
+`tl.range(num_stages=...)`. With STAGES > 1 the weights and inputs of STAGES - 1 tiles ahead are copied into
+shared memory (cp.async) while a tile is multiplied (sm_90 SASS, 1x8x512: 136 -> 158 loop instructions, 70 -> 72
+registers, 5 KB of shared memory a stage). Two hand-written forms before it (inputs loaded in the weight tile's
+layout; the next tile's weights carried in registers, 1967f60) lost or tied on an H100 and are gone
+(h100-quant-small-m-gemv-forms-f7e3a77.json). Predicted (H200, unmeasured): the M = 1 fp8_row GEMV over
+Llama-8B's four layers 80.4 -> ~60 us (the weight's bytes at copy bandwidth: ~52).
 
 With ACT > 0 it is a W8A8 GEMV (`fp8_w8a8_small_m_triton.fp8_w8a8_small_m_gemm` with a "gemv" plan): the
 activations are quantized in the kernel with `fp8_quant_triton`'s helpers -- the e4m3 values and scales
@@ -57,8 +58,7 @@ def _fp8_gemv_kernel(
     ACT: tl.constexpr = 0,  # 0 weight-only; activations quantized: 1 per token, 2 per token and group, 3 static
     AMAX_K: tl.constexpr = 1,  # inputs a row per load of the per-token amax prologue (ACT 1)
     PDL: tl.constexpr = False,
-    X_TILE: tl.constexpr = False,  # BLOCK_M 1 weight-only: the inputs loaded in the weight tile's layout
-    AHEAD: tl.constexpr = False,  # the next K tile's weights loaded before this one is multiplied
+    STAGES: tl.constexpr = 1,  # the plan's num_stages: > 1 pipelines the loop's loads through shared memory
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -86,27 +86,16 @@ def _fp8_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if AHEAD:
-        w_next = _w_tile(b_ptr, offs_n, mask_n, k_start + offs_k, k_end, stride_bn, stride_bk)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    # tl.range's num_stages: Triton pipelines a loop without a dot only when the loop asks (see the docstring)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + offs_k
         mask_k = k < k_end
-        if AHEAD:  # this tile's weights came an iteration ago; the next tile's load flies during this one's math
-            w = w_next.to(tl.float32)
-            w_next = _w_tile(b_ptr, offs_n, mask_n, k + BLOCK_K, k_end, stride_bn, stride_bk)
-        else:
-            w = _w_tile(b_ptr, offs_n, mask_n, k, k_end, stride_bn, stride_bk).to(tl.float32)  # [BN, BK]
+        w = _w_tile(b_ptr, offs_n, mask_n, k, k_end, stride_bn, stride_bk).to(tl.float32)  # [BN, BK]
         if not SCALE_AFTER:
             b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn + (k0 // GROUP_K) * stride_bsk,
                           mask=mask_n, other=0.0)  # [BN]: the tile lies in one K group
             w = w * b_s[:, None]
-        if BLOCK_M == 1 and ACT == 0 and X_TILE:
-            # loaded as [BN, BK] (every row the same inputs, from L1): the weight tile's layout, no shuffle through
-            # shared memory (sm_90 SASS, 1x8x512: 4 barriers an iteration -> none)
-            x = tl.load(x_ptr + offs_m * stride_xm + offs_n[:, None] * 0 + k[None, :] * stride_xk,
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
-            acc += w * x.to(tl.float32)
-        elif BLOCK_M == 1 and ACT == 0:
+        if BLOCK_M == 1 and ACT == 0:
             x = tl.load(x_ptr + offs_m * stride_xm + k * stride_xk, mask=mask_m & mask_k, other=0.0)  # [BK]
             acc += w * x.to(tl.float32)[None, :]
         else:
@@ -135,6 +124,5 @@ def _fp8_gemv_kernel(
 
 
 def launch_args(plan) -> dict:
-    """The gemv plan's loop form and Triton options (see the module docstring): num_stages 1 / 2 choose X_TILE /
-    AHEAD, not the pipeliner's stages."""
-    return {"num_warps": plan.num_warps, "X_TILE": plan.num_stages in (1, 2), "AHEAD": plan.num_stages == 2}
+    """The gemv plan's Triton options: its warps, and its num_stages as the loop's pipeline depth (STAGES)."""
+    return {"num_warps": plan.num_warps, "STAGES": plan.num_stages or 1}

@@ -164,7 +164,7 @@ def int4_gemm(
         from keel_quantization.int4_gemv_fold_triton import _int4_gemv_fold_kernel
 
         _int4_gemv_fold_kernel[gemv_grid](*args, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                          EVEN=k % bk == 0 and n % bn == 0, PREFETCH=(plan.num_stages or 1) > 1,
+                                          EVEN=k % bk == 0 and n % bn == 0, STAGES=plan.num_stages or 1,
                                           **plan.launch_options(), **pdl_kwargs(x))
     else:
         _int4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), dst.splits)](

@@ -41,12 +41,12 @@ def _bound(x: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.
 
 PLANS = [SmallMPlan("gemv_fold", 1, 16, 32), SmallMPlan("gemv_fold", 2, 8, 16, split_k=3),
          SmallMPlan("gemv_fold", 4, 16, 16, split_k=2, num_stages=2), SmallMPlan("gemv_fold", 8, 32, 64),
-         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=2),  # num_stages 2: words a tile ahead
+         SmallMPlan("gemv_fold", 1, 8, 32, split_k=3, num_stages=3),  # num_stages: the loop's pipeline depth
          SmallMPlan("gemv_fold", 2, 16, 128, split_k=2)]  # tiles of several groups of 32 / 64
 
 
 def _id(p: SmallMPlan) -> str:
-    return f"{p.block_m}x{p.block_n}x{p.block_k}-s{p.split_k}" + ("-ahead" if p.num_stages else "")
+    return f"{p.block_m}x{p.block_n}x{p.block_k}-s{p.split_k}" + (f"-p{p.num_stages}" if p.num_stages else "")
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=_id)

@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     from keel.testing.sm90_compile import constexpr_defaults
     from keel_quantization import (fp8_gemv_triton, fp8_quant_triton, fp8_triton, fp8_w8a8_small_m_triton,
-                                   gather_columns, int4_dequant_triton, int4_gemv_triton, int4_triton, splitk_reduce)
+                                   gather_columns, int4_dequant_triton, int4_gemv_fold_triton, int4_gemv_triton,
+                                   int4_triton, splitk_reduce)
 
     def compile_(fn, sig, consts, **options):
         if "PDL" in fn.arg_names:  # with programmatic dependent launch, as sm_90 launches it once enabled
@@ -105,11 +106,11 @@ SCRIPT = textwrap.dedent('''
                                                          "BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "BLOCK_K": tiles[2],
                                                          "SCALE_AFTER": group_k >= 4096, "ACT": act,
                                                          "AMAX_K": 4096 // tiles[0]})
-        if tiles[0] == 1:  # the loop forms (plan num_stages 1 / 2): inputs in the weight tile's layout, weights ahead
-            for form in ({"X_TILE": True}, {"X_TILE": True, "AHEAD": True}):
-                compile_(fp8_gemv_triton._fp8_gemv_kernel, sig,
-                         {"GROUP_N": group_n, "GROUP_K": group_k, "BLOCK_M": 1, "BLOCK_N": tiles[1],
-                          "BLOCK_K": tiles[2], "SCALE_AFTER": group_k >= 4096, "ACT": act, "AMAX_K": 4096, **form})
+        # the loop pipelined (plan num_stages 3: tl.range copies two tiles ahead through shared memory)
+        compile_(fp8_gemv_triton._fp8_gemv_kernel, sig,
+                 {"GROUP_N": group_n, "GROUP_K": group_k, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
+                  "BLOCK_K": tiles[2], "SCALE_AFTER": group_k >= 4096, "ACT": act, "AMAX_K": 4096 // tiles[0],
+                  "STAGES": 3})
     w8a8_strides = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_wsn", "stride_wsk", "stride_cs",
                     "stride_cm", "stride_cn")
     # per token over K (one split, bf16 out; 4 splits, fp32 partials), static, block fp8 (a scale per K tile)
@@ -147,6 +148,10 @@ SCRIPT = textwrap.dedent('''
         for block_m in (1, 4):  # one row: the 2-D accumulator
             compile_(int4_gemv_triton._int4_gemv_kernel, {**sig, "y_ptr": "*fp32"},
                      {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128})
+        for stages, bk in ((1, 1024), (3, 512), (4, 128)):  # gemv_fold, plain and pipelined (tl.range's stages)
+            compile_(int4_gemv_fold_triton._int4_gemv_fold_kernel, {**sig, "y_ptr": "*fp32"},
+                     {"GROUP": group, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": bk, "EVEN": group != 0,
+                      "STAGES": stages})
         compile_(int4_dequant_triton._int4_dequant_kernel,
                  {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32", "w_ptr": "*bf16",
                   **{s: i32 for s in ("N", "K", "stride_qk", "stride_sg", "stride_wk")}},

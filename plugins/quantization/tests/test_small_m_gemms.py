@@ -20,13 +20,14 @@ from keel_quantization.splitk_reduce import SplitKOutput  # imports triton
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_quant.py runs it compiled")
 
-# gemv num_stages 1 / 2: the inputs in the weight tile's layout / and the next tile's weights loaded ahead (across
-# a partial last tile, a split's end and, with 50 splits asked of 19 tiles, splits of one tile)
+# gemv num_stages: the loop's pipeline depth (tl.range), across a partial last tile, a split's end and, with 50
+# splits asked of 19 tiles, splits of one tile
 FP8_PLANS = [SmallMPlan("gemv", 1, 16, 16), SmallMPlan("gemv", 4, 8, 16, split_k=3),
              SmallMPlan("gemv", 2, 8, 16, split_k=50), SmallMPlan("dot", 16, 16, 16, split_k=4),
              SmallMPlan("gemv", 1, 16, 16, num_stages=1), SmallMPlan("gemv", 1, 16, 16, split_k=3, num_stages=2),
              SmallMPlan("gemv", 1, 8, 16, split_k=50, num_stages=2), SmallMPlan("gemv", 4, 8, 16, 3, num_stages=2),
-             SmallMPlan("gemv", 1, 8, 16, num_stages=2)]
+             SmallMPlan("gemv", 1, 8, 16, num_stages=2), SmallMPlan("gemv", 1, 8, 16, split_k=3, num_stages=4),
+             SmallMPlan("gemv", 4, 8, 16, num_stages=3)]
 
 
 @pytest.mark.parametrize("plan", FP8_PLANS, ids=lambda p: f"{p.kernel}-{p.block_m}x{p.block_n}x{p.block_k}-s{p.split_k}"

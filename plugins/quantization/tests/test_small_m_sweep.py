@@ -44,7 +44,8 @@ def test_candidates_are_valid_plans_and_compiles_bounded(sweep, family):
             kernels.add("gemv_fold")
         assert {p.kernel for p in cands.values() if p} == kernels
     # int4 also sweeps gemv_fold's tiles, stage and K-tile variants: ~3-4 min of one device call
-    assert sweep.compile_count(family) <= (70 if family == "int4_g128" else 30)
+    # the pipelined GEMV candidates (M <= PIPE_MAX_M) add ~10-20 compiles a family
+    assert sweep.compile_count(family) <= (85 if family == "int4_g128" else 45)
 
 
 def test_best_per_bucket_sums_over_the_layers(sweep):
