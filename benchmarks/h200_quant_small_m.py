@@ -93,7 +93,7 @@ FOLD_MAX_M = 16
 PIPE_MAX_M = 2  # gemv / gemv_fold with the loop pipelined (num_stages: tl.range copies tiles ahead into shared memory)
 PIPE_STAGES = (3, 4)
 PIPE_MAX_SMEM = 96 * 1024  # bytes of shared memory a program's stages may take
-PIPE_MIN_K = 256  # gemv tiles pipelined: those of BLOCK_K >= this (few, long iterations: the ones a load's latency holds)
+PIPE_MIN_K = 256  # fp8_row gemv tiles pipelined: BLOCK_K >= this (block fp8's are all 128, its group: all pipelined)
 # gemv_fold tiles pipelined (BLOCK_N, BLOCK_K, num_warps): the shipped M = 1 plans' tiles and their neighbours; they
 # run first, so a budget cut drops the unpipelined sweep, not them
 FOLD_PIPE_TILES = [(16, 1024, 4), (32, 1024, 8), (16, 512, 4), (32, 512, 4), (8, 512, 4)]
@@ -105,6 +105,11 @@ def _fold_fits(bm: int, bn: int, bk: int, warps: int) -> bool:
 
 def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
+
+
+def _piped(family: str, bk: int) -> bool:
+    """Whether the sweep tries the fp8 GEMV tile of BLOCK_K bk pipelined."""
+    return family.startswith("fp8_block") or bk >= PIPE_MIN_K
 
 
 def _pipe_stages(m: int, stage_bytes: int) -> tuple[int, ...]:
@@ -124,7 +129,7 @@ def candidates(family: str, m: int) -> dict:
                 if _pow2(m) * bn * bk <= GEMV_MAX_ELEMENTS and (base == "fp8_row" or bk == 128):
                     for split in GEMV_SPLITS:
                         out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
-                        for depth in _pipe_stages(m, bn * bk + 2 * _pow2(m) * bk) if bk >= PIPE_MIN_K else ():
+                        for depth in _pipe_stages(m, bn * bk + 2 * _pow2(m) * bk) if _piped(base, bk) else ():
                             out[f"gemv {_pow2(m)}x{bn}x{bk} p{depth} s{split}"] = SmallMPlan(
                                 "gemv", _pow2(m), bn, bk, split, num_stages=depth)
         for bm in sorted({16, _block_m(m)}):  # M 17-32 in token tiles of 16 too (the weight read twice, from L2)
@@ -155,7 +160,7 @@ def candidates(family: str, m: int) -> dict:
                 continue
             for split in GEMV_SPLITS:
                 out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
-                if family != "int4_g128" and bk >= PIPE_MIN_K:  # fp8_gemv_triton's loop pipelined
+                if family != "int4_g128" and _piped(family, bk):  # fp8_gemv_triton's loop pipelined
                     for depth in _pipe_stages(m, bn * bk + 2 * _pow2(m) * bk):
                         out[f"gemv {_pow2(m)}x{bn}x{bk} p{depth} s{split}"] = SmallMPlan(
                             "gemv", _pow2(m), bn, bk, split, num_stages=depth)
