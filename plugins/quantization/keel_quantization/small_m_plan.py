@@ -71,6 +71,11 @@ def _dot(bm: int, bn: int, split: int, stages: int | None = 4) -> SmallMPlan:
 # (86.1 before); int4's gemv_fold M=1 137.9 -> 70.5 (floor 25.9), M=2 139.8 -> 92.7, M >= 4 no better
 # than the dot rows. The gemv_fold rows serve scale groups in order only: with a gathered g_idx the
 # kernel runs its unfolded math, unmeasured against dot, so those GEMMs take the default.
+# fp8_row M=1 pipelined (1x8x512, num_stages 3: tl.range copies two tiles ahead) measured faster on an H100 at
+# 83ecae0 (h100-quant-small-m-pipelined-83ecae0.json; no H200 came): 92.5 -> 85.2 us over four layers, every layer
+# (down 28.3 -> 23.6). Not in the table yet: the pipelined loop has run only interpreted and in that timing sweep,
+# never against its reference compiled (tests/test_cuda_quant.py on a GPU). Pipelined gemv_fold (int4) and W8A8
+# GEMV lost on every layer there.
 TABLES: dict[str, tuple[tuple[int, SmallMPlan | None], ...]] = {
     "fp8_row": ((1, SmallMPlan("gemv", 1, 8, 512)), (16, _dot(16, 64, 4)), (32, _dot(32, 64, 4)),
                 (64, _dot(64, 64, 4))),
@@ -99,10 +104,14 @@ SHIPPED = dict(TABLES)
 # entry), us a layer, the bucket's plan as the engine ran it -> the layer's: int4 M=1 down (K 14336,
 # FOLD_MAX_K_PER_SPLIT splits the row's plan in 2) 20.1 -> 18.5; M=2 qkv 13.0 -> 12.0, gate_up 44.5 -> 41.7.
 # Predicted: GPTQ Llama-8B's batch-1 decode step -0.05 ms (of 2.96 on the H200), batch 2 -0.1 ms.
+# int4 M=1 qkv (6144 x 4096): 1x32x1024, 8 warps, split 2 ran 9.3 / 9.4 us against the row's 12.3 / 11.9 in two
+# H100 sweeps at 83ecae0 (h100-quant-small-m-pipelined-83ecae0.json); H200 unmeasured. Predicted: the batch-1 GPTQ
+# step -0.09 ms (32 layers x ~2.8 us).
 LAYER_MARGIN = 0.03
 LayerPlans = dict[tuple[str, int, int, int], SmallMPlan]
 LAYER_PLANS: LayerPlans = {
     ("int4", 4096, 14336, 1): SmallMPlan("gemv_fold", 1, 32, 1024, 4, num_warps=8),
+    ("int4", 6144, 4096, 1): SmallMPlan("gemv_fold", 1, 32, 1024, 2, num_warps=8),
     ("int4", 6144, 4096, 2): SmallMPlan("gemv_fold", 2, 16, 1024),
     ("int4", 28672, 4096, 2): SmallMPlan("gemv_fold", 2, 32, 512),
 }
