@@ -18,8 +18,10 @@ launch's num_stages does not change that: Triton pipelines a loop without a dot 
 shared memory (cp.async) while a tile is multiplied (sm_90 SASS, 1x8x512: 136 -> 158 loop instructions, 70 -> 72
 registers, 5 KB of shared memory a stage). Two hand-written forms before it (inputs loaded in the weight tile's
 layout; the next tile's weights carried in registers, 1967f60) lost or tied on an H100 and are gone
-(h100-quant-small-m-gemv-forms-f7e3a77.json). Predicted (H200, unmeasured): the M = 1 fp8_row GEMV over
-Llama-8B's four layers 80.4 -> ~60 us (the weight's bytes at copy bandwidth: ~52).
+(h100-quant-small-m-gemv-forms-f7e3a77.json). Predicted (H200): the M = 1 fp8_row GEMV over Llama-8B's four
+layers 80.4 -> ~60 us (the weight's bytes at copy bandwidth: ~52). Measured (H100,
+h100-quant-small-m-pipelined-83ecae0.json): 1x8x512 at 3 stages 92.5 -> 85.2 us, every layer faster; with
+activations quantized in the kernel (ACT > 0) pipelining lost ~1.5-1.8x.
 
 With ACT > 0 it is a W8A8 GEMV (`fp8_w8a8_small_m_triton.fp8_w8a8_small_m_gemm` with a "gemv" plan): the
 activations are quantized in the kernel with `fp8_quant_triton`'s helpers -- the e4m3 values and scales

@@ -29,9 +29,12 @@ below a bf16 output's rounding.
 Loads in flight (the plan's num_stages, STAGES): Nsight Compute put this kernel at 18-35% of DRAM throughput on
 the H200, latency-bound with one tile in flight a program (h200-ncu-small-m-a6116cd.json), and the launch's
 num_stages did nothing: Triton's pipeliner takes a loop without a dot only from `tl.range(num_stages=...)`.
-With it, STAGES - 1 tiles (words, activations, scales) are copied ahead into shared memory (cp.async); sm_90
-SASS of 1x16x512: 56 -> 64 registers at 4 stages, 277 -> 303 loop instructions, 8 KB of shared memory a stage.
-Predicted (H200, unmeasured): Llama-8B's four layers at M = 1 70.5 -> ~45-50 us.
+With it, the words and scales of STAGES - 1 tiles are copied ahead into shared memory (cp.async); the 2-byte
+activation loads stay in the loop (cp.async moves 4-16 bytes). sm_90 SASS of 1x16x512: 56 -> 64 registers at 4
+stages, 277 -> 303 loop instructions (2 barriers), 8 KB of shared memory a stage. Predicted (H200): Llama-8B's four
+layers at M = 1 70.5 -> ~45-50 us. Measured (H100, h100-quant-small-m-pipelined-83ecae0.json): slower on every
+layer (qkv 11.4 vs 9.3 us, down 21.4 vs 17.5, best of each): the loop still waits on its activations and pays the
+barriers; no shipped plan pipelines it.
 
 Gathered groups (GROUP == 0, desc_act g_idx out of order): scale and zero differ per input, nothing
 folds; each element is x (q - z[g]) s[g] with q exact from the same floats. Correct, not fast.

@@ -32,7 +32,7 @@ class SmallMPlan:
     block_k: int
     split_k: int = 1  # K splits requested (fewer where K has fewer BLOCK_K tiles)
     num_warps: int = 4
-    num_stages: int | None = None  # "gemv_fold": 2 loads each tile's words one iteration ahead
+    num_stages: int | None = None  # pipeline depth: the launch's for "dot", tl.range's for "gemv" / "gemv_fold"
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
