@@ -94,9 +94,9 @@ PIPE_MAX_M = 2  # gemv / gemv_fold with the loop pipelined (num_stages: tl.range
 PIPE_STAGES = (3, 4)
 PIPE_MAX_SMEM = 96 * 1024  # bytes of shared memory a program's stages may take
 PIPE_MIN_K = 256  # fp8_row gemv tiles pipelined: BLOCK_K >= this (block fp8's are all 128, its group: all pipelined)
-# gemv_fold tiles pipelined (BLOCK_N, BLOCK_K, num_warps): the shipped M = 1 plans' tiles and their neighbours; they
-# run first, so a budget cut drops the unpipelined sweep, not them
-FOLD_PIPE_TILES = [(16, 1024, 4), (32, 1024, 8), (16, 512, 4), (32, 512, 4), (8, 512, 4)]
+# Pipelined gemv_fold (int4) and W8A8 GEMV candidates are not swept: on an H100 at 83ecae0 every one lost to the
+# plain loop on every layer (int4 by 10-25%, W8A8 ~1.5-1.8x; h100-quant-small-m-pipelined-83ecae0.json): gemv_fold's
+# 2-byte activation loads stay in its loop (cp.async moves 4-16 bytes), so pipelining adds barriers, not overlap.
 
 
 def _fold_fits(bm: int, bn: int, bk: int, warps: int) -> bool:
@@ -129,9 +129,6 @@ def candidates(family: str, m: int) -> dict:
                 if _pow2(m) * bn * bk <= GEMV_MAX_ELEMENTS and (base == "fp8_row" or bk == 128):
                     for split in GEMV_SPLITS:
                         out[f"gemv {_pow2(m)}x{bn}x{bk} s{split}"] = SmallMPlan("gemv", _pow2(m), bn, bk, split)
-                        for depth in _pipe_stages(m, bn * bk + 2 * _pow2(m) * bk) if _piped(base, bk) else ():
-                            out[f"gemv {_pow2(m)}x{bn}x{bk} p{depth} s{split}"] = SmallMPlan(
-                                "gemv", _pow2(m), bn, bk, split, num_stages=depth)
         for bm in sorted({16, _block_m(m)}):  # M 17-32 in token tiles of 16 too (the weight read twice, from L2)
             for bn, bk, warps in W8A8_TILES[family]:
                 for split in W8A8_SPLITS:
@@ -140,11 +137,6 @@ def candidates(family: str, m: int) -> dict:
         return out
     stages = 4 if family != "int4_g128" else None
     if family == "int4_g128" and m <= FOLD_MAX_M:  # first: a budget cut never skips the new kernel
-        for bn, bk, warps in FOLD_PIPE_TILES:  # words, activations, scales and zeros a stage
-            for depth in _pipe_stages(m, bn * bk // 2 + 2 * _pow2(m) * bk + 4 * bn * max(1, bk // 128)):
-                for split in FOLD_SPLITS[:3]:
-                    out[f"gemv_fold {_pow2(m)}x{bn}x{bk} w{warps} p{depth} s{split}"] = SmallMPlan(
-                        "gemv_fold", _pow2(m), bn, bk, split, num_warps=warps, num_stages=depth)
         for bn, bk, warps in FOLD_TILES:
             if _fold_fits(_pow2(m), bn, bk, warps):
                 for split in FOLD_SPLITS:

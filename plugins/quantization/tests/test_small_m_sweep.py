@@ -44,7 +44,7 @@ def test_candidates_are_valid_plans_and_compiles_bounded(sweep, family):
             kernels.add("gemv_fold")
         assert {p.kernel for p in cands.values() if p} == kernels
     # int4 also sweeps gemv_fold's tiles, stage and K-tile variants: ~3-4 min of one device call
-    # the pipelined GEMV candidates (M <= PIPE_MAX_M) add ~10-20 compiles a family
+    # the pipelined fp8 GEMV candidates (M <= PIPE_MAX_M) add ~10-20 compiles a family
     assert sweep.compile_count(family) <= (85 if family == "int4_g128" else 45)
 
 
