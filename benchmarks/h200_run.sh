@@ -144,6 +144,8 @@ profile_ab() {
   (cd "$ab" && find . -type f) | while read -r f; do
     if [ -f "$bak/$f" ]; then cp "$bak/$f" "$f"; fi; done
 }
+# Nsight Compute's binary (empty where the device has none): the ncu-* parts
+ncu_path() { command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
 for part in "$@"; do
   start=$(date +%s)
   case $part in keel-*|diag*|swept-*|profile-*|host-*|quant|spec|bitmask|gc|moe-prefill-ab|fp8-attn-ab)
@@ -252,14 +254,14 @@ for part in "$@"; do
         mv "$W/keel-llama-fp8-tensor.json" "$W/ab-picked.json"
       fi
       cp /tmp/impl-ab.py $f;;
-    ncu-attn) n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    ncu-attn) n=$(ncu_path)
               if [ -z "$n" ]; then echo "ncu-attn: no ncu on this machine"; else
                 timeout 150 "$n" --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
                   --section SchedulerStats --section MemoryWorkloadAnalysis -k regex:split_decode --csv --page details \
                   python3 benchmarks/ncu_decode_attention.py --shape "${NCU_SHAPE:-1024x192}" \
                   >"$W/ncu-decode-attention.csv" 2>"$W/ncu-attn.log"
                 grep "^case" "$W/ncu-decode-attention.csv"; tail -n 3 "$W/ncu-attn.log"; fi;;
-    ncu-small-m) n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    ncu-small-m) n=$(ncu_path)
               if [ -z "$n" ]; then echo "ncu-small-m: no ncu on this machine"; else
                 timeout 240 "$n" --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
                   --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \

@@ -7,7 +7,7 @@ Runs Llama-3-8B's four layer shapes at M = 1 through the shipped plans: GPTQ int
 the W8A8 small-M GEMM per row (dynamic per-token activations); each GEMM twice over weights larger than L2
 (ncu replays a kernel with its caches flushed anyway). No timing here: ncu's numbers are the result.
 `--fold-plans 1x8x1024,1x16x1024x2s2` adds gemv_fold launches with those plans (BMxBNxBK[xSPLIT][sSTAGES][wWARPS])
-after the shipped ones, on every shape: how the stall mix moves with tile, split and prefetch (ncu's grid
+after the shipped ones, on every shape: how the stall mix moves with tile, split and pipeline depth (ncu's grid
 column tells the launches apart). Part `ncu-small-m` of h200_run.sh runs it with stall reasons
 (benchmarks/ncu_stalls.py reads the CSV).
 """

@@ -42,14 +42,14 @@ def rows(lines: list[str], top: int = 6) -> list[dict]:
     table = list(csv.reader(lines[start:]))
     header, units = table[0], table[1]
     data = table[2:] if any(u and not _number(u) for u in units) else table[1:]  # the units row, when present
+    scale = {FIELDS["duration_us"]: _scale_to_us(header, units, FIELDS["duration_us"])}  # the others are unitless
     out = []
     for values in data:
         rec = dict(zip(header, values))
         row = {"kernel": rec.get("Kernel Name", "?")}
-        scaled = {"gpu__time_duration.sum": _scale_to_us(header, units, "gpu__time_duration.sum")}
         for name, metric in FIELDS.items():
             if metric in rec and (v := _number(rec[metric])) is not None:
-                row[name] = round(v * scaled.get(metric, 1.0), 3)
+                row[name] = round(v * scale.get(metric, 1.0), 3)
         stalls = {m.group(1): v for key, text in rec.items()
                   if (m := STALL.match(key)) and (v := _number(text)) is not None}
         row["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:top])
